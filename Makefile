@@ -1,0 +1,31 @@
+# specpage: set-up, tests and the daemon. Everything lives in .venv.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# The CPU build of torch lies on this machine's disk; a plain `torch`
+# requirement would pull a multi-GB CUDA build.
+TORCH_PIN ?= torch==2.13.0
+
+.PHONY: install test lint typecheck clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+
+$(STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install --quiet "$(TORCH_PIN)"
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check specpage tests bench
+	$(VENV)/bin/mypy
+
+test: lint
+	$(VENV)/bin/pytest -q
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

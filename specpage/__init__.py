@@ -1,0 +1,1 @@
+"""specpage: a speculative-decoding serving daemon over one paged KV block pool."""

@@ -1,0 +1,32 @@
+"""The `specpage` command line: one subcommand per module in specpage.commands."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from specpage.commands import kv_plan
+
+COMMANDS = {"kv-plan": kv_plan}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specpage", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, module in COMMANDS.items():
+        module.add_parser(sub, name)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.run(args) or 0)
+    except ValueError as error:
+        print(f"specpage {args.command}: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

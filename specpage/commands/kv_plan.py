@@ -1,0 +1,109 @@
+"""`specpage kv-plan`: the KV memory arithmetic for given lengths and models."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import msgspec
+
+from specpage import kv_layout
+from specpage.kv_layout import KvShape
+
+
+def add_parser(sub: Any, name: str) -> None:
+    parser = sub.add_parser(
+        name,
+        help="KV memory arithmetic: utilization, bytes per token, blocks per budget",
+        description=__doc__,
+    )
+    parser.add_argument("--lengths", type=_ints, required=True, help="e.g. 37,91,128")
+    parser.add_argument("--block-sizes", type=_ints, default=[16], help="e.g. 16,32")
+    parser.add_argument("--reserve", type=int, help="max-length reservation per sequence")
+    parser.add_argument("--target", help="target model: HF config.json or its folder")
+    parser.add_argument("--draft", help="draft model: HF config.json or its folder")
+    parser.add_argument("--layers", type=int, help="target layers (instead of --target)")
+    parser.add_argument("--kv-heads", type=int, help="target KV heads")
+    parser.add_argument("--head-dim", type=int, help="target head dim")
+    parser.add_argument("--dtype", help="KV dtype (fp32, bf16, fp16, fp8); default: config's")
+    parser.add_argument("--budget", type=kv_layout.parse_bytes, help="KV bytes, e.g. 8GiB")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    plan = build_plan(args)
+    if args.json:
+        print(msgspec.json.encode(plan).decode())
+    else:
+        print(render(plan))
+    return 0
+
+
+def build_plan(args: argparse.Namespace) -> dict[str, Any]:
+    plan: dict[str, Any] = {
+        "lengths": args.lengths,
+        "valid": sum(args.lengths),
+        "paging": [kv_layout.paging(args.lengths, b) for b in args.block_sizes],
+    }
+    if args.reserve:
+        plan["reservation"] = kv_layout.reservation(args.lengths, args.reserve)
+    models = _models(args)
+    if models:
+        per_token = {name: shape.bytes_per_token for name, shape in models.items()}
+        per_token["sum"] = sum(per_token.values())
+        plan["models"] = models
+        plan["kv_bytes_per_token"] = per_token
+        if args.budget:
+            plan["budget_bytes"] = args.budget
+            plan["blocks_in_budget"] = {
+                b: kv_layout.blocks_that_fit(args.budget, b, per_token["sum"])
+                for b in args.block_sizes
+            }
+    return plan
+
+
+def render(plan: dict[str, Any]) -> str:
+    lines = [f"sequences: {len(plan['lengths'])}, valid positions: {plan['valid']}"]
+    if "reservation" in plan:
+        r = plan["reservation"]
+        lines.append(
+            f"reserve {r.max_length}: allocated {r.allocated}, waste {r.waste}, "
+            f"utilization {r.utilization:.2%}"
+        )
+    for p in plan["paging"]:
+        lines.append(
+            f"paged, block {p.block_size}: allocated {p.allocated}, tail waste {p.tail_waste}, "
+            f"utilization {p.utilization:.2%}, block tables {p.block_table_bytes} B"
+        )
+    for name, count in plan.get("kv_bytes_per_token", {}).items():
+        lines.append(f"KV bytes per token, {name}: {count}")
+    for size, blocks in plan.get("blocks_in_budget", {}).items():
+        lines.append(
+            f"blocks of {size} in {plan['budget_bytes']} B: {blocks} ({blocks * size} positions)"
+        )
+    return "\n".join(lines)
+
+
+def _models(args: argparse.Namespace) -> dict[str, KvShape]:
+    models = {}
+    if args.target:
+        models["target"] = KvShape.from_hf_config(args.target, args.dtype)
+    elif args.layers or args.kv_heads or args.head_dim:
+        if not (args.layers and args.kv_heads and args.head_dim):
+            raise ValueError("--layers, --kv-heads and --head-dim go together")
+        dtype = kv_layout.dtype_bytes(args.dtype or "fp32")
+        models["target"] = KvShape(args.layers, args.kv_heads, args.head_dim, dtype)
+    if args.draft:
+        models["draft"] = KvShape.from_hf_config(args.draft, args.dtype)
+    if args.budget and not models:
+        raise ValueError("--budget needs a model (--target or --layers/--kv-heads/--head-dim)")
+    return models
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        message = f"expected comma-separated integers, got {text!r}"
+        raise argparse.ArgumentTypeError(message) from None
