@@ -6,9 +6,9 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from specpage.commands import kv_plan
+from specpage.commands import kv_plan, models
 
-COMMANDS = {"kv-plan": kv_plan}
+COMMANDS = {"kv-plan": kv_plan, "models": models}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,136 @@
+"""The paged-attention interface a model runs against, and its pure-torch
+reference backend (the CPU path).
+
+A forward carries a flattened batch: each sequence contributes a span of new
+tokens (a prefill chunk, one decode token, or k + 1 verification tokens) whose
+K/V are written into their slots before attention reads every sequence's
+context through its block table, causal inside each span.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Where each new token's KV goes and what each sequence attends to."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64, flat slot (block * block_size + offset)
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int64, padded with 0
+    context_lens: torch.Tensor  # [num_seqs] int64, tokens with KV after this forward's writes
+    query_lens: torch.Tensor  # [num_seqs] int64, new tokens per sequence
+    max_query: int
+    max_context: int
+    # Reference backend: padded views, built once per forward for all layers.
+    gather_slots: torch.Tensor  # [num_seqs, max_context] int64, flat slot of each context position
+    mask: torch.Tensor  # [num_seqs, 1, groups * max_query, max_context] bool, True = attend
+    query_index: torch.Tensor | None  # [num_tokens] row of each token in [num_seqs * max_query]
+
+
+class AttentionBackend(Protocol):
+    def write_kv(
+        self, cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> None: ...
+
+    def attend(
+        self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor: ...
+
+
+class TorchAttention:
+    """Gathers each sequence's context through its block table and runs SDPA.
+
+    cache: [2, num_blocks, block_size, kv_heads, head_dim] (K then V) of one layer.
+    """
+
+    def write_kv(
+        self, cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> None:
+        kv_heads, head_dim = cache.shape[-2:]
+        flat = cache.view(2, -1, kv_heads, head_dim)
+        flat[0].index_copy_(0, meta.slot_mapping, k)
+        flat[1].index_copy_(0, meta.slot_mapping, v)
+
+    def attend(
+        self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        """q [num_tokens, heads, head_dim] -> [num_tokens, heads * head_dim]."""
+        num_tokens, heads, head_dim = q.shape
+        kv_heads = cache.shape[-2]
+        groups = heads // kv_heads
+        num_seqs, max_query = meta.query_lens.shape[0], meta.max_query
+        if meta.query_index is not None:
+            padded = q.new_zeros(num_seqs * max_query, heads, head_dim)
+            q = padded.index_copy_(0, meta.query_index, q)
+        # Query heads sharing a KV head are stacked along the query axis, so
+        # K and V are gathered once per KV head rather than repeated.
+        q = q.view(num_seqs, max_query, kv_heads, groups, head_dim)
+        q = q.permute(0, 2, 3, 1, 4).reshape(num_seqs, kv_heads, groups * max_query, head_dim)
+        flat = cache.view(2, -1, kv_heads, head_dim)
+        k = flat[0][meta.gather_slots].transpose(1, 2)  # [num_seqs, kv_heads, max_context, d]
+        v = flat[1][meta.gather_slots].transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.mask, scale=scale)
+        out = out.view(num_seqs, kv_heads, groups, max_query, head_dim).permute(0, 3, 1, 2, 4)
+        out = out.reshape(num_seqs * max_query, heads * head_dim)
+        return out if meta.query_index is None else out[meta.query_index]
+
+
+def build_metadata(
+    spans: list[tuple[int, int, list[int]]], block_size: int, groups: int, device: torch.device
+) -> AttentionMetadata:
+    """spans: (start, num_new, block_table) per sequence; the new tokens take
+    positions start .. start + num_new - 1."""
+    starts = torch.tensor([s for s, _, _ in spans], dtype=torch.int64)
+    query_lens = torch.tensor([n for _, n, _ in spans], dtype=torch.int64)
+    context_lens = starts + query_lens
+    max_query, max_context = int(query_lens.max()), int(context_lens.max())
+    max_blocks = max(len(t) for _, _, t in spans)
+    block_tables = torch.tensor(
+        [t + [0] * (max_blocks - len(t)) for _, _, t in spans], dtype=torch.int64
+    )
+    num_seqs = len(spans)
+
+    positions = torch.arange(max_context)
+    gather_slots = (
+        block_tables[:, positions // block_size] * block_size + positions % block_size
+    )  # [num_seqs, max_context]; padding positions read block 0, masked below
+    query_pos = starts[:, None] + torch.arange(max_query)[None, :]  # [num_seqs, max_query]
+    valid_query = torch.arange(max_query)[None, :] < query_lens[:, None]
+    mask = positions[None, None, :] <= query_pos[:, :, None]
+    # Padded query rows attend to position 0 only, so no row is empty (NaN).
+    mask = torch.where(valid_query[:, :, None], mask, positions[None, None, :] == 0)
+    mask = mask[:, None].repeat(1, groups, 1, 1).view(num_seqs, 1, groups * max_query, -1)
+
+    seq_of_row = torch.arange(num_seqs)[:, None].expand(num_seqs, max_query)
+    rows = (seq_of_row * max_query + torch.arange(max_query)[None, :])[valid_query]
+    token_pos = query_pos[valid_query]
+    token_seq = seq_of_row[valid_query]
+    slot_mapping = (
+        block_tables[token_seq, token_pos // block_size] * block_size + token_pos % block_size
+    )
+    query_index = None if bool(valid_query.all()) else rows
+    return AttentionMetadata(
+        slot_mapping=slot_mapping.to(device),
+        block_tables=block_tables.to(device),
+        context_lens=context_lens.to(device),
+        query_lens=query_lens.to(device),
+        max_query=max_query,
+        max_context=max_context,
+        gather_slots=gather_slots.to(device),
+        mask=mask.to(device),
+        query_index=None if query_index is None else query_index.to(device),
+    )
+
+
+BACKENDS: dict[str, type] = {"cpu": TorchAttention}
+
+
+def select_backend(device: torch.device) -> AttentionBackend:
+    """The Triton kernels on CUDA (once they exist), the torch reference otherwise."""
+    backend: AttentionBackend = BACKENDS.get(device.type, TorchAttention)()
+    return backend

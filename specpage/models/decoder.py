@@ -1,0 +1,96 @@
+"""Decoder-only transformer of the Llama family (Llama 2/3, SmolLM, TinyLlama,
+Mistral) and Qwen2 (bias on q/k/v), written against the paged-attention
+interface. Q/K/V and gate/up projections are fused into one matmul each."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specpage.attention import AttentionBackend, AttentionMetadata
+from specpage.models.config import ModelConfig
+from specpage.models.rope import apply_rope, cos_sin, inverse_frequencies
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalised in fp32 and cast back before the weight, as HF does.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            config.num_heads, config.num_kv_heads, d
+        )
+        self.input_layernorm = RMSNorm(h, config.rms_norm_eps)
+        self.qkv_proj = nn.Linear(h, (config.num_heads + 2 * config.num_kv_heads) * d,
+                                  bias=config.qkv_bias)
+        self.o_proj = nn.Linear(config.num_heads * d, h, bias=config.o_bias)
+        self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps)
+        self.gate_up_proj = nn.Linear(h, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, h, bias=config.mlp_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden]
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin [num_tokens, head_dim]
+        cache: torch.Tensor,  # [2, num_blocks, block_size, kv_heads, head_dim]
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        n = x.shape[0]
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        qkv = self.qkv_proj(self.input_layernorm(x))
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = apply_rope(q.view(n, self.num_heads, self.head_dim), *rope)
+        k = apply_rope(k.view(n, self.num_kv_heads, self.head_dim), *rope)
+        backend.write_kv(cache, k, v.view(n, self.num_kv_heads, self.head_dim), meta)
+        attn = backend.attend(q, cache, meta, self.head_dim**-0.5)
+        x = x + self.o_proj(attn)
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
+        return x + self.down_proj(F.silu(gate) * up)
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = (
+            None if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+        self.register_buffer(
+            "inv_freq", inverse_frequencies(config.rope, config.head_dim), persistent=False
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens] int64
+        positions: torch.Tensor,  # [num_tokens] int64
+        caches: list[torch.Tensor],  # one [2, num_blocks, block_size, kv_heads, d] per layer
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+        logits_index: torch.Tensor,  # [num_logits] int64, rows of the tokens to score
+    ) -> torch.Tensor:
+        """Logits [num_logits, vocab] in fp32 for the tokens in logits_index."""
+        x = self.embed_tokens(input_ids)
+        rope = cos_sin(self.inv_freq, positions, x.dtype)
+        for layer, cache in zip(self.layers, caches, strict=True):
+            x = layer(x, rope, cache, meta, backend)
+        x = self.norm(x[logits_index])
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(x, head).float()

