@@ -24,6 +24,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int64, padded with 0
     context_lens: torch.Tensor  # [num_seqs] int64, tokens with KV after this forward's writes
     query_lens: torch.Tensor  # [num_seqs] int64, new tokens per sequence
+    query_start: torch.Tensor  # [num_seqs + 1] int64, first token row of each span (cumsum)
     max_query: int
     max_context: int
     # Reference backend: padded views, built once per forward for all layers.
@@ -119,6 +120,7 @@ def build_metadata(
         block_tables=block_tables.to(device),
         context_lens=context_lens.to(device),
         query_lens=query_lens.to(device),
+        query_start=torch.nn.functional.pad(query_lens.cumsum(0), (1, 0)).to(device),
         max_query=max_query,
         max_context=max_context,
         gather_slots=gather_slots.to(device),

@@ -6,9 +6,10 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from specpage.commands import kv_plan, models
+from specpage.commands import generate, kv_plan, models
+from specpage.models.config import ModelLoadError
 
-COMMANDS = {"kv-plan": kv_plan, "models": models}
+COMMANDS = {"generate": generate, "kv-plan": kv_plan, "models": models}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,7 +24,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.run(args) or 0)
-    except ValueError as error:
+    except (ValueError, ModelLoadError) as error:
         print(f"specpage {args.command}: error: {error}", file=sys.stderr)
         return 2
 

@@ -1,0 +1,108 @@
+"""The paged model runner against HF transformers on SmolLM2-135M fp32, same
+inputs, one run: prefill tokens/s and decode step time at batch 1, 8 and 32,
+with the memory-bandwidth floor of a batch-1 decode step.
+
+The floor: a decode step must read every weight once, so it takes at least
+weight bytes / read bandwidth, with the read bandwidth taken as the memory
+traffic of a large copy (bytes read + written per second).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import copy_bandwidth, finish, machine, median_seconds  # noqa: E402
+from specpage.model_runner import ModelRunner, SeqSpan  # noqa: E402
+from specpage.models.fetch import ensure_model  # noqa: E402
+from specpage.models.loader import load_model  # noqa: E402
+
+BLOCK_SIZE = 16
+
+
+def ours_decode(runner: ModelRunner, batch: int, context: int) -> float:
+    blocks = -(-(context + 1) // BLOCK_SIZE)
+    tables = [list(range(i * blocks, (i + 1) * blocks)) for i in range(batch)]
+    prompts = [[(7 * i + j) % 40000 + 100 for j in range(context)] for i in range(batch)]
+    runner.forward([SeqSpan(p, 0, t, 1) for p, t in zip(prompts, tables, strict=True)])
+    spans = [SeqSpan([5], context, t, 1) for t in tables]
+    return median_seconds(lambda: runner.forward(spans), repeats=5)
+
+
+def hf_decode(hf: torch.nn.Module, batch: int, context: int) -> float:
+    ids = torch.tensor([[(7 * i + j) % 40000 + 100 for j in range(context)] for i in range(batch)])
+    with torch.inference_mode():
+        out = hf(ids, use_cache=True)
+        cache = getattr(out, "cache", None) or out.past_key_values
+        step = torch.full((batch, 1), 5)
+
+        def one_step() -> None:
+            hf(step, cache=cache, use_cache=True)
+            cache.crop(-1)  # the same context length on every repeat
+
+        return median_seconds(one_step, repeats=5)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    from transformers import AutoModelForCausalLM
+
+    folder = ensure_model("smollm2-135m")
+    loaded = load_model(folder)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    context = 128 if args.quick else 256
+    batches = (1, 8) if args.quick else (1, 8, 32)
+    num_blocks = max(batches) * (-(-(context + 1) // BLOCK_SIZE)) + 8
+    runner = ModelRunner(loaded, num_blocks, BLOCK_SIZE)
+
+    prefill_len, prefill_batch = (128, 2) if args.quick else (256, 4)
+    prompts = [[(11 * i + j) % 40000 + 100 for j in range(prefill_len)] for i in range(prefill_batch)]
+    blocks = -(-prefill_len // BLOCK_SIZE)
+    spans = [SeqSpan(p, 0, list(range(i * blocks, (i + 1) * blocks)), 1)
+             for i, p in enumerate(prompts)]
+    ours_prefill = median_seconds(lambda: runner.forward(spans), repeats=3)
+    with torch.inference_mode():
+        ids = torch.tensor(prompts)
+        hf_prefill = median_seconds(lambda: hf(ids, use_cache=True), repeats=3)
+    tokens = prefill_len * prefill_batch
+
+    rows = []
+    for batch in batches:
+        ours, theirs = ours_decode(runner, batch, context), hf_decode(hf, batch, context)
+        rows.append({"batch": batch, "ours_ms": ours * 1e3, "hf_ms": theirs * 1e3,
+                     "speedup": theirs / ours})
+        print(f"decode batch {batch:>2}: ours {ours * 1e3:7.2f} ms, HF {theirs * 1e3:7.2f} ms, "
+              f"{theirs / ours:.2f}x", file=sys.stderr)
+
+    weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+    bandwidth = copy_bandwidth()
+    floor_ms = weight_bytes / (2 * bandwidth) * 1e3
+    result = {
+        "bench": "model_runner",
+        "model": "SmolLM2-135M-Instruct fp32",
+        "prefill": {"tokens": tokens, "ours_tok_s": tokens / ours_prefill,
+                    "hf_tok_s": tokens / hf_prefill, "speedup": hf_prefill / ours_prefill},
+        "decode_context": context,
+        "decode": rows,
+        "copy_bandwidth_gb_s": bandwidth / 1e9,
+        "weight_mb": weight_bytes / 1e6,
+        "batch1_floor_ms": floor_ms,
+        "batch1_over_floor": rows[0]["ours_ms"] / floor_ms,
+        "machine": machine(),
+    }
+    print(f"prefill: ours {tokens / ours_prefill:.0f} tok/s, HF {tokens / hf_prefill:.0f} tok/s; "
+          f"batch-1 floor {floor_ms:.1f} ms ({bandwidth / 1e9:.1f} GB/s copy)", file=sys.stderr)
+    finish("model_runner", result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""`specpage generate`: run one prompt in-process and stream the text."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from specpage.engine import EngineConfig
+from specpage.llm import LLM, chat_prompt
+from specpage.request import SamplingParams
+
+
+def add_parser(sub: Any, name: str) -> None:
+    parser = sub.add_parser(name, help="generate text for one prompt", description=__doc__)
+    parser.add_argument("prompt")
+    parser.add_argument("--model", default="smollm2-135m", help="HF folder, .gguf or a known name")
+    parser.add_argument("--draft", help="draft model (HF folder or .gguf); none: no speculation")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--spec-k", default="auto", help="proposals per step, or 'auto' (adaptive)")
+    parser.add_argument("--raw", action="store_true", help="no chat template around the prompt")
+    parser.add_argument("--dtype", help="fp32 (CPU default), bf16, fp16")
+    parser.set_defaults(run=run)
+
+
+def parse_spec_k(text: str) -> tuple[int, bool]:
+    if text == "auto":
+        return 4, True
+    try:
+        k = int(text)
+    except ValueError:
+        raise ValueError(f"--spec-k must be an integer >= 0 or 'auto', got {text!r}") from None
+    if k < 0:
+        raise ValueError(f"--spec-k must be >= 0, got {k}")
+    return k, False
+
+
+def run(args: argparse.Namespace) -> int:
+    k, adaptive = parse_spec_k(args.spec_k)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, seed=args.seed,
+    )
+    params.validate()
+    config = EngineConfig(spec_k=k, adaptive_k=adaptive, num_blocks=512)
+    llm = LLM(args.model, args.draft if k else None, config, dtype=args.dtype)
+    prompt: str | list[int] = args.prompt
+    if not args.raw and llm.tokenizer is not None and llm.tokenizer.chat_template:
+        prompt = chat_prompt(llm.tokenizer, args.prompt)
+    for delta in llm.stream(prompt, params):
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0

@@ -1,0 +1,66 @@
+"""Incremental detokenization: text deltas that never split a UTF-8
+character and hold back text that may be the start of a stop string."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+PROMPT_CONTEXT = 4  # prompt tokens decoded before the output, for spacing
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Any, prompt_ids: Sequence[int], stop: Sequence[str]) -> None:
+        self.tokenizer = tokenizer
+        self.context = list(prompt_ids[-PROMPT_CONTEXT:])
+        self.context_text = self._decode(self.context)
+        self.stop = tuple(stop)
+        self.output_ids: list[int] = []
+        self.text = ""  # all output text so far (cut at a stop string)
+        self.emitted = 0  # characters of text already released
+        self.stopped = False
+
+    def add(self, token_ids: Sequence[int]) -> str:
+        """Take new output tokens; return the text now safe to release."""
+        if self.stopped:
+            return ""
+        self.output_ids.extend(token_ids)
+        full = self._decode(self.context + self.output_ids)
+        text = full[len(self.context_text) :] if full.startswith(self.context_text) else full
+        complete = text.rstrip("\ufffd")  # a trailing partial character waits for its bytes
+        self.text = complete
+        hold = 0
+        if self.stop:
+            start = max(0, self.emitted - max(map(len, self.stop)))
+            hits = [i for s in self.stop if (i := complete.find(s, start)) >= 0]
+            if hits:
+                self.text = complete[: min(hits)]
+                self.stopped = True
+            else:
+                hold = _stop_prefix_length(complete, self.stop)
+        return self._release(len(self.text) - hold)
+
+    def flush(self) -> str:
+        """At the end: release whatever was held back for a stop string."""
+        return self._release(len(self.text))
+
+    def _release(self, upto: int) -> str:
+        if upto <= self.emitted:
+            return ""
+        delta = self.text[self.emitted : upto]
+        self.emitted = upto
+        return delta
+
+    def _decode(self, ids: list[int]) -> str:
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+
+
+def _stop_prefix_length(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest suffix of text that is a proper prefix of a stop string."""
+    best = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), best, -1):
+            if text.endswith(stop[:n]):
+                best = n
+                break
+    return best

@@ -1,0 +1,174 @@
+"""Requests, their sampling parameters and their sequences (one per sample).
+
+A sequence's tokens are its prompt followed by its output. Its KV state lives
+in the pool: ``num_computed`` tokens are committed there (both models hold
+their KV); the tokens after them are computed by the next step, the last
+one being the newest sampled token, which no model has seen yet.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import random
+import time
+from collections import abc
+from dataclasses import dataclass, field
+
+import msgspec
+
+
+class ValidationError(ValueError):
+    """A request field with a bad value; ``field`` names it."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+
+
+class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 is greedy
+    top_k: int = 0  # 0 keeps every token
+    top_p: float = 1.0
+    seed: int | None = None  # None draws one; sample i of n uses seed + i
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    n: int = 1
+    logprobs: bool = False  # log-probability of each chosen token (target, before temperature)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        checks = (
+            ("max_tokens", self.max_tokens >= 1, "must be >= 1"),
+            ("temperature", not math.isnan(self.temperature) and self.temperature >= 0,
+             "must be a number >= 0"),
+            ("top_p", not math.isnan(self.top_p) and 0 < self.top_p <= 1, "must be in (0, 1]"),
+            ("top_k", self.top_k >= 0, "must be >= 0 (0 keeps every token)"),
+            ("n", 1 <= self.n <= 64, "must be in 1..64"),
+            ("seed", self.seed is None or 0 <= self.seed < 2**63, "must be in 0..2^63-1"),
+            ("stop", all(self.stop), "stop strings must not be empty"),
+            ("stop_token_ids", all(t >= 0 for t in self.stop_token_ids), "must be >= 0"),
+        )  # fmt: skip
+        for name, ok, message in checks:
+            if not ok:
+                raise ValidationError(name, f"{message}, got {getattr(self, name)!r}")
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_tokens, or the model's context
+    ABORT = "abort"
+    TIMEOUT = "timeout"  # the request's deadline passed
+    ERROR = "error"
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+
+
+@dataclass
+class Timings:
+    arrival: float = 0.0  # time.monotonic()
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+
+
+class Sequence:
+    """One sample of a request. Its id is the pool's sequence id."""
+
+    __slots__ = ("seq_id", "request", "index", "token_ids", "num_prompt", "num_computed",
+                 "status", "finish_reason", "logprobs", "acceptance", "detok")  # fmt: skip
+
+    def __init__(self, seq_id: int, request: Request, index: int, token_ids: list[int]) -> None:
+        self.seq_id = seq_id
+        self.request = request
+        self.index = index
+        self.token_ids = token_ids  # prompt + output
+        self.num_prompt = len(request.prompt_token_ids)
+        self.num_computed = 0
+        self.status = Status.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.logprobs: list[float] = []
+        self.acceptance = 0.6  # running estimate of per-token acceptance
+        self.detok: object = None  # the engine's incremental detokenizer
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt :]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def seed(self) -> int:
+        assert self.request.seed is not None
+        return self.request.seed + self.index
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def __repr__(self) -> str:
+        return f"Sequence({self.request.request_id!r}#{self.index}, {self.num_tokens} tokens)"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    priority: int = 0  # lower runs first, as in vLLM
+    deadline: float | None = None  # time.monotonic() past which the request is dropped
+    arrival: float = field(default_factory=time.monotonic)
+    seed: int | None = None
+    sequences: list[Sequence] = field(default_factory=list)
+    usage: Usage = field(default_factory=Usage)
+    timings: Timings = field(default_factory=Timings)
+    cache_salt: bytes = b""  # per-tenant prefix-cache isolation
+    aborted: bool = False
+
+    def __post_init__(self) -> None:
+        self.seed = self.params.seed if self.params.seed is not None else random.getrandbits(62)
+        self.timings.arrival = self.arrival
+        self.usage.prompt_tokens = len(self.prompt_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.sequences) and all(s.finished for s in self.sequences)
+
+    def sort_key(self) -> tuple[int, float]:
+        return (self.priority, self.arrival)
+
+
+def validate_prompt(token_ids: abc.Sequence[int], vocab_size: int, max_context: int) -> None:
+    if not token_ids:
+        raise ValidationError("prompt", "must not be empty")
+    if len(token_ids) >= max_context:
+        raise ValidationError(
+            "prompt", f"{len(token_ids)} tokens do not fit the model's context of {max_context}"
+        )
+    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValidationError("prompt_token_ids", f"token id {bad} outside 0..{vocab_size - 1}")

@@ -1,0 +1,194 @@
+"""Continuous batching: which sequences run this step, with how many tokens.
+
+Running sequences go first, best (priority, arrival) first: each computes its
+uncomputed tokens, chunked to the step's token budget, and speculates k
+tokens when the chunk reaches its newest token. When the pool runs out, the
+worst running sequence is preempted by recompute: its blocks are freed and it
+waits again, keeping its tokens, to be re-prefilled (often from the prefix
+cache). Waiting sequences are admitted in (priority, arrival) order while the
+budget, the sequence cap and the pool allow. Aborted requests and requests
+past their deadline are dropped before they spend more compute.
+
+Pure Python; imports no torch.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from specpage.block_pool import BlockPool, Copy
+from specpage.request import FinishReason, Sequence, Status
+
+ChooseK = Callable[[Sequence, int], int]  # (sequence, running batch size) -> k
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_step_tokens: int = 512  # target positions per step: prefill chunks + verification
+    admission_watermark: float = 0.02  # fraction of blocks kept free when admitting
+    max_context: int = 2048  # positions both models can hold
+
+
+class ScheduledSeq(NamedTuple):
+    seq: Sequence
+    num_new: int  # uncomputed tokens this step computes
+    k: int  # proposals (0 unless the chunk reaches the newest token)
+
+    @property
+    def wants_logits(self) -> bool:
+        return self.num_new == self.seq.num_uncomputed
+
+
+class StepPlan(NamedTuple):
+    scheduled: list[ScheduledSeq]
+    copies: list[Copy]  # copy-on-write (src, dst) blocks, to copy in both models
+    preempted: list[Sequence]
+    dropped: list[Sequence]  # aborted or past the deadline, already freed
+
+
+def _key(seq: Sequence) -> tuple[int, float, int]:
+    return (seq.request.priority, seq.request.arrival, seq.seq_id)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, pool: BlockPool, choose_k: ChooseK) -> None:
+        self.config = config
+        self.pool = pool
+        self.choose_k = choose_k
+        self.waiting: list[tuple[tuple[int, float, int], Sequence]] = []  # heap
+        self.running: list[Sequence] = []  # sorted by _key
+        self.num_preemptions = 0
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        heapq.heappush(self.waiting, (_key(seq), seq))
+
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence already in the pool (a fork) joins the running batch."""
+        seq.status = Status.RUNNING
+        bisect.insort(self.running, seq, key=_key)
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """End a sequence and free its blocks, whatever queue it is in."""
+        if seq.finished:
+            return
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+            self.pool.free(seq.seq_id)
+        else:
+            self.waiting = [(k, s) for k, s in self.waiting if s is not seq]
+            heapq.heapify(self.waiting)
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+
+    def schedule(self, now: float) -> StepPlan:
+        dropped = self._drop_ended(now)
+        budget = self.config.max_step_tokens
+        scheduled: list[ScheduledSeq] = []
+        copies: list[Copy] = []
+        preempted: list[Sequence] = []
+        batch = len(self.running)
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_uncomputed, budget)
+            k = self._k(seq, num_new, budget, batch)
+            k = self._fit(seq, num_new, k, preempted)
+            if k < 0:  # the sequence preempted itself
+                continue
+            copies += self._reserve(seq, num_new + k)
+            scheduled.append(ScheduledSeq(seq, num_new, k))
+            budget -= num_new + k
+            i += 1
+        if not preempted:
+            self._admit(scheduled, budget, batch)
+        return StepPlan(scheduled, copies, preempted, dropped)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _k(self, seq: Sequence, num_new: int, budget: int, batch: int) -> int:
+        if num_new < seq.num_uncomputed:
+            return 0
+        params = seq.request.params
+        if params.n > 1 and not seq.output_token_ids:
+            return 0  # the other samples fork from this step's logits
+        room = min(
+            params.max_tokens - len(seq.output_token_ids) - 1,  # k + 1 tokens at most this step
+            self.config.max_context - seq.num_tokens,
+            budget - num_new,
+        )
+        return max(0, min(self.choose_k(seq, batch), room))
+
+    def _fit(self, seq: Sequence, num_new: int, k: int, preempted: list[Sequence]) -> int:
+        """Make room for seq's reservation: drop k, then preempt the worst
+        running sequences. Returns the k that fits, or -1 if seq itself was
+        preempted."""
+        while True:
+            for candidate in (k, 0):
+                need = num_new + candidate - self.pool.num_tentative(seq.seq_id)
+                if need <= 0 or self.pool.blocks_needed(seq.seq_id, need) <= (
+                    self.pool.num_available_blocks
+                ):
+                    return candidate
+            victim = self.running[-1]
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is seq:
+                return -1
+
+    def _reserve(self, seq: Sequence, total: int) -> list[Copy]:
+        need = total - self.pool.num_tentative(seq.seq_id)
+        return self.pool.reserve(seq.seq_id, need) if need > 0 else []
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.pool.free(seq.seq_id)
+        seq.num_computed = 0
+        self.num_preemptions += 1
+        self.add(seq)
+
+    def _admit(self, scheduled: list[ScheduledSeq], budget: int, batch: int) -> None:
+        pool, size = self.pool, self.pool.block_size
+        keep_free = int(self.config.admission_watermark * pool.num_blocks)
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0][1]
+            if -(-seq.num_tokens // size) > pool.num_available_blocks - keep_free:
+                break
+            cached = pool.allocate_prompt(seq.seq_id, seq.token_ids, seq.request.cache_salt)
+            heapq.heappop(self.waiting)
+            self.num_cached_tokens += cached
+            if seq.request.timings.first_scheduled is None:
+                seq.request.usage.cached_tokens += cached
+            seq.num_computed = cached
+            self.add_running(seq)
+            num_new = min(seq.num_uncomputed, budget)
+            k = self._k(seq, num_new, budget, batch)
+            if k and pool.blocks_needed(seq.seq_id, num_new + k - pool.num_tentative(seq.seq_id)) \
+                    > pool.num_available_blocks:
+                k = 0
+            self._reserve(seq, num_new + k)  # a fresh prompt shares no partial block
+            scheduled.append(ScheduledSeq(seq, num_new, k))
+            budget -= num_new + k
+
+    def _drop_ended(self, now: float) -> list[Sequence]:
+        dropped = []
+        for seq in [*self.running, *(s for _, s in self.waiting)]:
+            request = seq.request
+            if request.aborted:
+                self.finish(seq, FinishReason.ABORT)
+            elif request.deadline is not None and now >= request.deadline:
+                self.finish(seq, FinishReason.TIMEOUT)
+            else:
+                continue
+            dropped.append(seq)
+        return dropped

@@ -1,0 +1,92 @@
+"""How many tokens to speculate: a fixed k, or k chosen each step from the
+measured acceptance and the measured cost of draft and target forwards.
+
+With per-token acceptance a, k proposals yield (1 - a^(k+1)) / (1 - a) tokens
+per step on average. A step costs k draft forwards plus one target forward
+over batch · (k + 1) positions; while the target is bandwidth-bound the extra
+positions are nearly free, and as the batch grows they are not. The policy
+picks the k in 0..k_max with the most expected tokens per second.
+
+Pure Python; imports no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specpage.request import Sequence
+
+EMA = 0.1  # weight of the newest observation
+PROBE_EVERY = 16  # tokens between probes while speculation is off
+
+
+@dataclass
+class LinearCost:
+    """seconds ≈ fixed + per_item · items, fitted with exponentially weighted
+    least squares; starts from a prior."""
+
+    fixed: float
+    per_item: float
+    sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # w, x, y, xx, xy
+
+    def observe(self, items: int, seconds: float) -> None:
+        w, x, y, xx, xy = (s * (1 - EMA) for s in self.sums)
+        self.sums = [w + 1, x + items, y + seconds, xx + items * items, xy + items * seconds]
+        w, x, y, xx, xy = self.sums
+        spread = xx * w - x * x
+        if w > 3 and spread > 1e-9 * max(1.0, xx * w):
+            self.per_item = max(0.0, (xy * w - x * y) / spread)
+            self.fixed = max(0.0, (y - self.per_item * x) / w)
+        else:  # one batch size seen so far: keep the slope, move the level
+            self.fixed = max(0.0, y / w - self.per_item * x / w)
+
+    def __call__(self, items: float) -> float:
+        return self.fixed + self.per_item * items
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    a = min(max(acceptance, 0.0), 0.999)
+    return (1 - a ** (k + 1)) / (1 - a)
+
+
+class SpecPolicy:
+    def __init__(self, k_max: int, adaptive: bool = True) -> None:
+        self.k_max = k_max
+        self.adaptive = adaptive
+        self.acceptance = 0.6  # all sequences, per proposed token
+        # Priors in units of a target decode step: the draft costs a tenth of
+        # it, each extra target position a hundredth.
+        self.target_cost = LinearCost(fixed=1.0, per_item=0.01)
+        self.draft_cost = LinearCost(fixed=0.1, per_item=0.001)
+        self.num_drafted = 0
+        self.num_accepted = 0
+        self.last_k = 0.0  # mean k of the last step
+
+    def choose_k(self, seq: Sequence, batch: int) -> int:
+        if not self.adaptive or self.k_max == 0:
+            return self.k_max
+        batch = max(batch, 1)
+        acceptance = 0.5 * seq.acceptance + 0.5 * self.acceptance
+        best_k, best_rate = 0, 0.0
+        for k in range(self.k_max + 1):
+            seconds = k * self.draft_cost(batch) + self.target_cost(batch * (k + 1))
+            rate = expected_tokens(acceptance, k) / seconds
+            if rate > best_rate * 1.01:  # prefer the smaller k on a near tie
+                best_k, best_rate = k, rate
+        # Now and then probe with one proposal, so acceptance keeps being
+        # measured and speculation can come back.
+        if best_k == 0 and seq.num_tokens % PROBE_EVERY == 0:
+            return 1
+        return best_k
+
+    def observe_acceptance(self, seq: Sequence, proposed: int, accepted: int) -> None:
+        if proposed == 0:
+            return
+        # Proposals are tested until the first rejection: a per-token rate is
+        # accepted over tested, not over proposed.
+        tested = accepted + (accepted < proposed)
+        rate = accepted / tested
+        seq.acceptance += EMA * 2 * (rate - seq.acceptance)
+        self.acceptance += EMA * (rate - self.acceptance)
+        self.num_drafted += proposed
+        self.num_accepted += accepted
