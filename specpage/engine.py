@@ -248,7 +248,8 @@ class Engine:
             finished=True, finish_reason=str(reason),
             logprobs=logprobs if request.params.logprobs else None,
         )
-        if request.finished:
+        request.num_ended += 1
+        if request.num_ended == len(request.sequences):  # the request's last output
             request.timings.finished = time.monotonic()
             output.usage, output.timings = request.usage, request.timings
             del self.requests[request.request_id]

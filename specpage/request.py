@@ -148,6 +148,7 @@ class Request:
     timings: Timings = field(default_factory=Timings)
     cache_salt: bytes = b""  # per-tenant prefix-cache isolation
     aborted: bool = False
+    num_ended: int = 0  # samples whose final output was emitted
 
     def __post_init__(self) -> None:
         self.seed = self.params.seed if self.params.seed is not None else random.getrandbits(62)

@@ -102,7 +102,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_uncomputed, budget)
-            k = self._k(seq, num_new, budget, batch)
+            k = self._k(seq, num_new, batch)
+            if num_new + k > budget:
+                break  # k never shrinks to fit: the rest wait for the next step
             k = self._fit(seq, num_new, k, preempted)
             if k < 0:  # the sequence preempted itself
                 continue
@@ -116,35 +118,38 @@ class Scheduler:
 
     # ------------------------------------------------------------------ helpers
 
-    def _k(self, seq: Sequence, num_new: int, budget: int, batch: int) -> int:
+    def _k(self, seq: Sequence, num_new: int, batch: int) -> int:
         if num_new < seq.num_uncomputed:
             return 0
         params = seq.request.params
-        if params.n > 1 and not seq.output_token_ids:
-            return 0  # the other samples fork from this step's logits
+        if not seq.output_token_ids:
+            # The first token is sampled plainly, so samples that fork from
+            # this step's logits draw it exactly as a request of their own would.
+            return 0
         room = min(
             params.max_tokens - len(seq.output_token_ids) - 1,  # k + 1 tokens at most this step
             self.config.max_context - seq.num_tokens,
-            budget - num_new,
         )
         return max(0, min(self.choose_k(seq, batch), room))
 
     def _fit(self, seq: Sequence, num_new: int, k: int, preempted: list[Sequence]) -> int:
-        """Make room for seq's reservation: drop k, then preempt the worst
-        running sequences. Returns the k that fits, or -1 if seq itself was
-        preempted."""
-        while True:
-            for candidate in (k, 0):
-                need = num_new + candidate - self.pool.num_tentative(seq.seq_id)
-                if need <= 0 or self.pool.blocks_needed(seq.seq_id, need) <= (
-                    self.pool.num_available_blocks
-                ):
-                    return candidate
+        """Make room for seq's reservation by preempting the worst running
+        sequences. k itself never shrinks under pressure: a seeded sample
+        depends on k, and must not depend on what else runs. Returns k, or
+        -1 if seq itself was preempted."""
+        while not self._fits(seq, num_new + k):
             victim = self.running[-1]
             self._preempt(victim)
             preempted.append(victim)
             if victim is seq:
                 return -1
+        return k
+
+    def _fits(self, seq: Sequence, total: int) -> bool:
+        need = total - self.pool.num_tentative(seq.seq_id)
+        return need <= 0 or self.pool.blocks_needed(seq.seq_id, need) <= (
+            self.pool.num_available_blocks
+        )
 
     def _reserve(self, seq: Sequence, total: int) -> list[Copy]:
         need = total - self.pool.num_tentative(seq.seq_id)
@@ -165,17 +170,18 @@ class Scheduler:
             if -(-seq.num_tokens // size) > pool.num_available_blocks - keep_free:
                 break
             cached = pool.allocate_prompt(seq.seq_id, seq.token_ids, seq.request.cache_salt)
+            seq.num_computed = cached
+            num_new = min(seq.num_uncomputed, budget)
+            k = self._k(seq, num_new, batch)
+            if num_new + k > budget or not self._fits(seq, num_new + k):
+                pool.free(seq.seq_id)  # wait until the proposals fit too
+                seq.num_computed = 0
+                break
             heapq.heappop(self.waiting)
             self.num_cached_tokens += cached
             if seq.request.timings.first_scheduled is None:
                 seq.request.usage.cached_tokens += cached
-            seq.num_computed = cached
             self.add_running(seq)
-            num_new = min(seq.num_uncomputed, budget)
-            k = self._k(seq, num_new, budget, batch)
-            if k and pool.blocks_needed(seq.seq_id, num_new + k - pool.num_tentative(seq.seq_id)) \
-                    > pool.num_available_blocks:
-                k = 0
             self._reserve(seq, num_new + k)  # a fresh prompt shares no partial block
             scheduled.append(ScheduledSeq(seq, num_new, k))
             budget -= num_new + k

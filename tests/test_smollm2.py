@@ -46,3 +46,23 @@ def test_greedy_tokens_equal_transformers(smollm2):
         )[0, len(prompt):].tolist()
         assert tokens == ref, (tokenizer.decode(tokens), tokenizer.decode(ref))
     assert "Paris" in tokenizer.decode(ours[0])
+
+
+def test_speculative_engine_text_and_stop_strings(smollm2):
+    from specpage.engine import EngineConfig
+    from specpage.llm import LLM, chat_prompt
+    from specpage.request import SamplingParams
+
+    llm = LLM(smollm2, draft=smollm2, config=EngineConfig(num_blocks=128, spec_k=4))
+    prompt = chat_prompt(llm.tokenizer, PROMPTS[0])
+    greedy = SamplingParams(max_tokens=24, temperature=0)
+    full, stopped = llm.generate([prompt, prompt], [
+        greedy, SamplingParams(max_tokens=24, temperature=0, stop=(" Paris",))])
+    assert full.samples[0].text.startswith("The capital of France is Paris")
+    assert full.samples[0].finish_reason == "stop"  # <|im_end|>
+    assert stopped.samples[0].text == "The capital of France is"
+    assert stopped.samples[0].finish_reason == "stop"
+    usage = full.usage
+    assert usage.drafted_tokens > 0 and usage.accepted_tokens == usage.drafted_tokens
+    assert usage.prompt_tokens == len(prompt) and usage.completion_tokens == len(
+        full.samples[0].token_ids)

@@ -49,15 +49,19 @@ def expected_tokens(acceptance: float, k: int) -> float:
     return (1 - a ** (k + 1)) / (1 - a)
 
 
+# Priors in units of a target decode step: the draft costs a tenth of it,
+# each extra target position a hundredth.
+PRIOR_TARGET = LinearCost(fixed=1.0, per_item=0.01)
+PRIOR_DRAFT = LinearCost(fixed=0.1, per_item=0.001)
+
+
 class SpecPolicy:
     def __init__(self, k_max: int, adaptive: bool = True) -> None:
         self.k_max = k_max
         self.adaptive = adaptive
         self.acceptance = 0.6  # all sequences, per proposed token
-        # Priors in units of a target decode step: the draft costs a tenth of
-        # it, each extra target position a hundredth.
-        self.target_cost = LinearCost(fixed=1.0, per_item=0.01)
-        self.draft_cost = LinearCost(fixed=0.1, per_item=0.001)
+        self.target_cost = LinearCost(PRIOR_TARGET.fixed, PRIOR_TARGET.per_item)
+        self.draft_cost = LinearCost(PRIOR_DRAFT.fixed, PRIOR_DRAFT.per_item)
         self.num_drafted = 0
         self.num_accepted = 0
         self.last_k = 0.0  # mean k of the last step
@@ -67,9 +71,16 @@ class SpecPolicy:
             return self.k_max
         batch = max(batch, 1)
         acceptance = 0.5 * seq.acceptance + 0.5 * self.acceptance
+        target_cost, draft_cost = self.target_cost, self.draft_cost
+        if seq.request.params.seed is not None:
+            # A seeded request's samples depend on k; choose it from the
+            # request's own history and fixed costs only, so its output is
+            # the same whatever else runs and however long forwards take.
+            acceptance, batch = seq.acceptance, 1
+            target_cost, draft_cost = PRIOR_TARGET, PRIOR_DRAFT
         best_k, best_rate = 0, 0.0
         for k in range(self.k_max + 1):
-            seconds = k * self.draft_cost(batch) + self.target_cost(batch * (k + 1))
+            seconds = k * draft_cost(batch) + target_cost(batch * (k + 1))
             rate = expected_tokens(acceptance, k) / seconds
             if rate > best_rate * 1.01:  # prefer the smaller k on a near tie
                 best_k, best_rate = k, rate

@@ -1,0 +1,115 @@
+"""Speculative sampling keeps the target's distribution.
+
+On an 8-token vocabulary the exact joint distribution of sampled tokens is
+computable from the target's logits. Thousands of seeded requests sample
+with and without a (deliberately different) draft; both empirical
+distributions must fit the exact target one by a chi-square test at
+significance 0.001, while the draft's own distribution must be rejected, so
+the test can tell them apart.
+"""
+
+import itertools
+from collections import Counter
+
+import pytest
+import torch
+from scipy.stats import chisquare
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from specpage.engine import Engine, EngineConfig
+from specpage.models.loader import load_model
+from specpage.request import SamplingParams
+from specpage.sampler import probabilities
+
+VOCAB = 8
+PROMPT = [1, 2, 3]
+RUNS = 4000
+ALPHA = 1e-3
+
+
+def peaked_model(folder, seed):
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                         max_position_embeddings=64, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40)  # peaked, distinct distributions
+    model.save_pretrained(folder)
+    return model
+
+
+def exact_joint(model, params):
+    """P(x2, x3) of the 2nd and 3rd sampled tokens, over the 1st."""
+    def dist(prefix):
+        with torch.no_grad():
+            logits = model(torch.tensor([PROMPT + list(prefix)])).logits[0, -1:]
+        return probabilities(logits, torch.tensor([params.temperature]),
+                             torch.tensor([params.top_k]), torch.tensor([params.top_p]))[0]
+    joint = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
+    p1 = dist(())
+    for x1 in range(VOCAB):
+        p2 = dist((x1,))
+        for x2 in range(VOCAB):
+            joint[x2] += p1[x1] * p2[x2] * dist((x1, x2)).double()
+    return joint.flatten()
+
+
+def sampled_joint(target, draft, params):
+    engine = Engine(target, draft, None, EngineConfig(
+        block_size=4, num_blocks=2048, max_num_seqs=256, max_step_tokens=2048,
+        spec_k=2, adaptive_k=False))
+    for seed in range(RUNS):
+        engine.add_request(str(seed), PROMPT, SamplingParams(
+            max_tokens=4, temperature=params.temperature, top_k=params.top_k,
+            top_p=params.top_p, seed=seed, ignore_eos=True))
+    outputs = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).extend(out.token_ids)
+    counts = Counter(tokens[1] * VOCAB + tokens[2] for tokens in outputs.values())
+    return torch.tensor([counts[i] for i in range(VOCAB * VOCAB)], dtype=torch.float64), engine
+
+
+def chi_square_p(observed, expected_probs):
+    expected = expected_probs / expected_probs.sum() * observed.sum()
+    big = expected >= 5  # pool the sparse cells so the test is valid
+    obs = torch.cat([observed[big], observed[~big].sum().view(1)])
+    exp = torch.cat([expected[big], expected[~big].sum().view(1)])
+    if exp[-1] < 5:
+        obs, exp = obs[:-1], exp[:-1] * (obs[:-1].sum() / exp[:-1].sum())
+    return chisquare(obs.numpy(), exp.numpy()).pvalue
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=5, top_p=0.9)],
+    ids=["plain", "top-k-top-p"],
+)
+def test_speculative_sampling_preserves_the_target_distribution(tmp_path, params):
+    target_hf = peaked_model(tmp_path / "t", seed=0)
+    draft_hf = peaked_model(tmp_path / "d", seed=1)
+    target, draft = load_model(tmp_path / "t"), load_model(tmp_path / "d")
+    exact = exact_joint(target_hf, params)
+    draft_exact = exact_joint(draft_hf, params)
+    assert 0.5 * (exact - draft_exact).abs().sum() > 0.2  # the draft really differs
+
+    speculative, engine = sampled_joint(target, draft, params)
+    plain, _ = sampled_joint(target, None, params)
+    stats = engine.stats()
+    assert stats.drafted_tokens > RUNS and 0 < stats.accepted_tokens < stats.drafted_tokens
+
+    assert chi_square_p(speculative, exact) > ALPHA
+    assert chi_square_p(plain, exact) > ALPHA
+    assert chi_square_p(speculative, draft_exact) < ALPHA  # the test has power
+
+
+def test_seeded_draws_are_uniform_and_independent():
+    from specpage.sampler import Purpose, uniform
+
+    draws = torch.tensor([uniform(s, p, Purpose.ACCEPT)
+                          for s, p in itertools.product(range(100), range(100))])
+    assert abs(float(draws.mean()) - 0.5) < 0.01
+    counts = torch.histc(draws, bins=20, min=0, max=1)
+    assert chisquare(counts.numpy()).pvalue > ALPHA
+    assert uniform(1, 2, Purpose.ACCEPT) != uniform(1, 2, Purpose.RESIDUAL)
