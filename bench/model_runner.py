@@ -65,7 +65,8 @@ def main() -> None:
     runner = ModelRunner(loaded, num_blocks, BLOCK_SIZE)
 
     prefill_len, prefill_batch = (128, 2) if args.quick else (256, 4)
-    prompts = [[(11 * i + j) % 40000 + 100 for j in range(prefill_len)] for i in range(prefill_batch)]
+    prompts = [[(11 * i + j) % 40000 + 100 for j in range(prefill_len)]
+               for i in range(prefill_batch)]
     blocks = -(-prefill_len // BLOCK_SIZE)
     spans = [SeqSpan(p, 0, list(range(i * blocks, (i + 1) * blocks)), 1)
              for i, p in enumerate(prompts)]

@@ -9,6 +9,7 @@ context through its block table, causal inside each span.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -41,6 +42,8 @@ class AttentionBackend(Protocol):
     def attend(
         self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor: ...
+
+    def copy_blocks(self, kv_cache: torch.Tensor, pairs: torch.Tensor) -> None: ...
 
 
 class TorchAttention:
@@ -79,6 +82,10 @@ class TorchAttention:
         out = out.view(num_seqs, kv_heads, groups, max_query, head_dim).permute(0, 3, 1, 2, 4)
         out = out.reshape(num_seqs * max_query, heads * head_dim)
         return out if meta.query_index is None else out[meta.query_index]
+
+    def copy_blocks(self, kv_cache: torch.Tensor, pairs: torch.Tensor) -> None:
+        """kv_cache [layers, 2, num_blocks, ...]; pairs [num_pairs, 2] int64 (src, dst)."""
+        kv_cache[:, :, pairs[:, 1]] = kv_cache[:, :, pairs[:, 0]]
 
 
 def build_metadata(
@@ -129,10 +136,16 @@ def build_metadata(
     )
 
 
-BACKENDS: dict[str, type] = {"cpu": TorchAttention}
+def _triton() -> AttentionBackend:
+    # Imported on demand: triton is only needed where the tensors are on CUDA.
+    from specpage.kernels.backend import TritonAttention
+
+    return TritonAttention()
+
+
+BACKENDS: dict[str, Callable[[], AttentionBackend]] = {"cpu": TorchAttention, "cuda": _triton}
 
 
 def select_backend(device: torch.device) -> AttentionBackend:
-    """The Triton kernels on CUDA (once they exist), the torch reference otherwise."""
-    backend: AttentionBackend = BACKENDS.get(device.type, TorchAttention)()
-    return backend
+    """The Triton kernels on CUDA, the torch reference otherwise."""
+    return BACKENDS.get(device.type, TorchAttention)()

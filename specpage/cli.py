@@ -6,10 +6,12 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from specpage.commands import generate, kv_plan, models
+from specpage.commands import config, generate, kv_plan, models
 from specpage.models.config import ModelLoadError
 
-COMMANDS = {"generate": generate, "kv-plan": kv_plan, "models": models}
+COMMANDS = {
+    "config": config, "generate": generate, "kv-plan": kv_plan, "models": models,
+}
 
 
 def build_parser() -> argparse.ArgumentParser:

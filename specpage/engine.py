@@ -75,6 +75,8 @@ class EngineStats:
     current_k: float
     preemptions: int
     prefix_cached_tokens: int
+    prompt_tokens: int  # admitted, cumulative
+    total_blocks: int
 
 
 class Engine:
@@ -124,19 +126,43 @@ class Engine:
         priority: int = 0,
         deadline: float | None = None,
     ) -> Request:
-        if request_id in self.requests:
-            raise ValidationError("request_id", f"{request_id!r} is already running")
+        request = self.make_request(request_id, prompt, params, priority, deadline)
+        self.submit(request)
+        return request
+
+    def make_request(
+        self,
+        request_id: str,
+        prompt: str | Seq[int],
+        params: SamplingParams,
+        priority: int = 0,
+        deadline: float | None = None,
+    ) -> Request:
+        """Validate and tokenize; touches no engine state, so any thread may call it."""
         params.validate()
         prompt_ids = self._tokenize(prompt)
         validate_prompt(prompt_ids, self.target.config.vocab_size, self.max_context)
         self._check_fits(len(prompt_ids), params)
         if params.stop and self.tokenizer is None:
             raise ValidationError("stop", "stop strings need a tokenizer")
-        request = Request(request_id, tuple(prompt_ids), params, priority, deadline)
-        seq = self._new_sequence(request, 0, list(prompt_ids))
-        self.requests[request_id] = request
+        return Request(request_id, tuple(prompt_ids), params, priority, deadline)
+
+    def submit(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValidationError("request_id", f"{request.request_id!r} is already running")
+        seq = self._new_sequence(request, 0, list(request.prompt_token_ids))
+        self.requests[request.request_id] = request
         self.scheduler.add(seq)
-        return request
+
+    def fail_all(self) -> list[RequestOutput]:
+        """End every request with an error and free its blocks (after a fault)."""
+        outputs = []
+        for request in list(self.requests.values()):
+            for seq in request.sequences:
+                if not seq.finished:
+                    outputs.append(self._finish(seq, FinishReason.ERROR, [], ""))
+        self.pool.check_integrity()
+        return outputs
 
     def abort(self, request_id: str) -> bool:
         """Takes effect at the next step boundary. False if unknown or finished."""
@@ -309,4 +335,6 @@ class Engine:
             current_k=self.policy.last_k,
             preemptions=self.scheduler.num_preemptions,
             prefix_cached_tokens=self.scheduler.num_cached_tokens,
+            prompt_tokens=self.scheduler.num_prompt_tokens,
+            total_blocks=pool.total,
         )

@@ -87,9 +87,8 @@ class ModelRunner:
         """Copy-on-write: copy each src block's K/V of every layer into dst."""
         if not copies:
             return
-        src = torch.tensor([s for s, _ in copies], device=self.device)
-        dst = torch.tensor([d for _, d in copies], device=self.device)
-        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+        pairs = torch.tensor(copies, dtype=torch.int64, device=self.device)  # [num_pairs, 2]
+        self.backend.copy_blocks(self.kv_cache, pairs)
 
     def _check(self, spans: Sequence[SeqSpan]) -> None:
         if not spans:

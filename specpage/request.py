@@ -147,6 +147,7 @@ class Request:
     usage: Usage = field(default_factory=Usage)
     timings: Timings = field(default_factory=Timings)
     cache_salt: bytes = b""  # per-tenant prefix-cache isolation
+    spec_k: int | None = None  # None: the engine's policy; else at most this k
     aborted: bool = False
     num_ended: int = 0  # samples whose final output was emitted
 

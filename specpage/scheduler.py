@@ -64,6 +64,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # sorted by _key
         self.num_preemptions = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
+        self.num_prompt_tokens = 0  # tokens allocated as prompts (recomputes included)
 
     @property
     def num_waiting(self) -> int:
@@ -179,6 +180,7 @@ class Scheduler:
                 break
             heapq.heappop(self.waiting)
             self.num_cached_tokens += cached
+            self.num_prompt_tokens += seq.num_tokens
             if seq.request.timings.first_scheduled is None:
                 seq.request.usage.cached_tokens += cached
             self.add_running(seq)

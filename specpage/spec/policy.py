@@ -67,6 +67,9 @@ class SpecPolicy:
         self.last_k = 0.0  # mean k of the last step
 
     def choose_k(self, seq: Sequence, batch: int) -> int:
+        forced = seq.request.spec_k
+        if forced is not None:
+            return min(forced, self.k_max)
         if not self.adaptive or self.k_max == 0:
             return self.k_max
         batch = max(batch, 1)

@@ -1,0 +1,179 @@
+"""Prometheus metrics of one daemon, in a registry of its own.
+
+Never the global registry: tests (and, one day, several engines in one process)
+make as many ``Metrics`` as they like without name clashes.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import start_http_server
+
+from specpage.request import FinishReason
+
+NAMESPACE = "specpage"
+# Seconds, 1 ms .. 60 s: sub-token ITL on a GPU up to a long queue before the first token.
+LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)  # fmt: skip
+BLOCK_STATES = ("free", "cached", "in_use", "tentative")
+
+
+class EngineStatsLike(Protocol):
+    """What update_engine reads; the token and preemption counts are cumulative."""
+
+    running: int
+    waiting: int
+    free_blocks: int
+    cached_blocks: int
+    in_use_blocks: int  # includes tentative_blocks, as in the pool
+    tentative_blocks: int
+    drafted_tokens: int
+    accepted_tokens: int
+    acceptance: float
+    current_k: float
+    preemptions: int
+    prefix_cached_tokens: int
+    prompt_tokens: int
+
+
+class _CumulativeCounter:
+    """A Counter fed from a count the engine keeps; it adds the growth since last time."""
+
+    def __init__(self, counter: Counter) -> None:
+        self.counter = counter
+        self.last = 0
+
+    def set(self, total: int) -> None:
+        # A smaller total means a new engine counting from zero; counters never go down.
+        self.counter.inc(total - self.last if total >= self.last else total)
+        self.last = total
+
+
+@dataclass
+class MetricsServer:
+    """The /metrics HTTP endpoint, served by a daemon thread."""
+
+    server: WSGIServer
+    thread: threading.Thread
+
+    @property
+    def port(self) -> int:
+        return int(self.server.server_port)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join()
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r, ns = self.registry, NAMESPACE
+        self.finished = Counter(
+            "requests_finished", "Finished requests by finish reason", ["reason"],
+            namespace=ns, registry=r,
+        )  # fmt: skip
+        self.aborts = Counter(
+            "request_aborts", "Aborts asked for: client cancel, disconnect, deadline, drain",
+            namespace=ns, registry=r,
+        )  # fmt: skip
+        self.preemptions = _CumulativeCounter(Counter(
+            "preemptions", "Sequences preempted by recompute", namespace=ns, registry=r,
+        ))  # fmt: skip
+        self.waiting = Gauge("requests_waiting", "Requests waiting", namespace=ns, registry=r)
+        self.running = Gauge("requests_running", "Requests running", namespace=ns, registry=r)
+        self.ttft = Histogram(
+            "time_to_first_token_seconds", "Arrival to first token",
+            namespace=ns, registry=r, buckets=LATENCY_BUCKETS,
+        )  # fmt: skip
+        self.itl = Histogram(
+            "inter_token_latency_seconds", "Time between successive tokens of a request",
+            namespace=ns, registry=r, buckets=LATENCY_BUCKETS,
+        )  # fmt: skip
+        self.blocks = Gauge(
+            "kv_blocks", "KV pool blocks by state; the states partition the pool "
+            "(in_use excludes tentative)", ["state"], namespace=ns, registry=r,
+        )  # fmt: skip
+        self.prompt_tokens = _CumulativeCounter(Counter(
+            "prompt_tokens", "Prompt tokens admitted", namespace=ns, registry=r,
+        ))  # fmt: skip
+        self.prefix_cached_tokens = _CumulativeCounter(Counter(
+            "prefix_cached_tokens", "Prompt tokens served from the prefix cache",
+            namespace=ns, registry=r,
+        ))  # fmt: skip
+        self.prefix_hit_ratio = Gauge(
+            "prefix_cache_hit_ratio", "Prefix-cached prompt tokens / prompt tokens, since start",
+            namespace=ns, registry=r,
+        )  # fmt: skip
+        self.drafted = _CumulativeCounter(Counter(
+            "drafted_tokens", "Draft tokens proposed", namespace=ns, registry=r,
+        ))  # fmt: skip
+        self.accepted = _CumulativeCounter(Counter(
+            "accepted_tokens", "Draft tokens accepted by the target", namespace=ns, registry=r,
+        ))  # fmt: skip
+        self.accepted_by_position = Counter(
+            "accepted_tokens_by_position", "Accepted draft tokens by proposal position (1..k)",
+            ["position"], namespace=ns, registry=r,
+        )  # fmt: skip
+        self.spec_k = Gauge("spec_k", "Current proposal length k", namespace=ns, registry=r)
+        self.acceptance = Gauge(
+            "acceptance_ratio", "Accepted / drafted tokens, since start", namespace=ns, registry=r
+        )
+        # Series that exist from the start, at 0, so rate() and sums see them at once.
+        for reason in FinishReason:
+            self.finished.labels(reason=reason.value)
+        for state in BLOCK_STATES:
+            self.blocks.labels(state=state)
+
+    def observe_finish(self, reason: str) -> None:
+        self.finished.labels(reason=reason).inc()
+
+    def observe_abort(self) -> None:
+        self.aborts.inc()
+
+    def observe_ttft(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def observe_itl(self, seconds: float) -> None:
+        self.itl.observe(seconds)
+
+    def observe_accepted_positions(self, accepted_per_position: Sequence[int]) -> None:
+        """Add accepted_per_position[i] acceptances at proposal position i + 1."""
+        for position, count in enumerate(accepted_per_position, start=1):
+            self.accepted_by_position.labels(position=str(position)).inc(count)
+
+    def update_engine(self, stats: EngineStatsLike) -> None:
+        self.waiting.set(stats.waiting)
+        self.running.set(stats.running)
+        states = {
+            "free": stats.free_blocks,
+            "cached": stats.cached_blocks,
+            "in_use": stats.in_use_blocks - stats.tentative_blocks,
+            "tentative": stats.tentative_blocks,
+        }
+        for state, count in states.items():
+            self.blocks.labels(state=state).set(count)
+        self.preemptions.set(stats.preemptions)
+        self.prompt_tokens.set(stats.prompt_tokens)
+        self.prefix_cached_tokens.set(stats.prefix_cached_tokens)
+        self.prefix_hit_ratio.set(stats.prefix_cached_tokens / max(1, stats.prompt_tokens))
+        self.drafted.set(stats.drafted_tokens)
+        self.accepted.set(stats.accepted_tokens)
+        self.acceptance.set(stats.acceptance)
+        self.spec_k.set(stats.current_k)
+
+    def start_http(self, host: str, port: int) -> MetricsServer:
+        """Serve /metrics for this registry on host:port (0: a free port)."""
+        server, thread = start_http_server(port, addr=host, registry=self.registry)
+        return MetricsServer(server, thread)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

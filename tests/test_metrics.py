@@ -1,0 +1,195 @@
+"""Metrics scraped over real HTTP on 127.0.0.1, and the JSON log lines."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from specpage.logging_setup import configure_logging
+from specpage.metrics import Metrics
+
+
+@dataclass
+class Stats:
+    running: int = 0
+    waiting: int = 0
+    free_blocks: int = 0
+    cached_blocks: int = 0
+    in_use_blocks: int = 0
+    tentative_blocks: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    acceptance: float = 0.0
+    current_k: float = 0.0
+    preemptions: int = 0
+    prefix_cached_tokens: int = 0
+    prompt_tokens: int = 0
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """(sample name, sorted labels) -> value, from the exposition text."""
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+@pytest.fixture
+def metrics() -> Metrics:
+    return Metrics()
+
+
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        assert response.status == 200
+        return samples(response.read().decode())
+
+
+def test_http_endpoint_serves_exact_values(metrics: Metrics) -> None:
+    server = metrics.start_http("127.0.0.1", 0)
+    try:
+        metrics.observe_finish("stop")
+        metrics.observe_finish("stop")
+        metrics.observe_finish("length")
+        metrics.observe_abort()
+        metrics.observe_ttft(0.003)
+        metrics.observe_ttft(0.2)
+        metrics.observe_itl(0.02)
+        metrics.observe_accepted_positions([5, 3, 1])
+        metrics.observe_accepted_positions([2, 2])
+        got = scrape(server.port)
+    finally:
+        server.close()
+
+    assert got["specpage_requests_finished_total", (("reason", "stop"),)] == 2
+    assert got["specpage_requests_finished_total", (("reason", "length"),)] == 1
+    assert got["specpage_requests_finished_total", (("reason", "abort"),)] == 0
+    assert got["specpage_request_aborts_total", ()] == 1
+    assert got["specpage_time_to_first_token_seconds_count", ()] == 2
+    assert got["specpage_time_to_first_token_seconds_sum", ()] == pytest.approx(0.203)
+    assert got["specpage_time_to_first_token_seconds_bucket", (("le", "0.001"),)] == 0
+    assert got["specpage_time_to_first_token_seconds_bucket", (("le", "0.005"),)] == 1
+    assert got["specpage_time_to_first_token_seconds_bucket", (("le", "0.25"),)] == 2
+    assert got["specpage_time_to_first_token_seconds_bucket", (("le", "60.0"),)] == 2
+    assert got["specpage_inter_token_latency_seconds_bucket", (("le", "0.01"),)] == 0
+    assert got["specpage_inter_token_latency_seconds_bucket", (("le", "0.025"),)] == 1
+    by_position = "specpage_accepted_tokens_by_position_total"
+    assert got[by_position, (("position", "1"),)] == 7
+    assert got[by_position, (("position", "2"),)] == 5
+    assert got[by_position, (("position", "3"),)] == 1
+
+
+def test_update_engine_sets_gauges_and_adds_counter_growth(metrics: Metrics) -> None:
+    metrics.update_engine(
+        Stats(running=3, waiting=2, free_blocks=10, cached_blocks=4, in_use_blocks=6,
+              tentative_blocks=2, drafted_tokens=40, accepted_tokens=30, acceptance=0.75,
+              current_k=4, preemptions=1, prefix_cached_tokens=32, prompt_tokens=128)
+    )  # fmt: skip
+    metrics.update_engine(
+        Stats(running=1, waiting=0, free_blocks=18, cached_blocks=2, in_use_blocks=0,
+              drafted_tokens=100, accepted_tokens=60, acceptance=0.6, current_k=3,
+              preemptions=3, prefix_cached_tokens=64, prompt_tokens=256)
+    )  # fmt: skip
+    got = samples(metrics.render().decode())
+
+    assert got["specpage_requests_running", ()] == 1
+    assert got["specpage_requests_waiting", ()] == 0
+    assert got["specpage_kv_blocks", (("state", "free"),)] == 18
+    assert got["specpage_kv_blocks", (("state", "cached"),)] == 2
+    assert got["specpage_kv_blocks", (("state", "in_use"),)] == 0
+    assert got["specpage_kv_blocks", (("state", "tentative"),)] == 0
+    assert got["specpage_preemptions_total", ()] == 3
+    assert got["specpage_drafted_tokens_total", ()] == 100
+    assert got["specpage_accepted_tokens_total", ()] == 60
+    assert got["specpage_prompt_tokens_total", ()] == 256
+    assert got["specpage_prefix_cached_tokens_total", ()] == 64
+    assert got["specpage_prefix_cache_hit_ratio", ()] == 0.25
+    assert got["specpage_acceptance_ratio", ()] == 0.6
+    assert got["specpage_spec_k", ()] == 3
+
+
+def test_block_states_partition_the_pool(metrics: Metrics) -> None:
+    metrics.update_engine(
+        Stats(free_blocks=10, cached_blocks=4, in_use_blocks=6, tentative_blocks=2)
+    )
+    got = samples(metrics.render().decode())
+    states = {"free": 10, "cached": 4, "in_use": 4, "tentative": 2}
+    for state, count in states.items():
+        assert got["specpage_kv_blocks", (("state", state),)] == count
+    assert sum(states.values()) == 20
+
+
+def test_counter_restarts_with_a_new_engine(metrics: Metrics) -> None:
+    metrics.update_engine(Stats(preemptions=5))
+    metrics.update_engine(Stats(preemptions=2))  # a new engine, counting from 0 again
+    assert samples(metrics.render().decode())["specpage_preemptions_total", ()] == 7
+
+
+def test_registries_are_separate() -> None:
+    first, second = Metrics(), Metrics()
+    first.observe_abort()
+    assert samples(second.render().decode())["specpage_request_aborts_total", ()] == 0
+
+
+@pytest.fixture
+def json_log() -> Iterator[io.StringIO]:
+    stream = io.StringIO()
+    root = logging.getLogger()
+    level = root.level
+    handler = configure_logging("info", stream)
+    try:
+        yield stream
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+
+
+def test_json_log_lines(json_log: io.StringIO) -> None:
+    log = logging.getLogger("specpage.test")
+    log.debug("below the level")
+    log.info("admitted %d tokens", 12, extra={"request_id": "req-1", "queue": 3})
+    try:
+        raise RuntimeError("engine fault")
+    except RuntimeError:
+        log.exception("step failed\nsecond line", extra={"request_id": "req-2"})
+
+    lines = json_log.getvalue().splitlines()
+    assert len(lines) == 2
+    first, second = (json.loads(line) for line in lines)
+    assert set(first) == {"ts", "level", "logger", "msg", "request_id", "queue"}
+    assert first["level"] == "info"
+    assert first["logger"] == "specpage.test"
+    assert first["msg"] == "admitted 12 tokens"
+    assert (first["request_id"], first["queue"]) == ("req-1", 3)
+    assert first["ts"].endswith("+00:00")
+    assert second["msg"] == "step failed\nsecond line"
+    assert second["level"] == "error"
+    assert second["request_id"] == "req-2"
+    assert second["exc"].endswith("RuntimeError: engine fault")
+
+
+def test_configure_logging_replaces_only_its_own_handler(json_log: io.StringIO) -> None:
+    root = logging.getLogger()
+    before = list(root.handlers)
+    second = io.StringIO()
+    handler = configure_logging("warning", second)
+    try:
+        assert len(root.handlers) == len(before)
+        logging.getLogger("specpage.test").warning("once")
+        assert json_log.getvalue() == ""
+        assert json.loads(second.getvalue())["msg"] == "once"
+    finally:
+        root.removeHandler(handler)
+
+
+def test_configure_logging_rejects_unknown_level() -> None:
+    with pytest.raises(ValueError, match="'loud'"):
+        configure_logging("loud")
