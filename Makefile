@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # requirement would pull a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: install test lint typecheck clean
+.PHONY: install test lint typecheck clean protos
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -29,3 +29,8 @@ test: lint
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+
+# Regenerate the committed gRPC stubs (tests fail when they are stale).
+protos: $(STAMP)
+	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. \
+		protos/specpage/v1/generation.proto

@@ -6,11 +6,13 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from specpage.commands import config, generate, kv_plan, models
+import grpc
+
+from specpage.commands import config, generate, kv_plan, models, serve
 from specpage.models.config import ModelLoadError
 
 COMMANDS = {
-    "config": config, "generate": generate, "kv-plan": kv_plan, "models": models,
+    "config": config, "generate": generate, "kv-plan": kv_plan, "models": models, "serve": serve,
 }
 
 
@@ -29,6 +31,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, ModelLoadError) as error:
         print(f"specpage {args.command}: error: {error}", file=sys.stderr)
         return 2
+    except grpc.aio.AioRpcError as error:
+        print(f"specpage {args.command}: {error.code().name}: {error.details()}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

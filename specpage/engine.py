@@ -77,6 +77,7 @@ class EngineStats:
     prefix_cached_tokens: int
     prompt_tokens: int  # admitted, cumulative
     total_blocks: int
+    accepted_by_position: tuple[int, ...]  # cumulative acceptances at proposal 1..k
 
 
 class Engine:
@@ -161,6 +162,14 @@ class Engine:
             for seq in request.sequences:
                 if not seq.finished:
                     outputs.append(self._finish(seq, FinishReason.ERROR, [], ""))
+            if request.request_id in self.requests:
+                # its other samples had ended without their final output
+                # reaching anyone; end the request itself
+                del self.requests[request.request_id]
+                outputs.append(RequestOutput(
+                    request.request_id, 0, [], "", 0, finished=True,
+                    finish_reason=str(FinishReason.ERROR), usage=request.usage,
+                    timings=request.timings))
         self.pool.check_integrity()
         return outputs
 
@@ -337,4 +346,5 @@ class Engine:
             prefix_cached_tokens=self.scheduler.num_cached_tokens,
             prompt_tokens=self.scheduler.num_prompt_tokens,
             total_blocks=pool.total,
+            accepted_by_position=tuple(self.policy.accepted_by_position),
         )

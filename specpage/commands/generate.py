@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
 from typing import Any
 
@@ -24,6 +25,8 @@ def add_parser(sub: Any, name: str) -> None:
     parser.add_argument("--spec-k", default="auto", help="proposals per step, or 'auto' (adaptive)")
     parser.add_argument("--raw", action="store_true", help="no chat template around the prompt")
     parser.add_argument("--dtype", help="fp32 (CPU default), bf16, fp16")
+    parser.add_argument("--server", help="HOST:PORT of a running daemon (instead of in-process)")
+    parser.add_argument("--token", help="bearer token for --server")
     parser.set_defaults(run=run)
 
 
@@ -40,6 +43,8 @@ def parse_spec_k(text: str) -> tuple[int, bool]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.server:
+        return asyncio.run(run_remote(args))
     k, adaptive = parse_spec_k(args.spec_k)
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -54,5 +59,22 @@ def run(args: argparse.Namespace) -> int:
     for delta in llm.stream(prompt, params):
         sys.stdout.write(delta)
         sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+async def run_remote(args: argparse.Namespace) -> int:
+    from specpage.client import Chunk, Client
+
+    sampling: dict[str, Any] = {"max_tokens": args.max_tokens, "temperature": args.temperature,
+                                "top_p": args.top_p, "top_k": args.top_k}
+    if args.seed is not None:
+        sampling["seed"] = args.seed
+    spec = "auto" if args.spec_k == "auto" else ("off" if args.spec_k == "0" else "on")
+    async with Client(args.server, token=args.token) as client:
+        async for event in client.generate(args.prompt, chat=not args.raw, spec=spec, **sampling):
+            if isinstance(event, Chunk) and event.index == 0:
+                sys.stdout.write(event.text)
+                sys.stdout.flush()
     sys.stdout.write("\n")
     return 0

@@ -65,6 +65,7 @@ class SpecPolicy:
         self.num_drafted = 0
         self.num_accepted = 0
         self.last_k = 0.0  # mean k of the last step
+        self.accepted_by_position = [0] * k_max  # acceptances at proposal 1..k_max
 
     def choose_k(self, seq: Sequence, batch: int) -> int:
         forced = seq.request.spec_k
@@ -104,3 +105,5 @@ class SpecPolicy:
         self.acceptance += EMA * (rate - self.acceptance)
         self.num_drafted += proposed
         self.num_accepted += accepted
+        for position in range(accepted):
+            self.accepted_by_position[position] += 1

@@ -38,6 +38,8 @@ class Verifier:
         self.pool = pool
 
     def verify(self, scheduled: list[ScheduledSeq], proposal: Proposal) -> list[Verdict]:
+        if not scheduled:
+            return []
         spans = []
         for e, drafted in zip(scheduled, proposal.tokens, strict=True):
             start = e.seq.num_computed

@@ -1,0 +1,213 @@
+"""The asyncio bridge: one task owns the engine and runs each step in a worker
+thread, so the event loop keeps serving while the models compute.
+
+Submissions and aborts are queued and reach the engine at the next step
+boundary. Each request has a stream whose pending tokens are merged per
+sample, so a slow reader never stalls the step and never holds more than
+one pending chunk per sample.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from specpage.engine import Engine, EngineStats, RequestOutput
+from specpage.request import Request, Timings, Usage, ValidationError
+
+log = logging.getLogger("specpage.engine")
+
+
+class QueueFullError(Exception):
+    """The admission queue is at its bound; retry later."""
+
+    def __init__(self, retry_after_ms: int) -> None:
+        super().__init__(f"admission queue full; retry after {retry_after_ms} ms")
+        self.retry_after_ms = retry_after_ms
+
+
+class DrainingError(Exception):
+    """The engine no longer admits requests (shutting down)."""
+
+
+class EngineFaultError(Exception):
+    """The engine failed while this request was in flight."""
+
+
+@dataclass
+class Chunk:
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    num_tokens: int = 0
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+@dataclass
+class Final:
+    usage: Usage
+    timings: Timings
+    finish_reason: str | None
+
+
+class RequestStream:
+    """What one request has produced and its reader has not yet taken."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self._pending: dict[int, Chunk] = {}  # per sample, merged
+        self._final: Final | None = None
+        self._error: BaseException | None = None
+        self._wake = asyncio.Event()
+        self.finish_reason: str | None = None
+
+    def push(self, out: RequestOutput) -> None:
+        chunk = self._pending.setdefault(out.index, Chunk(out.index))
+        chunk.token_ids += out.token_ids
+        chunk.text += out.text
+        chunk.num_tokens = out.num_tokens
+        chunk.logprobs += out.logprobs or []
+        if out.finished:
+            chunk.finish_reason = out.finish_reason
+            if out.index == 0:
+                self.finish_reason = out.finish_reason
+        if out.usage is not None and out.timings is not None:
+            self._final = Final(out.usage, out.timings, self.finish_reason)
+        self._wake.set()
+
+    def fail(self, error: BaseException) -> None:
+        self._error = error
+        self._wake.set()
+
+    async def events(self) -> AsyncIterator[Chunk | Final]:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            chunks, self._pending = list(self._pending.values()), {}
+            for chunk in chunks:
+                yield chunk
+            if self._error is not None:
+                raise self._error
+            if self._final is not None:
+                yield self._final
+                return
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, max_queue: int = 256) -> None:
+        self.engine = engine
+        self.max_queue = max_queue
+        self.streams: dict[str, RequestStream] = {}
+        self._submissions: deque[Request] = deque()
+        self._aborts: deque[str] = deque()
+        self._work = asyncio.Event()
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="specpage-step")
+        self._task: asyncio.Task[None] | None = None
+        self._stats = engine.stats()
+        self.draining = False
+        # called after every step with its outputs and the engine's stats (metrics)
+        self.step_observers: list[Callable[[list[RequestOutput], EngineStats], None]] = []
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="engine")
+
+    async def stop(self) -> None:
+        """Abort whatever is left and stop the engine task."""
+        for request_id in list(self.streams):
+            self.abort(request_id)
+        while self.streams and self._task is not None and not self._task.done():
+            await asyncio.sleep(0.01)
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        self._executor.shutdown(wait=True)
+
+    # ------------------------------------------------------------------ requests
+
+    @property
+    def num_queued(self) -> int:
+        return len(self._submissions) + self._stats.waiting
+
+    def submit(self, request: Request) -> RequestStream:
+        if self.draining:
+            raise DrainingError("the server is draining")
+        if self.num_queued >= self.max_queue:
+            raise QueueFullError(self._retry_after_ms())
+        if request.request_id in self.streams:
+            raise ValidationError("request_id", f"{request.request_id!r} is already running")
+        stream = RequestStream(request.request_id)
+        self.streams[request.request_id] = stream
+        self._submissions.append(request)
+        self._work.set()
+        return stream
+
+    def abort(self, request_id: str) -> bool:
+        if request_id not in self.streams:
+            return False
+        self._aborts.append(request_id)
+        self._work.set()
+        return True
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    def _retry_after_ms(self) -> int:
+        # Roughly the time for the queue ahead to start: a few steps per request.
+        return max(100, min(10_000, 50 * self.num_queued // max(1, self._stats.running or 1)))
+
+    # ------------------------------------------------------------------ the loop
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not (self._submissions or self._aborts or self.engine.has_unfinished()):
+                self._work.clear()
+                await self._work.wait()
+            try:
+                outputs, stats = await loop.run_in_executor(self._executor, self._step)
+            except Exception as error:  # noqa: BLE001 (an engine fault must not stop serving)
+                log.exception("engine step failed; failing the requests in flight")
+                outputs, stats = await loop.run_in_executor(self._executor, self._recover)
+                self._deliver(outputs, EngineFaultError(f"engine fault: {error}"))
+            else:
+                self._deliver(outputs, None)
+            self._stats = stats
+            for observer in self.step_observers:
+                observer(outputs, stats)
+
+    def _step(self) -> tuple[list[RequestOutput], EngineStats]:
+        # Runs in the one worker thread: the engine is only ever touched here.
+        while self._submissions:
+            self.engine.submit(self._submissions.popleft())
+        while self._aborts:
+            self.engine.abort(self._aborts.popleft())
+        outputs = self.engine.step() if self.engine.has_unfinished() else []
+        return outputs, self.engine.stats()
+
+    def _recover(self) -> tuple[list[RequestOutput], EngineStats]:
+        return self.engine.fail_all(), self.engine.stats()
+
+    def _deliver(self, outputs: list[RequestOutput], error: BaseException | None) -> None:
+        ended = set()
+        for out in outputs:
+            stream = self.streams.get(out.request_id)
+            if stream is None:
+                continue
+            if error is not None:
+                stream.fail(error)
+                ended.add(out.request_id)
+                continue
+            stream.push(out)
+            if out.usage is not None:
+                ended.add(out.request_id)
+        for request_id in ended:
+            del self.streams[request_id]

@@ -1,0 +1,158 @@
+"""Async Python client of the specpage daemon.
+
+    async with Client("127.0.0.1:50051") as client:
+        async for event in client.generate("Hello", max_tokens=32, chat=True):
+            if isinstance(event, Chunk):
+                print(event.text, end="")
+        text = (await client.complete("Hi", max_tokens=8)).text
+
+Leaving the ``async for`` early or cancelling the task cancels the call, and
+the server aborts the request. Calls that fail before any event with
+UNAVAILABLE or RESOURCE_EXHAUSTED are retried with backoff (honouring the
+server's ``retry-after-ms``); nothing else is retried.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from specpage.v1 import generation_pb2 as pb
+from specpage.v1 import generation_pb2_grpc as pb_grpc
+
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+SPEC = {"auto": pb.SPEC_AUTO, "off": pb.SPEC_OFF, "on": pb.SPEC_ON}
+
+
+@dataclass(frozen=True)
+class Chunk:
+    index: int
+    token_ids: list[int]
+    text: str
+    num_tokens: int  # cumulative completion tokens of this sample
+    logprobs: list[float]
+    finish_reason: str | None
+
+
+@dataclass(frozen=True)
+class Final:
+    finish_reason: str
+    usage: dict[str, int]  # prompt, completion, cached, drafted, accepted tokens
+    timings: dict[str, float]  # queue_s, prefill_s, total_s
+
+
+@dataclass
+class Completion:
+    request_id: str
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: dict[str, int] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def generate_request(prompt: str | Sequence[int], request_id: str = "", chat: bool = False,
+                     priority: int = 0, timeout_s: float | None = None, spec: str = "auto",
+                     **sampling: Any) -> pb.GenerateRequest:
+    """A GenerateRequest; sampling keywords are SamplingParameters fields."""
+    message = pb.GenerateRequest(request_id=request_id, chat=chat, priority=priority,
+                                 spec=SPEC[spec], sampling=pb.SamplingParameters(**sampling))
+    if isinstance(prompt, str):
+        message.text = prompt
+    else:
+        message.token_ids.extend(prompt)
+    if timeout_s is not None:
+        message.timeout_s = timeout_s
+    return message
+
+
+class Client:
+    def __init__(self, target: str, *, token: str | None = None, tls: bool = False,
+                 root_certificates: bytes | None = None, max_retries: int = 4,
+                 backoff_s: float = 0.2) -> None:
+        if tls:
+            credentials = grpc.ssl_channel_credentials(root_certificates)
+            self.channel = grpc.aio.secure_channel(target, credentials)
+        else:
+            self.channel = grpc.aio.insecure_channel(target)
+        self.stub = pb_grpc.GenerationStub(self.channel)
+        self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+
+    async def __aenter__(self) -> Client:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def generate(
+        self, prompt: str | Sequence[int], *, deadline_s: float | None = None, **options: Any
+    ) -> AsyncIterator[Chunk | Final]:
+        """Events of one request. options: request_id, chat, priority, timeout_s,
+        spec ("auto", "on", "off") and SamplingParameters fields."""
+        message = generate_request(prompt, **options)
+        for attempt in range(self.max_retries + 1):
+            call = self.stub.Generate(message, timeout=deadline_s, metadata=self.metadata)
+            started = False
+            try:
+                async for event in call:
+                    started = True
+                    yield _event(event)
+                return
+            except grpc.aio.AioRpcError as error:
+                if started or error.code() not in RETRYABLE or attempt == self.max_retries:
+                    raise
+                await asyncio.sleep(self._delay(error, attempt))
+            finally:
+                call.cancel()  # no-op once finished; aborts the request if we left early
+
+    async def complete(self, prompt: str | Sequence[int], **options: Any) -> Completion:
+        """The whole text of sample 0."""
+        completion = Completion(options.get("request_id", ""))
+        async for event in self.generate(prompt, **options):
+            if isinstance(event, Chunk):
+                if event.index == 0:
+                    completion.text += event.text
+                    completion.token_ids += event.token_ids
+            else:
+                completion.finish_reason = event.finish_reason
+                completion.usage, completion.timings = event.usage, event.timings
+        return completion
+
+    async def abort(self, request_id: str) -> bool:
+        response = await self.stub.Abort(pb.AbortRequest(request_id=request_id),
+                                         metadata=self.metadata)
+        return bool(response.found)
+
+    async def server_info(self) -> pb.ServerInfo:
+        info: pb.ServerInfo = await self.stub.GetServerInfo(pb.ServerInfoRequest(),
+                                                            metadata=self.metadata)
+        return info
+
+    def _delay(self, error: grpc.aio.AioRpcError, attempt: int) -> float:
+        for key, value in error.trailing_metadata() or ():
+            if key == "retry-after-ms":
+                return float(value) / 1000
+        return self.backoff_s * 2**attempt * (0.5 + random.random())
+
+
+def _event(event: pb.GenerateEvent) -> Chunk | Final:
+    if event.HasField("chunk"):
+        c = event.chunk
+        return Chunk(c.index, list(c.token_ids), c.text, c.num_tokens, list(c.logprobs),
+                     c.finish_reason or None)
+    f = event.final
+    usage = {name: getattr(f.usage, name) for name in (
+        "prompt_tokens", "completion_tokens", "cached_tokens", "drafted_tokens",
+        "accepted_tokens")}
+    timings = {name: getattr(f.timings, name) for name in ("queue_s", "prefill_s", "total_s")}
+    return Final(f.finish_reason, usage, timings)

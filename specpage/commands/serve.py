@@ -1,0 +1,44 @@
+"""`specpage serve`: run the daemon (config file < SPECPAGE_* env < flags)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from pathlib import Path
+from typing import Any
+
+import uvloop
+
+from specpage.config import load_config, parse_override
+from specpage.logging_setup import configure_logging
+
+# flag -> dotted config key
+SHORTCUTS = {"host": "server.host", "port": "server.port", "target": "model.target",
+             "draft": "model.draft", "spec_k": "engine.spec_k"}
+
+
+def add_parser(sub: Any, name: str) -> None:
+    parser = sub.add_parser(name, help="run the gRPC daemon", description=__doc__)
+    parser.add_argument("--config", type=Path, help="TOML config file")
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="SECTION.KEY=VALUE", help="override one key (repeatable)")
+    parser.add_argument("--host", help="bind address (default 127.0.0.1)")
+    parser.add_argument("--port", help="gRPC port (default 50051; 0: any free port)")
+    parser.add_argument("--target", help="target model: HF folder, .gguf or a known name")
+    parser.add_argument("--draft", help="draft model (empty: no speculation)")
+    parser.add_argument("--spec-k", help="largest k (0: no speculation)")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    overrides: dict[str, object] = dict(parse_override(text) for text in args.overrides)
+    for flag, key in SHORTCUTS.items():
+        if getattr(args, flag) is not None:
+            overrides[key] = getattr(args, flag)
+    config = load_config(args.config, overrides=overrides)
+    configure_logging(config.server.log_level)
+    from specpage.daemon import serve  # imports torch and the models: after the config is good
+
+    logging.getLogger("specpage").info("starting", extra={"config": str(args.config or "")})
+    return uvloop.run(serve(config)) if hasattr(uvloop, "run") else asyncio.run(serve(config))

@@ -1,0 +1,232 @@
+"""The gRPC servicer: requests in, event streams out, errors as status codes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+
+from specpage.async_engine import (
+    AsyncEngine,
+    Chunk,
+    DrainingError,
+    EngineFaultError,
+    QueueFullError,
+)
+from specpage.request import SamplingParams, ValidationError
+from specpage.v1 import generation_pb2 as pb
+from specpage.v1 import generation_pb2_grpc as pb_grpc
+
+log = logging.getLogger("specpage.server")
+SPEC_K = {pb.SPEC_AUTO: None, pb.SPEC_OFF: 0}
+
+
+def sampling_params(message: pb.SamplingParameters) -> SamplingParams:
+    """Proto fields -> SamplingParams; absent optional fields keep the defaults."""
+    defaults = SamplingParams()
+
+    def get(name: str, default: Any) -> Any:
+        return getattr(message, name) if message.HasField(name) else default
+
+    return SamplingParams(
+        max_tokens=get("max_tokens", defaults.max_tokens),
+        temperature=get("temperature", defaults.temperature),
+        top_k=message.top_k,
+        top_p=get("top_p", defaults.top_p),
+        seed=get("seed", None),
+        stop=tuple(message.stop),
+        stop_token_ids=tuple(message.stop_token_ids),
+        ignore_eos=message.ignore_eos,
+        n=get("n", defaults.n),
+        logprobs=message.logprobs,
+    )
+
+
+class GenerationService(pb_grpc.GenerationServicer):
+    """Answers UNAVAILABLE until an engine is attached (models loading)."""
+
+    def __init__(
+        self,
+        info: Callable[[AsyncEngine], pb.ServerInfo],
+        max_prompt_tokens: int,
+        on_first_token: Callable[[float], None] = lambda s: None,
+    ) -> None:
+        self._engine: AsyncEngine | None = None
+        self.info = info
+        self.max_prompt_tokens = max_prompt_tokens
+        self.on_first_token = on_first_token
+        self.in_flight = 0
+
+    def attach(self, engine: AsyncEngine) -> None:
+        self._engine = engine
+
+    @property
+    def engine(self) -> AsyncEngine:
+        assert self._engine is not None
+        return self._engine
+
+    async def Generate(  # noqa: N802 (the gRPC method name)
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateEvent]:
+        request_id = request.request_id or uuid.uuid4().hex
+        await context.send_initial_metadata((("request-id", request_id),))
+        stream = await self._admit(request, request_id, context)
+        self.in_flight += 1
+        start = time.monotonic()
+        try:
+            async for event in stream.events():
+                if isinstance(event, Chunk):
+                    if start and event.token_ids:
+                        self.on_first_token(time.monotonic() - start)
+                        start = 0.0
+                    yield pb.GenerateEvent(chunk=_chunk(event))
+                else:
+                    if event.finish_reason == "timeout":
+                        await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                            f"request {request_id} passed its timeout")
+                    yield pb.GenerateEvent(final=_final(event))
+        except EngineFaultError as error:
+            await context.abort(grpc.StatusCode.INTERNAL, str(error))
+        finally:
+            # A cancelled call, a passed deadline or a vanished client all
+            # end here: the engine frees the blocks at its next step.
+            self.engine.abort(request_id)
+            self.in_flight -= 1
+
+    async def _admit(self, request: pb.GenerateRequest, request_id: str,
+                     context: grpc.aio.ServicerContext) -> Any:
+        if self._engine is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the models are loading")
+        if self.engine.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is draining")
+        try:
+            prompt = self._prompt(request)
+            engine = self.engine.engine
+            deadline = _deadline(request, context)
+            made = engine.make_request(request_id, prompt, sampling_params(request.sampling),
+                                       request.priority, deadline)
+            made.cache_salt = request.cache_salt.encode()
+            made.spec_k = SPEC_K.get(request.spec, engine.policy.k_max)
+            return self.engine.submit(made)
+        except ValidationError as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        except QueueFullError as error:
+            context.set_trailing_metadata((("retry-after-ms", str(error.retry_after_ms)),))
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+        except DrainingError as error:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
+
+    def _prompt(self, request: pb.GenerateRequest) -> str | list[int]:
+        if request.text and request.token_ids:
+            raise ValidationError("prompt", "give text or token_ids, not both")
+        if request.token_ids:
+            prompt: str | list[int] = list(request.token_ids)
+        elif request.chat:
+            tokenizer = self.engine.engine.tokenizer
+            if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+                raise ValidationError("chat", "the model has no chat template")
+            from specpage.llm import chat_prompt
+
+            prompt = chat_prompt(tokenizer, request.text)
+        else:
+            prompt = request.text
+        length = len(prompt) if isinstance(prompt, list) else None
+        if length is not None and length > self.max_prompt_tokens:
+            raise ValidationError("prompt", f"{length} tokens exceed the limit of "
+                                  f"{self.max_prompt_tokens}")
+        return prompt
+
+    async def Abort(  # noqa: N802
+        self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AbortResponse:
+        found = self._engine is not None and self.engine.abort(request.request_id)
+        return pb.AbortResponse(found=found)
+
+    async def GetServerInfo(  # noqa: N802
+        self, request: pb.ServerInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ServerInfo:
+        if self._engine is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the models are loading")
+        return self.info(self.engine)
+
+
+def _deadline(request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> float | None:
+    """The earlier of the call's deadline and the request's own timeout."""
+    limits = []
+    remaining = context.time_remaining()
+    if remaining is not None and math.isfinite(remaining):
+        limits.append(remaining)
+    if request.HasField("timeout_s"):
+        if not request.timeout_s > 0:
+            raise ValidationError("timeout_s", f"must be > 0, got {request.timeout_s}")
+        limits.append(request.timeout_s)
+    return time.monotonic() + min(limits) if limits else None
+
+
+def _chunk(chunk: Chunk) -> pb.Chunk:
+    return pb.Chunk(index=chunk.index, token_ids=chunk.token_ids, text=chunk.text,
+                    num_tokens=chunk.num_tokens, logprobs=chunk.logprobs,
+                    finish_reason=chunk.finish_reason or "")
+
+
+def _final(final: Any) -> pb.Final:
+    usage, timings = final.usage, final.timings
+    first_scheduled = timings.first_scheduled or timings.arrival
+    first_token = timings.first_token or first_scheduled
+    finished = timings.finished or first_token
+    return pb.Final(
+        usage=pb.Usage(prompt_tokens=usage.prompt_tokens,
+                       completion_tokens=usage.completion_tokens,
+                       cached_tokens=usage.cached_tokens, drafted_tokens=usage.drafted_tokens,
+                       accepted_tokens=usage.accepted_tokens),
+        timings=pb.Timings(queue_s=first_scheduled - timings.arrival,
+                           prefill_s=first_token - first_scheduled,
+                           total_s=finished - timings.arrival),
+        finish_reason=final.finish_reason or "",
+    )
+
+
+class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
+    """Every call but health checks needs `authorization: Bearer <token>`."""
+
+    def __init__(self, token: str) -> None:
+        self.expected = f"Bearer {token}"
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        metadata = dict(details.invocation_metadata or ())
+        if details.method.startswith("/grpc.health.v1.") or (
+            metadata.get("authorization") == self.expected
+        ):
+            return await continuation(details)
+        return _deny(details.method)
+
+
+def _deny(method: str) -> grpc.RpcMethodHandler:
+    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+
+    async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+        yield  # pragma: no cover (makes this an async generator)
+
+    if method.endswith("/Generate"):
+        return grpc.unary_stream_rpc_method_handler(stream)
+    return grpc.unary_unary_rpc_method_handler(unary)
+
+
+async def wait_idle(service: GenerationService, grace: float) -> bool:
+    """Wait until no call is in flight, at most grace seconds."""
+    end = time.monotonic() + grace
+    while service.in_flight and time.monotonic() < end:
+        await asyncio.sleep(0.05)
+    return service.in_flight == 0
