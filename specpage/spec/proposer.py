@@ -45,12 +45,18 @@ class DraftProposer:
         depth = 0
         while active:
             seqs = [scheduled[i].seq for i in active]
-            positions = [s.num_tokens + depth for s in seqs]  # where each proposal goes
-            p = row_probabilities(logits, seqs)
-            drawn = sample(p, uniforms(seqs, positions, Purpose.DRAFT)).tolist()
-            for row, i in enumerate(active):
-                tokens[i].append(drawn[row])
-                probs[i].append(p[row])
+            if all(s.request.params.greedy for s in seqs):
+                # Greedy acceptance compares tokens only; no distributions needed.
+                drawn = logits.argmax(-1).tolist()
+                for row, i in enumerate(active):
+                    tokens[i].append(drawn[row])
+            else:
+                positions = [s.num_tokens + depth for s in seqs]  # where each proposal goes
+                p = row_probabilities(logits, seqs)
+                drawn = sample(p, uniforms(seqs, positions, Purpose.DRAFT)).tolist()
+                for row, i in enumerate(active):
+                    tokens[i].append(drawn[row])
+                    probs[i].append(p[row])
             depth += 1
             active = [i for i in active if scheduled[i].k > depth]
             if not active:

@@ -63,18 +63,68 @@ class Verifier:
     ) -> None:
         seqs = [scheduled[i].seq for i in rows]
         ks = [len(proposal.tokens[i]) for i in rows]
+        offsets = [0]
+        for k in ks:
+            offsets.append(offsets[-1] + k + 1)  # logit rows of each sequence
+        greedy = [r for r, s in enumerate(seqs) if s.request.params.greedy]
+        sampled = [r for r, s in enumerate(seqs) if not s.request.params.greedy]
+        num_accepted, next_token = [0] * len(rows), [0] * len(rows)
+        for group, decide in ((greedy, self._greedy), (sampled, self._sampled)):
+            if group:
+                results = decide([rows[r] for r in group], [seqs[r] for r in group],
+                                 [ks[r] for r in group], [offsets[r] for r in group],
+                                 proposal, logits)
+                for r, (a, token) in zip(group, results, strict=True):
+                    num_accepted[r], next_token[r] = a, token
+        log_probs = None
+        if any(s.request.params.logprobs for s in seqs):
+            log_probs = torch.log_softmax(logits, dim=-1)
+        for r, (i, seq, k) in enumerate(zip(rows, seqs, ks, strict=True)):
+            a = num_accepted[r]
+            new_tokens = proposal.tokens[i][:a] + [next_token[r]]
+            chosen = []
+            if log_probs is not None and seq.request.params.logprobs:
+                chosen = [float(log_probs[offsets[r] + j, t]) for j, t in enumerate(new_tokens)]
+            forks = self._fork_tokens(seq, logits[offsets[r]]) if k == 0 else []
+            verdicts[i] = Verdict(
+                num_commit=scheduled[i].num_new + min(a, max(k - 1, 0)),
+                new_tokens=new_tokens,
+                num_proposed=k,
+                num_accepted=a,
+                logprobs=chosen,
+                fork_tokens=forks,
+            )
+
+    @staticmethod
+    def _greedy(rows: list[int], seqs: list[Sequence], ks: list[int], offsets: list[int],
+                proposal: Proposal, logits: torch.Tensor) -> list[tuple[int, int]]:
+        """Accept while the draft token equals the target's argmax."""
+        argmax = logits.argmax(-1).tolist()  # [logit rows]
+        results = []
+        for i, k, base in zip(rows, ks, offsets, strict=True):
+            a = 0
+            while a < k and proposal.tokens[i][a] == argmax[base + a]:
+                a += 1
+            results.append((a, argmax[base + a]))
+        return results
+
+    @staticmethod
+    def _sampled(rows: list[int], seqs: list[Sequence], ks: list[int], offsets: list[int],
+                 proposal: Proposal, logits: torch.Tensor) -> list[tuple[int, int]]:
+        """Lossless rejection sampling over the rows' padded distributions."""
         k_max = max(ks)
         vocab = logits.shape[-1]
-        # every logit row belongs to one sequence; give each its parameters
+        index = torch.tensor([base + j for base, k in zip(offsets, ks, strict=True)
+                              for j in range(k + 1)])
         row_seqs = [s for s, k in zip(seqs, ks, strict=True) for _ in range(k + 1)]
-        target = row_probabilities(logits, row_seqs)
+        target = row_probabilities(logits[index], row_seqs)
         target_padded = torch.zeros(len(rows), k_max + 1, vocab)
         draft_padded = torch.ones(len(rows), k_max, vocab)
         draft_tokens = torch.zeros(len(rows), k_max, dtype=torch.int64)
-        offsets = [0]
+        start = 0
         for r, (i, k) in enumerate(zip(rows, ks, strict=True)):
-            target_padded[r, : k + 1] = target[offsets[-1] : offsets[-1] + k + 1]
-            offsets.append(offsets[-1] + k + 1)
+            target_padded[r, : k + 1] = target[start : start + k + 1]
+            start += k + 1
             if k:
                 draft_padded[r, :k] = proposal.probs[i]
                 draft_tokens[r, :k] = torch.tensor(proposal.tokens[i])
@@ -89,31 +139,14 @@ class Verifier:
         )  # fmt: skip
         result = accept(draft_tokens, draft_padded, target_padded, torch.tensor(ks), u_accept,
                         u_next)
-        log_probs = None
-        if any(s.request.params.logprobs for s in seqs):
-            log_probs = torch.log_softmax(logits, dim=-1)
-        for r, (i, seq, k) in enumerate(zip(rows, seqs, ks, strict=True)):
-            a = result.num_accepted[r]
-            new_tokens = proposal.tokens[i][:a] + [result.next_token[r]]
-            chosen = []
-            if log_probs is not None and seq.request.params.logprobs:
-                base = offsets[r]
-                chosen = [float(log_probs[base + j, t]) for j, t in enumerate(new_tokens)]
-            forks = self._fork_tokens(seq, target[offsets[r]]) if k == 0 else []
-            verdicts[i] = Verdict(
-                num_commit=scheduled[i].num_new + min(a, max(k - 1, 0)),
-                new_tokens=new_tokens,
-                num_proposed=k,
-                num_accepted=a,
-                logprobs=chosen,
-                fork_tokens=forks,
-            )
+        return list(zip(result.num_accepted, result.next_token, strict=True))
 
     @staticmethod
-    def _fork_tokens(seq: Sequence, probs: torch.Tensor) -> list[int]:
+    def _fork_tokens(seq: Sequence, logits: torch.Tensor) -> list[int]:
         n = seq.request.params.n
         if n == 1 or seq.index != 0 or seq.output_token_ids:
             return []
+        probs = row_probabilities(logits[None], [seq])[0]
         draws = torch.tensor(
             [uniform(seq.seed + i, seq.num_tokens, Purpose.SAMPLE) for i in range(1, n)],
             dtype=torch.float64,
