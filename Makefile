@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # requirement would pull a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: install test lint typecheck clean protos
+.PHONY: install test lint typecheck clean protos serve
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,13 @@ lint: $(STAMP)
 
 test: lint
 	$(VENV)/bin/pytest -q
+
+# The daemon on the default model, 127.0.0.1 only (fetched once, then offline).
+serve: $(STAMP)
+	$(VENV)/bin/specpage models fetch smollm2-135m
+	@echo "specpage: serving on 127.0.0.1:50051; call it with:"
+	@echo '  .venv/bin/specpage generate --server 127.0.0.1:50051 "What is the capital of France?"'
+	$(VENV)/bin/specpage serve --target smollm2-135m --port 50051
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -89,9 +89,12 @@ class RequestStream:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            chunks, self._pending = list(self._pending.values()), {}
-            for chunk in chunks:
-                yield chunk
+            # More may arrive while a chunk is being sent: drain until none
+            # is pending, so the final event never overtakes a chunk.
+            while self._pending:
+                chunks, self._pending = list(self._pending.values()), {}
+                for chunk in chunks:
+                    yield chunk
             if self._error is not None:
                 raise self._error
             if self._final is not None:

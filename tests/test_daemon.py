@@ -326,7 +326,8 @@ async def test_client_retries_when_the_queue_is_full(tmp_path):
             options = dict(max_tokens=40, temperature=0.0, ignore_eos=True)
             completions = await asyncio.gather(
                 *(client.complete(prompt(i), **options) for i in range(4)))
-            assert all(len(c.token_ids) == 40 for c in completions)
+            ends = [(len(c.token_ids), c.finish_reason) for c in completions]
+            assert ends == [(40, "length")] * 4
     finally:
         assert daemon.stop() == 0
 

@@ -1,0 +1,48 @@
+"""The asyncio bridge's request streams: merging for slow readers, ordering."""
+
+import asyncio
+
+import pytest
+
+from specpage.async_engine import Chunk, Final, RequestStream
+from specpage.engine import RequestOutput
+from specpage.request import Timings, Usage
+
+
+def output(tokens, total, finished=False, usage=False):
+    return RequestOutput("r", 0, tokens, "".join(map(str, tokens)), total, finished=finished,
+                         finish_reason="length" if finished else None,
+                         usage=Usage() if usage else None, timings=Timings() if usage else None)
+
+
+@pytest.mark.asyncio
+async def test_a_slow_reader_gets_merged_chunks_and_the_final_last():
+    stream = RequestStream("r")
+    stream.push(output([1], 1))
+    stream.push(output([2, 3], 3))
+    events = stream.events()
+    first = await anext(events)
+    assert (first.token_ids, first.num_tokens, first.text) == ([1, 2, 3], 3, "123")
+    # while the reader is busy with that chunk, the rest arrives at once
+    stream.push(output([4], 4))
+    stream.push(output([5], 5, finished=True, usage=True))
+    rest = [event async for event in events]
+    assert isinstance(rest[-1], Final)
+    chunks = [e for e in rest if isinstance(e, Chunk)]
+    assert [t for c in chunks for t in c.token_ids] == [4, 5]
+    assert chunks[-1].finish_reason == "length" and chunks[-1].num_tokens == 5
+
+
+@pytest.mark.asyncio
+async def test_chunks_pushed_during_a_yield_are_not_lost():
+    stream = RequestStream("r")
+    stream.push(output([1], 1))
+    seen = []
+    async for event in stream.events():
+        seen.append(event)
+        if len(seen) == 1:  # the reader is suspended here, as on a slow send
+            stream.push(output([2], 2))
+            stream.push(output([3], 3, finished=True, usage=True))
+            await asyncio.sleep(0)
+    tokens = [t for e in seen if isinstance(e, Chunk) for t in e.token_ids]
+    assert tokens == [1, 2, 3] and isinstance(seen[-1], Final)
