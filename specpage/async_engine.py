@@ -122,12 +122,19 @@ class AsyncEngine:
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="engine")
 
-    async def stop(self) -> None:
-        """Abort whatever is left and stop the engine task."""
+    async def stop(self, timeout: float = 10.0) -> None:
+        """Abort whatever is left, wait for it to end (at most timeout
+        seconds), fail any stream still open, and stop the engine task."""
         for request_id in list(self.streams):
             self.abort(request_id)
+        end = asyncio.get_running_loop().time() + timeout
         while self.streams and self._task is not None and not self._task.done():
+            if asyncio.get_running_loop().time() > end:
+                break
             await asyncio.sleep(0.01)
+        for stream in self.streams.values():
+            stream.fail(DrainingError("the server stopped"))
+        self.streams.clear()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

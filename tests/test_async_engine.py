@@ -46,3 +46,23 @@ async def test_chunks_pushed_during_a_yield_are_not_lost():
             await asyncio.sleep(0)
     tokens = [t for e in seen if isinstance(e, Chunk) for t in e.token_ids]
     assert tokens == [1, 2, 3] and isinstance(seen[-1], Final)
+
+
+@pytest.mark.asyncio
+async def test_stop_is_bounded_even_when_the_engine_never_answers(tmp_path):
+    """A stream the engine never ends is failed at stop, not waited on forever."""
+    from specpage.async_engine import AsyncEngine, DrainingError
+    from specpage.engine import Engine, EngineConfig
+    from specpage.models.loader import load_model
+    from tests.models_util import tiny_checkpoint
+
+    tiny_checkpoint(tmp_path)
+    engine = Engine(load_model(tmp_path), None, None, EngineConfig(block_size=4, num_blocks=64))
+    async_engine = AsyncEngine(engine)
+    async_engine.start()
+    stream = RequestStream("lost")  # known to the bridge, never submitted to the engine
+    async_engine.streams["lost"] = stream
+    await asyncio.wait_for(async_engine.stop(timeout=0.2), timeout=5)
+    with pytest.raises(DrainingError):
+        async for _ in stream.events():
+            pass
