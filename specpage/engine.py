@@ -214,14 +214,11 @@ class Engine:
             seq.num_computed += verdict.num_commit
 
     def _emit(self, plan: StepPlan, verdicts: list[Verdict]) -> list[RequestOutput]:
-        now = time.monotonic()
         outputs = [self._finish(seq, seq.finish_reason or FinishReason.ABORT, [], "")
                    for seq in plan.dropped]
         for entry, verdict in zip(plan.scheduled, verdicts, strict=True):
             seq = entry.seq
             request = seq.request
-            if request.timings.first_scheduled is None:
-                request.timings.first_scheduled = now
             self.policy.observe_acceptance(seq, verdict.num_proposed, verdict.num_accepted)
             request.usage.drafted_tokens += verdict.num_proposed
             request.usage.accepted_tokens += verdict.num_accepted

@@ -114,7 +114,7 @@ class Scheduler:
             budget -= num_new + k
             i += 1
         if not preempted:
-            self._admit(scheduled, budget, batch)
+            self._admit(scheduled, budget, batch, now)
         return StepPlan(scheduled, copies, preempted, dropped)
 
     # ------------------------------------------------------------------ helpers
@@ -163,7 +163,9 @@ class Scheduler:
         self.num_preemptions += 1
         self.add(seq)
 
-    def _admit(self, scheduled: list[ScheduledSeq], budget: int, batch: int) -> None:
+    def _admit(
+        self, scheduled: list[ScheduledSeq], budget: int, batch: int, now: float
+    ) -> None:
         pool, size = self.pool, self.pool.block_size
         keep_free = int(self.config.admission_watermark * pool.num_blocks)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -182,6 +184,7 @@ class Scheduler:
             self.num_cached_tokens += cached
             self.num_prompt_tokens += seq.num_tokens
             if seq.request.timings.first_scheduled is None:
+                seq.request.timings.first_scheduled = now
                 seq.request.usage.cached_tokens += cached
             self.add_running(seq)
             self._reserve(seq, num_new + k)  # a fresh prompt shares no partial block

@@ -1,0 +1,7 @@
+"""`python -m loadgen run|sweep|report|selfcheck`."""
+
+import sys
+
+from loadgen.cli import main
+
+sys.exit(main())
