@@ -398,3 +398,28 @@ def test_ensure_model_real_smollm2() -> None:
     assert "quantization_config" not in saved
     source = json.loads((folder / fetch.SOURCE_FILE).read_text())
     assert source["gguf_sha256"] == fetch.SMOLLM2_SHA256
+
+
+def test_load_model_takes_a_gguf_file_and_caches_its_conversion(
+    tiny_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from specpage.model_runner import ModelRunner, SeqSpan
+    from specpage.models.loader import load_model
+
+    monkeypatch.setenv("SPECPAGE_CACHE_DIR", str(tmp_path / "cache"))
+    first = load_model(tiny_gguf)
+    assert first.folder.is_relative_to(tmp_path / "cache" / "gguf" / "converted")
+    stamp = (first.folder / "model.safetensors").stat().st_mtime_ns
+    second = load_model(tiny_gguf)  # the cached conversion, not a new one
+    assert second.folder == first.folder
+    assert (second.folder / "model.safetensors").stat().st_mtime_ns == stamp
+    reference = AutoModelForCausalLM.from_pretrained(first.folder).eval()
+    runner = ModelRunner(second, num_blocks=8, block_size=4)
+    ids = [3, 5, 7, 9, 11]
+    with torch.no_grad():
+        expected = reference(torch.tensor([ids])).logits[0]
+    logits = runner.forward([SeqSpan(ids, 0, [0, 1], num_logits=5)])
+    assert float((logits - expected).abs().max() / expected.abs().max()) < 1e-4
