@@ -30,7 +30,7 @@ class AttentionMetadata:
     max_context: int
     # Reference backend: padded views, built once per forward for all layers.
     gather_slots: torch.Tensor  # [num_seqs, max_context] int64, flat slot of each context position
-    mask: torch.Tensor  # [num_seqs, 1, groups * max_query, max_context] bool, True = attend
+    mask: torch.Tensor | None  # [num_seqs, 1, groups * max_query, max_context] bool, True = attend
     query_index: torch.Tensor | None  # [num_tokens] row of each token in [num_seqs * max_query]
 
 
@@ -76,8 +76,11 @@ class TorchAttention:
         q = q.view(num_seqs, max_query, kv_heads, groups, head_dim)
         q = q.permute(0, 2, 3, 1, 4).reshape(num_seqs, kv_heads, groups * max_query, head_dim)
         flat = cache.view(2, -1, kv_heads, head_dim)
-        k = flat[0][meta.gather_slots].transpose(1, 2)  # [num_seqs, kv_heads, max_context, d]
-        v = flat[1][meta.gather_slots].transpose(1, 2)
+        slots = meta.gather_slots.view(-1)
+        shape = (num_seqs, -1, kv_heads, head_dim)
+        # index_select rather than advanced indexing: the same rows, far cheaper
+        k = flat[0].index_select(0, slots).view(shape).transpose(1, 2)  # [seqs, kv, ctx, d]
+        v = flat[1].index_select(0, slots).view(shape).transpose(1, 2)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.mask, scale=scale)
         out = out.view(num_seqs, kv_heads, groups, max_query, head_dim).permute(0, 3, 1, 2, 4)
         out = out.reshape(num_seqs * max_query, heads * head_dim)
@@ -113,6 +116,8 @@ def build_metadata(
     # Padded query rows attend to position 0 only, so no row is empty (NaN).
     mask = torch.where(valid_query[:, :, None], mask, positions[None, None, :] == 0)
     mask = mask[:, None].repeat(1, groups, 1, 1).view(num_seqs, 1, groups * max_query, -1)
+    if max_query == 1 and bool((context_lens == max_context).all()):
+        mask = None  # one token per sequence over full, equal contexts: nothing to hide
 
     seq_of_row = torch.arange(num_seqs)[:, None].expand(num_seqs, max_query)
     rows = (seq_of_row * max_query + torch.arange(max_query)[None, :])[valid_query]
@@ -131,7 +136,7 @@ def build_metadata(
         max_query=max_query,
         max_context=max_context,
         gather_slots=gather_slots.to(device),
-        mask=mask.to(device),
+        mask=None if mask is None else mask.to(device),
         query_index=None if query_index is None else query_index.to(device),
     )
 
