@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # requirement would pull a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: install test lint typecheck clean protos serve
+.PHONY: install test lint typecheck clean protos serve bench
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,13 @@ lint: $(STAMP)
 
 test: lint
 	$(VENV)/bin/pytest -q
+
+# Every benchmark in its short form, then docs/BENCHMARKS.md from the results.
+BENCHES := block_pool model_runner engine kernels_gpu
+bench: $(STAMP)
+	$(VENV)/bin/specpage models fetch smollm2-135m
+	for b in $(BENCHES); do $(PY) bench/$$b.py --quick || exit 1; done
+	$(PY) bench/report.py
 
 # The daemon on the default model, 127.0.0.1 only (fetched once, then offline).
 serve: $(STAMP)
