@@ -193,9 +193,14 @@ async def test_full_admission_queue_says_when_to_retry(tmp_path):
     daemon.wait_serving()
     try:
         async with Client(daemon.address, max_retries=0) as client:
-            long = dict(max_tokens=300, temperature=0.0, ignore_eos=True)
+            long = dict(max_tokens=480, temperature=0.0, ignore_eos=True)
             tasks = [asyncio.ensure_future(client.complete(prompt(i), **long)) for i in range(3)]
-            await asyncio.sleep(1.0)
+            for _ in range(200):  # until one runs and two wait
+                info = await client.server_info()
+                if (info.running, info.waiting) == (1, 2):
+                    break
+                await asyncio.sleep(0.02)
+            assert (info.running, info.waiting) == (1, 2)
             with pytest.raises(grpc.aio.AioRpcError) as error:
                 await client.complete(prompt(9), **long)
             assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -358,3 +363,23 @@ async def test_metrics_endpoint_and_cli_client(tmp_path):
         assert "specpage_drafted_tokens_total" in body
     finally:
         assert daemon.stop() == 0
+
+
+async def test_abort_rpc_ends_the_stream_and_reflection_lists_the_service(daemon):
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+        ProtoReflectionDescriptorDatabase,
+    )
+
+    async with Client(daemon.address) as client:
+        events = client.generate(prompt(3, 20), request_id="to-abort", max_tokens=400,
+                                 temperature=0.0, ignore_eos=True)
+        first = await anext(events)
+        assert isinstance(first, Chunk)
+        assert await client.abort("to-abort")
+        rest = [event async for event in events]
+        assert isinstance(rest[-1], Final) and rest[-1].finish_reason == "abort"
+        assert not await client.abort("to-abort")  # gone
+        await wait_idle(client)
+    with grpc.insecure_channel(daemon.address) as channel:
+        services = ProtoReflectionDescriptorDatabase(channel).get_services()
+    assert "specpage.v1.Generation" in services and "grpc.health.v1.Health" in services
