@@ -1,0 +1,1 @@
+"""Tooling that makes specpage's default draft model by distillation."""
