@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml | $(PY)
 install: $(STAMP)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check specpage tests bench
+	$(VENV)/bin/ruff check specpage tests bench loadgen draft
 	$(VENV)/bin/mypy
 
 test: lint
