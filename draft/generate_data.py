@@ -1,7 +1,7 @@
 """Generate distillation data: the target's own answers to varied chat
 prompts, made with specpage's batched engine, appended to JSONL shards so a
-run can stop and resume. Each line: {"prompt": [...ids], "output": [...ids],
-"temperature": t}.
+run can stop and resume. Each line: {"index": i, "prompt": [...ids],
+"output": [...ids], "temperature": t}.
 
     python -m draft.generate_data --out draft/data --tokens 1000000
 """
@@ -43,28 +43,43 @@ def main() -> None:
     words = topic_words(llm.tokenizer, held_out)
     args.out.mkdir(parents=True, exist_ok=True)
     shard = args.out / f"answers-seed{args.seed}.jsonl"
-    done_lines = shard.read_text().count("\n") if shard.exists() else 0
-    made = sum(len(json.loads(line)["output"]) for line in shard.open()) if done_lines else 0
+    done = [json.loads(line) for line in shard.open()] if shard.exists() else []
+    made = sum(len(record["output"]) for record in done)
+    # Resume after the highest prompt done; answers in flight at a stop are skipped.
+    done_lines = 1 + max((r.get("index", n) for n, r in enumerate(done)), default=-1)
     prompts = training_prompts(words, 200_000, args.seed)
     rng = random.Random(args.seed + 1)
     temperatures = [0.7 if rng.random() < args.sampled_fraction else 0.0 for _ in prompts]
-    start, index = time.perf_counter(), done_lines
+    engine = llm.engine
+    start, index, answers, made_before = time.perf_counter(), done_lines, len(done), made
+    outputs: dict[str, list[int]] = {}
     with shard.open("a") as out:
-        while made < args.tokens and index < len(prompts):
-            batch = range(index, min(index + args.batch, len(prompts)))
-            ids = [chat_prompt(llm.tokenizer, prompts[i]) for i in batch]
-            params = [SamplingParams(max_tokens=args.max_tokens, temperature=temperatures[i],
-                                     seed=args.seed * 1_000_003 + i) for i in batch]
-            for i, prompt, completion in zip(batch, ids, llm.generate(ids, params), strict=True):
-                output = completion.samples[0].token_ids
-                out.write(json.dumps({"prompt": prompt, "output": output,
-                                      "temperature": temperatures[i]}) + "\n")
-                made += len(output)
-            out.flush()
-            index = batch.stop
-            rate = made / max(1e-9, time.perf_counter() - start)
-            print(f"{index} answers, {made} tokens, {rate:.0f} tok/s", file=sys.stderr)
-    print(json.dumps({"answers": index, "tokens": made, "shard": str(shard)}))
+        # Continuous batching: a new prompt joins whenever an answer ends.
+        while made < args.tokens and (index < len(prompts) or engine.has_unfinished()):
+            while len(outputs) < args.batch and index < len(prompts) and made < args.tokens:
+                engine.add_request(str(index), chat_prompt(llm.tokenizer, prompts[index]),
+                                   SamplingParams(max_tokens=args.max_tokens,
+                                                  temperature=temperatures[index],
+                                                  seed=args.seed * 1_000_003 + index))
+                outputs[str(index)] = []
+                index += 1
+            for event in engine.step():
+                outputs[event.request_id] += event.token_ids
+                if event.finished:
+                    i = int(event.request_id)
+                    output = outputs.pop(event.request_id)
+                    out.write(json.dumps({"index": i,
+                                          "prompt": chat_prompt(llm.tokenizer, prompts[i]),
+                                          "output": output,
+                                          "temperature": temperatures[i]}) + "\n")
+                    made += len(output)
+                    answers += 1
+                    if answers % 50 == 0:
+                        out.flush()
+                        rate = (made - made_before) / max(1e-9, time.perf_counter() - start)
+                        print(f"{answers} answers, {made} tokens, {rate:.0f} tok/s",
+                              file=sys.stderr)
+    print(json.dumps({"answers": answers, "tokens": made, "shard": str(shard)}))
 
 
 if __name__ == "__main__":
