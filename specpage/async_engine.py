@@ -186,8 +186,18 @@ class AsyncEngine:
                 outputs, stats = await loop.run_in_executor(self._executor, self._step)
             except Exception as error:  # noqa: BLE001 (an engine fault must not stop serving)
                 log.exception("engine step failed; failing the requests in flight")
-                outputs, stats = await loop.run_in_executor(self._executor, self._recover)
-                self._deliver(outputs, EngineFaultError(f"engine fault: {error}"))
+                fault = EngineFaultError(f"engine fault: {error}")
+                try:
+                    outputs, stats = await loop.run_in_executor(self._executor, self._recover)
+                except Exception:  # noqa: BLE001
+                    log.exception("recovery failed; the engine stops admitting requests")
+                    self.draining = True
+                    outputs, stats = [], self._stats
+                self._deliver(outputs, fault)
+                # Streams whose request the engine no longer knows (lost mid-step,
+                # or never submitted) end with the fault rather than never.
+                for request_id in [r for r in self.streams if r not in self.engine.requests]:
+                    self.streams.pop(request_id).fail(fault)
             else:
                 self._deliver(outputs, None)
             self._stats = stats

@@ -13,7 +13,9 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, prompt_ids: Sequence[int], stop: Sequence[str]) -> None:
         self.tokenizer = tokenizer
         self.context = list(prompt_ids[-PROMPT_CONTEXT:])
-        self.context_text = self._decode(self.context)
+        # A prompt that ends inside a character decodes to a trailing U+FFFD
+        # that the first output bytes may complete: compare without it.
+        self.context_text = self._decode(self.context).rstrip("\ufffd")
         self.stop = tuple(stop)
         self.output_ids: list[int] = []
         self.text = ""  # all output text so far (cut at a stop string)
@@ -26,7 +28,7 @@ class IncrementalDetokenizer:
             return ""
         self.output_ids.extend(token_ids)
         full = self._decode(self.context + self.output_ids)
-        text = full[len(self.context_text) :] if full.startswith(self.context_text) else full
+        text = full[len(self.context_text) :]
         complete = text.rstrip("\ufffd")  # a trailing partial character waits for its bytes
         self.text = complete
         hold = 0

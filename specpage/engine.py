@@ -90,6 +90,11 @@ class Engine:
     ) -> None:
         self.config = config or EngineConfig()
         c = self.config
+        if c.max_step_tokens < c.spec_k + 2:
+            raise ValueError(
+                f"max_step_tokens ({c.max_step_tokens}) must be at least spec_k + 2 "
+                f"({c.spec_k + 2}): a decoding sequence may need two positions plus k"
+            )
         if draft is not None:
             check_draft_compatible(target, draft)
         self.target = target
@@ -191,8 +196,17 @@ class Engine:
         self._copy_blocks(plan)
         proposal = self._propose(plan.scheduled)
         verdicts = self.verifier.verify(plan.scheduled, proposal)
+        self._observe(plan)
         self._commit(plan.scheduled, verdicts)
         return self._emit(plan, verdicts)
+
+    def _observe(self, plan: StepPlan) -> None:
+        """Feed the step's k and forward costs to the speculation policy."""
+        deciding = [e.k for e in plan.scheduled if e.wants_logits]
+        if deciding:
+            self.policy.last_k = sum(deciding) / len(deciding)
+        self.policy.observe_costs(self.verifier.last_cost,
+                                  self.proposer.last_cost if self.proposer else None)
 
     def _copy_blocks(self, plan: StepPlan) -> None:
         for runner in self.runners:
@@ -226,9 +240,6 @@ class Engine:
                 outputs += self._fork(seq, verdict.fork_tokens)
             if verdict.new_tokens:
                 outputs.append(self._append(seq, verdict.new_tokens, verdict.logprobs))
-        if plan.scheduled:
-            self.policy.last_k = sum(e.k for e in plan.scheduled if e.wants_logits) / max(
-                1, sum(e.wants_logits for e in plan.scheduled))
         return outputs
 
     # ------------------------------------------------------------------ emitting

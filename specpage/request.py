@@ -26,6 +26,9 @@ class ValidationError(ValueError):
         self.field = field_name
 
 
+GREEDY_BELOW = 1e-5  # temperatures under this are greedy
+
+
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_tokens: int = 16
     temperature: float = 1.0  # 0 is greedy
@@ -40,7 +43,8 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below this, logits / temperature overflows fp32: sample greedily, as vLLM does.
+        return self.temperature < GREEDY_BELOW
 
     def validate(self) -> None:
         checks = (

@@ -102,9 +102,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_uncomputed, budget)
-            k = self._k(seq, num_new, batch)
-            if num_new + k > budget:
+            num_new, k = self._span(seq, budget, batch)
+            if num_new == 0:
                 break  # k never shrinks to fit: the rest wait for the next step
             k = self._fit(seq, num_new, k, preempted)
             if k < 0:  # the sequence preempted itself
@@ -118,6 +117,16 @@ class Scheduler:
         return StepPlan(scheduled, copies, preempted, dropped)
 
     # ------------------------------------------------------------------ helpers
+
+    def _span(self, seq: Sequence, budget: int, batch: int) -> tuple[int, int]:
+        """Tokens to compute and proposals to make this step, within budget.
+        A span that would reach the newest token but not fit its proposals
+        stops one token short instead, so the next step needs only 1 + k."""
+        num_new = min(seq.num_uncomputed, budget)
+        k = self._k(seq, num_new, batch)
+        if num_new + k <= budget:
+            return num_new, k
+        return min(seq.num_uncomputed - 1, budget), 0
 
     def _k(self, seq: Sequence, num_new: int, batch: int) -> int:
         if num_new < seq.num_uncomputed:
@@ -170,13 +179,15 @@ class Scheduler:
         keep_free = int(self.config.admission_watermark * pool.num_blocks)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0][1]
-            if -(-seq.num_tokens // size) > pool.num_available_blocks - keep_free:
+            # The watermark keeps room for running sequences to grow; with
+            # none running, any request that passed validation may start.
+            reserve = keep_free if self.running else 0
+            if -(-seq.num_tokens // size) > pool.num_available_blocks - reserve:
                 break
             cached = pool.allocate_prompt(seq.seq_id, seq.token_ids, seq.request.cache_salt)
             seq.num_computed = cached
-            num_new = min(seq.num_uncomputed, budget)
-            k = self._k(seq, num_new, batch)
-            if num_new + k > budget or not self._fits(seq, num_new + k):
+            num_new, k = self._span(seq, budget, batch)
+            if num_new == 0 or not self._fits(seq, num_new + k):
                 pool.free(seq.seq_id)  # wait until the proposals fit too
                 seq.num_computed = 0
                 break

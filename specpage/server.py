@@ -93,10 +93,14 @@ class GenerationService(pb_grpc.GenerationServicer):
                     yield pb.GenerateEvent(final=_final(event))
         except EngineFaultError as error:
             await context.abort(grpc.StatusCode.INTERNAL, str(error))
+        except DrainingError as error:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
         finally:
             # A cancelled call, a passed deadline or a vanished client all
-            # end here: the engine frees the blocks at its next step.
-            self.engine.abort(request_id)
+            # end here: the engine frees the blocks at its next step. Only
+            # this call's own stream: the id may already be reused.
+            if self.engine.streams.get(request_id) is stream:
+                self.engine.abort(request_id)
             self.in_flight -= 1
 
     async def _admit(self, request: pb.GenerateRequest, request_id: str,
@@ -111,6 +115,9 @@ class GenerationService(pb_grpc.GenerationServicer):
             deadline = _deadline(request, context)
             made = engine.make_request(request_id, prompt, sampling_params(request.sampling),
                                        request.priority, deadline)
+            if len(made.prompt_token_ids) > self.max_prompt_tokens:
+                raise ValidationError("prompt", f"{len(made.prompt_token_ids)} tokens exceed "
+                                      f"the limit of {self.max_prompt_tokens}")
             made.cache_salt = request.cache_salt.encode()
             made.spec_k = SPEC_K.get(request.spec, engine.policy.k_max)
             return self.engine.submit(made)
@@ -136,10 +143,6 @@ class GenerationService(pb_grpc.GenerationServicer):
             prompt = chat_prompt(tokenizer, request.text)
         else:
             prompt = request.text
-        length = len(prompt) if isinstance(prompt, list) else None
-        if length is not None and length > self.max_prompt_tokens:
-            raise ValidationError("prompt", f"{length} tokens exceed the limit of "
-                                  f"{self.max_prompt_tokens}")
         return prompt
 
     async def Abort(  # noqa: N802

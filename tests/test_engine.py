@@ -216,3 +216,8 @@ def test_bad_prompts_name_the_field(models):
     eng.add_request("ok", [1, 2], GREEDY)
     with pytest.raises(ValidationError, match="already running"):
         eng.add_request("ok", [1, 2], GREEDY)
+
+
+def test_the_step_budget_must_hold_a_decoding_span(models):
+    with pytest.raises(ValueError, match="spec_k \\+ 2"):
+        engine(models, spec_k=4, max_step_tokens=5)

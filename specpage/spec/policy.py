@@ -94,6 +94,16 @@ class SpecPolicy:
             return 1
         return best_k
 
+    def observe_costs(
+        self, target: tuple[int, float] | None, draft: tuple[int, float] | None
+    ) -> None:
+        """(items, seconds) of this step's target forward (items: positions)
+        and of one draft forward (items: sequences)."""
+        if target is not None and target[0] > 0:
+            self.target_cost.observe(*target)
+        if draft is not None and draft[0] > 0:
+            self.draft_cost.observe(*draft)
+
     def observe_acceptance(self, seq: Sequence, proposed: int, accepted: int) -> None:
         if proposed == 0:
             return

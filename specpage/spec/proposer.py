@@ -8,6 +8,7 @@ k reaches it.
 
 from __future__ import annotations
 
+import time
 from typing import NamedTuple
 
 import torch
@@ -29,6 +30,7 @@ class DraftProposer:
         self.runner = runner
         self.pool = pool
         self.num_forwards = 0
+        self.last_cost: tuple[int, float] | None = None  # (sequences, seconds) per forward
 
     def propose(self, scheduled: list[ScheduledSeq]) -> Proposal:
         tokens: list[list[int]] = [[] for _ in scheduled]
@@ -40,6 +42,7 @@ class DraftProposer:
             for e, table in zip(scheduled, tables, strict=True)
         ]  # fmt: skip
         active = [i for i, e in enumerate(scheduled) if e.k > 0]
+        start, forwards = time.perf_counter(), 1
         logits = self.runner.forward(spans)
         self.num_forwards += 1
         depth = 0
@@ -65,4 +68,7 @@ class DraftProposer:
                      for i in active]
             logits = self.runner.forward(spans)
             self.num_forwards += 1
+            forwards += 1
+        seconds = time.perf_counter() - start
+        self.last_cost = (len(scheduled), seconds / forwards)
         return Proposal(tokens, [torch.stack(p) if p else None for p in probs])

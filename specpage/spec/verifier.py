@@ -9,6 +9,7 @@ in a forward that is bandwidth-bound anyway).
 
 from __future__ import annotations
 
+import time
 from typing import NamedTuple
 
 import torch
@@ -36,9 +37,11 @@ class Verifier:
     def __init__(self, runner: ModelRunner, pool: BlockPool) -> None:
         self.runner = runner
         self.pool = pool
+        self.last_cost: tuple[int, float] | None = None  # (positions, seconds) of the last forward
 
     def verify(self, scheduled: list[ScheduledSeq], proposal: Proposal) -> list[Verdict]:
         if not scheduled:
+            self.last_cost = None
             return []
         spans = []
         for e, drafted in zip(scheduled, proposal.tokens, strict=True):
@@ -46,7 +49,9 @@ class Verifier:
             new = e.seq.token_ids[start : start + e.num_new] + drafted
             logits_wanted = len(drafted) + 1 if e.wants_logits else 0
             spans.append(SeqSpan(new, start, self.pool.block_table(e.seq.seq_id), logits_wanted))
+        start = time.perf_counter()
         logits = self.runner.forward(spans)  # [sum of (k + 1) over logit rows, vocab]
+        self.last_cost = (sum(len(s.token_ids) for s in spans), time.perf_counter() - start)
         verdicts = [Verdict(e.num_new, [], 0, 0, [], []) for e in scheduled]
         rows = [i for i, e in enumerate(scheduled) if e.wants_logits]
         if rows:
