@@ -237,7 +237,7 @@ class Engine:
             request.usage.drafted_tokens += verdict.num_proposed
             request.usage.accepted_tokens += verdict.num_accepted
             if verdict.fork_tokens:
-                outputs += self._fork(seq, verdict.fork_tokens)
+                outputs += self._fork(seq, verdict.fork_tokens, verdict.fork_logprobs)
             if verdict.new_tokens:
                 outputs.append(self._append(seq, verdict.new_tokens, verdict.logprobs))
         return outputs
@@ -298,7 +298,9 @@ class Engine:
             del self.requests[request.request_id]
         return output
 
-    def _fork(self, parent: Sequence, first_tokens: list[int]) -> list[RequestOutput]:
+    def _fork(
+        self, parent: Sequence, first_tokens: list[int], logprobs: list[float]
+    ) -> list[RequestOutput]:
         """Samples 1..n-1 share the parent's committed blocks from here on."""
         outputs = []
         for index, token in enumerate(first_tokens, start=1):
@@ -306,7 +308,7 @@ class Engine:
             self.pool.fork(parent.seq_id, child.seq_id)
             child.num_computed = parent.num_computed
             self.scheduler.add_running(child)
-            outputs.append(self._append(child, [token], []))
+            outputs.append(self._append(child, [token], logprobs[index - 1 : index]))
         return outputs
 
     # ------------------------------------------------------------------ helpers

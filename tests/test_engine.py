@@ -221,3 +221,24 @@ def test_bad_prompts_name_the_field(models):
 def test_the_step_budget_must_hold_a_decoding_span(models):
     with pytest.raises(ValueError, match="spec_k \\+ 2"):
         engine(models, spec_k=4, max_step_tokens=5)
+
+
+def test_logprobs_cover_every_token_of_every_sample(models):
+    hf = models[0]
+    prompt = prompts(1)[0]
+    params = SamplingParams(max_tokens=6, temperature=0.8, seed=3, n=2, logprobs=True,
+                            ignore_eos=True)
+    eng = engine(models)
+    eng.add_request("lp", prompt, params)
+    tokens, logprobs = {0: [], 1: []}, {0: [], 1: []}
+    while eng.has_unfinished():
+        for out in eng.step():
+            tokens[out.index] += out.token_ids
+            logprobs[out.index] += out.logprobs or []
+    for index in (0, 1):
+        assert len(logprobs[index]) == len(tokens[index]) == 6
+        ids = torch.tensor([prompt + tokens[index]])
+        with torch.no_grad():
+            expected = torch.log_softmax(hf(ids).logits[0], -1)
+        for j, token in enumerate(tokens[index]):
+            assert abs(expected[len(prompt) - 1 + j, token] - logprobs[index][j]) < 1e-4

@@ -31,6 +31,7 @@ class Verdict(NamedTuple):
     num_accepted: int
     logprobs: list[float]  # of new_tokens, when asked for
     fork_tokens: list[int]  # first tokens of samples 1..n-1, sampled with the first
+    fork_logprobs: list[float]  # theirs, when asked for
 
 
 class Verifier:
@@ -52,7 +53,7 @@ class Verifier:
         start = time.perf_counter()
         logits = self.runner.forward(spans)  # [sum of (k + 1) over logit rows, vocab]
         self.last_cost = (sum(len(s.token_ids) for s in spans), time.perf_counter() - start)
-        verdicts = [Verdict(e.num_new, [], 0, 0, [], []) for e in scheduled]
+        verdicts = [Verdict(e.num_new, [], 0, 0, [], [], []) for e in scheduled]
         rows = [i for i, e in enumerate(scheduled) if e.wants_logits]
         if rows:
             self._accept(scheduled, proposal, rows, logits, verdicts)
@@ -91,6 +92,7 @@ class Verifier:
             if log_probs is not None and seq.request.params.logprobs:
                 chosen = [float(log_probs[offsets[r] + j, t]) for j, t in enumerate(new_tokens)]
             forks = self._fork_tokens(seq, logits[offsets[r]]) if k == 0 else []
+            fork_logprobs = [float(log_probs[offsets[r], t]) for t in forks] if chosen else []
             verdicts[i] = Verdict(
                 num_commit=scheduled[i].num_new + min(a, max(k - 1, 0)),
                 new_tokens=new_tokens,
@@ -98,6 +100,7 @@ class Verifier:
                 num_accepted=a,
                 logprobs=chosen,
                 fork_tokens=forks,
+                fork_logprobs=fork_logprobs,
             )
 
     @staticmethod
