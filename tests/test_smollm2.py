@@ -53,7 +53,8 @@ def test_speculative_engine_text_and_stop_strings(smollm2):
     from specpage.llm import LLM, chat_prompt
     from specpage.request import SamplingParams
 
-    llm = LLM(smollm2, draft=smollm2, config=EngineConfig(num_blocks=128, spec_k=4))
+    llm = LLM(smollm2, draft=smollm2, config=EngineConfig(num_blocks=128, spec_k=4,
+                                                          adaptive_k=False))
     prompt = chat_prompt(llm.tokenizer, PROMPTS[0])
     greedy = SamplingParams(max_tokens=24, temperature=0)
     full, stopped = llm.generate([prompt, prompt], [
