@@ -120,7 +120,10 @@ def main() -> None:
     }
     for name, value in throughput.items():
         print(f"{name}: {value:.1f} output tokens/s", file=sys.stderr)
-    spec = LLM(folder, draft=folder, config=EngineConfig(num_blocks=512, spec_k=4))
+    # k fixed at 4: with the target as its own draft, adaptive k would (rightly)
+    # turn speculation off, and this row is the upper bound of acceptance.
+    spec = LLM(folder, draft=folder, config=EngineConfig(num_blocks=512, spec_k=4,
+                                                         adaptive_k=False))
     stream = single_stream(plain, spec, hf, prompts[0], single)
     print(stream, file=sys.stderr)
     finish("engine", {
