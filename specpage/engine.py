@@ -146,6 +146,9 @@ class Engine:
     ) -> Request:
         """Validate and tokenize; touches no engine state, so any thread may call it."""
         params.validate()
+        if params.n > self.config.max_num_seqs:
+            raise ValidationError("n", f"{params.n} samples exceed max_num_seqs "
+                                  f"({self.config.max_num_seqs})")
         prompt_ids = self._tokenize(prompt)
         validate_prompt(prompt_ids, self.target.config.vocab_size, self.max_context)
         self._check_fits(len(prompt_ids), params)

@@ -55,6 +55,12 @@ def _key(seq: Sequence) -> tuple[int, float, int]:
     return (seq.request.priority, seq.request.arrival, seq.seq_id)
 
 
+def _slots(seq: Sequence) -> int:
+    """Running places a sequence will take: a first sample forks into n
+    once its prompt is done."""
+    return seq.request.params.n if seq.index == 0 and not seq.output_token_ids else 1
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, pool: BlockPool, choose_k: ChooseK) -> None:
         self.config = config
@@ -177,8 +183,12 @@ class Scheduler:
     ) -> None:
         pool, size = self.pool, self.pool.block_size
         keep_free = int(self.config.admission_watermark * pool.num_blocks)
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        occupied = sum(map(_slots, self.running))
+        while self.waiting and budget > 0:
             seq = self.waiting[0][1]
+            if occupied + _slots(seq) > self.config.max_num_seqs:
+                break
+            occupied += _slots(seq)
             # The watermark keeps room for running sequences to grow; with
             # none running, any request that passed validation may start.
             reserve = keep_free if self.running else 0

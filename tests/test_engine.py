@@ -242,3 +242,16 @@ def test_logprobs_cover_every_token_of_every_sample(models):
             expected = torch.log_softmax(hf(ids).logits[0], -1)
         for j, token in enumerate(tokens[index]):
             assert abs(expected[len(prompt) - 1 + j, token] - logprobs[index][j]) < 1e-4
+
+
+def test_forked_samples_count_against_max_num_seqs(models):
+    eng = engine(models, max_num_seqs=4)
+    with pytest.raises(ValidationError, match="n"):
+        eng.add_request("big", prompts(1)[0], sampled(1, n=5))
+    for i in range(3):
+        eng.add_request(str(i), prompts(1, seed=i)[0], sampled(i, n=3))
+    most = 0
+    while eng.has_unfinished():
+        eng.step()
+        most = max(most, len(eng.scheduler.running))
+    assert most <= 4
