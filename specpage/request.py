@@ -164,9 +164,6 @@ class Request:
     def finished(self) -> bool:
         return bool(self.sequences) and all(s.finished for s in self.sequences)
 
-    def sort_key(self) -> tuple[int, float]:
-        return (self.priority, self.arrival)
-
 
 def validate_prompt(token_ids: abc.Sequence[int], vocab_size: int, max_context: int) -> None:
     if not token_ids:

@@ -8,6 +8,8 @@ import enum
 
 import torch
 
+from specpage.request import GREEDY_BELOW
+
 _MASK64 = (1 << 64) - 1
 
 
@@ -38,7 +40,7 @@ def probabilities(
     top_p: torch.Tensor,  # [rows] fp32 in (0, 1]
 ) -> torch.Tensor:
     """The distribution each row samples from, [rows, vocab] fp32."""
-    greedy = temperature < 1e-5  # as SamplingParams.greedy: tinier ones overflow
+    greedy = temperature < GREEDY_BELOW
     scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]
     probs = torch.softmax(scaled, dim=-1)
     if bool(((top_k > 0) | (top_p < 1)).any()):

@@ -29,7 +29,6 @@ class DraftProposer:
     def __init__(self, runner: ModelRunner, pool: BlockPool) -> None:
         self.runner = runner
         self.pool = pool
-        self.num_forwards = 0
         self.last_cost: tuple[int, float] | None = None  # (sequences, seconds) per forward
 
     def propose(self, scheduled: list[ScheduledSeq]) -> Proposal:
@@ -44,7 +43,6 @@ class DraftProposer:
         active = [i for i, e in enumerate(scheduled) if e.k > 0]
         start, forwards = time.perf_counter(), 1
         logits = self.runner.forward(spans)
-        self.num_forwards += 1
         depth = 0
         while active:
             seqs = [scheduled[i].seq for i in active]
@@ -67,7 +65,6 @@ class DraftProposer:
             spans = [SeqSpan([tokens[i][-1]], scheduled[i].seq.num_tokens + depth - 1, tables[i])
                      for i in active]
             logits = self.runner.forward(spans)
-            self.num_forwards += 1
             forwards += 1
         seconds = time.perf_counter() - start
         self.last_cost = (len(scheduled), seconds / forwards)
