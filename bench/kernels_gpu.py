@@ -75,11 +75,10 @@ class Pool:
         self.cache = torch.randn(
             2, num_blocks, bs, kv_heads, d, dtype=torch.bfloat16, device="cuda"
         )  # [2, num_blocks, block_size, kv_heads, head_dim]
-        flat = self.cache.view(2, -1, kv_heads, d)
-        slots = self.meta.gather_slots[:, :context]  # [num_seqs, context]
+        blocks = self.cache[:, self.meta.block_tables]  # [2, seqs, blocks, bs, kv, d]
         # [num_seqs, kv_heads, context, head_dim]
-        self.k = flat[0][slots].transpose(1, 2).contiguous()
-        self.v = flat[1][slots].transpose(1, 2).contiguous()
+        self.k = blocks[0].flatten(1, 2)[:, :context].transpose(1, 2).contiguous()
+        self.v = blocks[1].flatten(1, 2)[:, :context].transpose(1, 2).contiguous()
         self.kv_bytes = self.k.nbytes + self.v.nbytes
 
 

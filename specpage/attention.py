@@ -29,7 +29,7 @@ class AttentionMetadata:
     max_query: int
     max_context: int
     # Reference backend: padded views, built once per forward for all layers.
-    gather_slots: torch.Tensor  # [num_seqs, max_context] int64, flat slot of each context position
+    gather_blocks: torch.Tensor  # [num_seqs * ceil(max_context / block_size)] int64, block ids
     mask: torch.Tensor | None  # [num_seqs, 1, groups * max_query, max_context] bool, True = attend
     query_index: torch.Tensor | None  # [num_tokens] row of each token in [num_seqs * max_query]
 
@@ -51,6 +51,20 @@ class TorchAttention:
 
     cache: [2, num_blocks, block_size, kv_heads, head_dim] (K then V) of one layer.
     """
+
+    def __init__(self) -> None:
+        # Gather destinations, reused across layers and steps: a fresh tensor
+        # of tens of MB per gather costs more in page faults than the copy.
+        self._workspace: list[torch.Tensor | None] = [None, None]
+
+    def _gather(self, rows: torch.Tensor, blocks: torch.Tensor, which: int) -> torch.Tensor:
+        size = blocks.numel() * rows.shape[1]
+        buffer = self._workspace[which]
+        if (buffer is None or buffer.numel() < size or buffer.dtype != rows.dtype
+                or buffer.device != rows.device):
+            buffer = self._workspace[which] = rows.new_empty(size + size // 4)
+        out = buffer[:size].view(blocks.numel(), rows.shape[1])
+        return torch.index_select(rows, 0, blocks, out=out)
 
     def write_kv(
         self, cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
@@ -75,12 +89,14 @@ class TorchAttention:
         # K and V are gathered once per KV head rather than repeated.
         q = q.view(num_seqs, max_query, kv_heads, groups, head_dim)
         q = q.permute(0, 2, 3, 1, 4).reshape(num_seqs, kv_heads, groups * max_query, head_dim)
-        flat = cache.view(2, -1, kv_heads, head_dim)
-        slots = meta.gather_slots.view(-1)
+        # Whole blocks are gathered (one contiguous row of block_size * kv_heads
+        # * head_dim each, far cheaper than a row per position), then cut to
+        # max_context by a view; positions past a sequence's context are masked.
+        rows = cache.view(2, cache.shape[1], -1)
         shape = (num_seqs, -1, kv_heads, head_dim)
-        # index_select rather than advanced indexing: the same rows, far cheaper
-        k = flat[0].index_select(0, slots).view(shape).transpose(1, 2)  # [seqs, kv, ctx, d]
-        v = flat[1].index_select(0, slots).view(shape).transpose(1, 2)
+        context = meta.max_context
+        k = self._gather(rows[0], meta.gather_blocks, 0).view(shape)[:, :context].transpose(1, 2)
+        v = self._gather(rows[1], meta.gather_blocks, 1).view(shape)[:, :context].transpose(1, 2)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.mask, scale=scale)
         out = out.view(num_seqs, kv_heads, groups, max_query, head_dim).permute(0, 3, 1, 2, 4)
         out = out.reshape(num_seqs * max_query, heads * head_dim)
@@ -107,9 +123,9 @@ def build_metadata(
     num_seqs = len(spans)
 
     positions = torch.arange(max_context)
-    gather_slots = (
-        block_tables[:, positions // block_size] * block_size + positions % block_size
-    )  # [num_seqs, max_context]; padding positions read block 0, masked below
+    context_blocks = -(-max_context // block_size)
+    # padding entries read block 0, masked below
+    gather_blocks = block_tables[:, :context_blocks].reshape(-1)
     query_pos = starts[:, None] + torch.arange(max_query)[None, :]  # [num_seqs, max_query]
     valid_query = torch.arange(max_query)[None, :] < query_lens[:, None]
     mask = positions[None, None, :] <= query_pos[:, :, None]
@@ -135,7 +151,7 @@ def build_metadata(
         query_start=torch.nn.functional.pad(query_lens.cumsum(0), (1, 0)).to(device),
         max_query=max_query,
         max_context=max_context,
-        gather_slots=gather_slots.to(device),
+        gather_blocks=gather_blocks.to(device),
         mask=None if mask is None else mask.to(device),
         query_index=None if query_index is None else query_index.to(device),
     )
