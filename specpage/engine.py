@@ -71,7 +71,8 @@ class EngineStats:
     tentative_blocks: int
     drafted_tokens: int
     accepted_tokens: int
-    acceptance: float
+    acceptance: float  # accepted / drafted
+    per_token_acceptance: float  # accepted / tested: the a in (1 - a^(k+1)) / (1 - a)
     current_k: float
     preemptions: int
     prefix_cached_tokens: int
@@ -354,6 +355,7 @@ class Engine:
             drafted_tokens=self.policy.num_drafted,
             accepted_tokens=self.policy.num_accepted,
             acceptance=self.policy.num_accepted / max(1, self.policy.num_drafted),
+            per_token_acceptance=self.policy.num_accepted / max(1, self.policy.num_tested),
             current_k=self.policy.last_k,
             preemptions=self.scheduler.num_preemptions,
             prefix_cached_tokens=self.scheduler.num_cached_tokens,

@@ -37,6 +37,7 @@ class EngineStatsLike(Protocol):
     drafted_tokens: int
     accepted_tokens: int
     acceptance: float
+    per_token_acceptance: float
     current_k: float
     preemptions: int
     prefix_cached_tokens: int
@@ -127,6 +128,11 @@ class Metrics:
         self.acceptance = Gauge(
             "acceptance_ratio", "Accepted / drafted tokens, since start", namespace=ns, registry=r
         )
+        self.per_token_acceptance = Gauge(
+            "per_token_acceptance_ratio",
+            "Accepted / tested draft tokens (a proposal is tested when all before it were "
+            "accepted), since start", namespace=ns, registry=r,
+        )
         # Series that exist from the start, at 0, so rate() and sums see them at once.
         for reason in FinishReason:
             self.finished.labels(reason=reason.value)
@@ -168,6 +174,7 @@ class Metrics:
         self.drafted.set(stats.drafted_tokens)
         self.accepted.set(stats.accepted_tokens)
         self.acceptance.set(stats.acceptance)
+        self.per_token_acceptance.set(stats.per_token_acceptance)
         self.spec_k.set(stats.current_k)
 
     def start_http(self, host: str, port: int) -> MetricsServer:

@@ -27,6 +27,7 @@ class Stats:
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     acceptance: float = 0.0
+    per_token_acceptance: float = 0.0
     current_k: float = 0.0
     preemptions: int = 0
     prefix_cached_tokens: int = 0
@@ -95,7 +96,8 @@ def test_update_engine_sets_gauges_and_adds_counter_growth(metrics: Metrics) -> 
     )  # fmt: skip
     metrics.update_engine(
         Stats(running=1, waiting=0, free_blocks=18, cached_blocks=2, in_use_blocks=0,
-              drafted_tokens=100, accepted_tokens=60, acceptance=0.6, current_k=3,
+              drafted_tokens=100, accepted_tokens=60, acceptance=0.6,
+              per_token_acceptance=0.7, current_k=3,
               preemptions=3, prefix_cached_tokens=64, prompt_tokens=256)
     )  # fmt: skip
     got = samples(metrics.render().decode())
@@ -113,6 +115,7 @@ def test_update_engine_sets_gauges_and_adds_counter_growth(metrics: Metrics) -> 
     assert got["specpage_prefix_cached_tokens_total", ()] == 64
     assert got["specpage_prefix_cache_hit_ratio", ()] == 0.25
     assert got["specpage_acceptance_ratio", ()] == 0.6
+    assert got["specpage_per_token_acceptance_ratio", ()] == 0.7
     assert got["specpage_spec_k", ()] == 3
 
 

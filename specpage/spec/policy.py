@@ -64,6 +64,7 @@ class SpecPolicy:
         self.draft_cost = LinearCost(PRIOR_DRAFT.fixed, PRIOR_DRAFT.per_item)
         self.num_drafted = 0
         self.num_accepted = 0
+        self.num_tested = 0  # proposals whose predecessors were all accepted
         self.last_k = 0.0  # mean k of the last step
         self.accepted_by_position = [0] * k_max  # acceptances at proposal 1..k_max
 
@@ -115,5 +116,6 @@ class SpecPolicy:
         self.acceptance += EMA * (rate - self.acceptance)
         self.num_drafted += proposed
         self.num_accepted += accepted
+        self.num_tested += tested
         for position in range(accepted):
             self.accepted_by_position[position] += 1

@@ -1,0 +1,60 @@
+"""The speculation policy alone (pure Python): acceptance bookkeeping, cost
+fits and the choice of k."""
+
+import pytest
+
+from specpage.request import Request, SamplingParams, Sequence
+from specpage.spec.policy import PROBE_EVERY, LinearCost, SpecPolicy, expected_tokens
+
+
+def sequence(acceptance: float, num_tokens: int = 5, **params) -> Sequence:
+    request = Request("r", (1, 2, 3), SamplingParams(max_tokens=64, **params))
+    seq = Sequence(0, request, 0, [1, 2, 3] + [9] * (num_tokens - 3))
+    seq.acceptance = acceptance
+    request.sequences.append(seq)
+    return seq
+
+
+def test_per_token_acceptance_counts_only_tested_proposals():
+    policy = SpecPolicy(k_max=4)
+    seq = sequence(0.6)
+    policy.observe_acceptance(seq, proposed=4, accepted=2)  # 3 tested: 2 kept, 1 rejected
+    policy.observe_acceptance(seq, proposed=4, accepted=4)  # all 4 tested and kept
+    policy.observe_acceptance(seq, proposed=0, accepted=0)  # no speculation: ignored
+    assert (policy.num_drafted, policy.num_accepted, policy.num_tested) == (8, 6, 7)
+    assert policy.accepted_by_position == [2, 2, 1, 1]
+
+
+def test_linear_cost_recovers_a_line_from_two_batch_sizes():
+    cost = LinearCost(fixed=1.0, per_item=0.0)
+    for _ in range(20):
+        cost.observe(1, 0.050)
+        cost.observe(9, 0.090)
+    assert cost.fixed == pytest.approx(0.045, rel=1e-6)
+    assert cost.per_item == pytest.approx(0.005, rel=1e-6)
+
+
+def test_expected_tokens_matches_the_geometric_sum():
+    assert expected_tokens(0.5, 4) == pytest.approx(1 + 0.5 + 0.25 + 0.125 + 0.0625)
+    assert expected_tokens(0.0, 4) == 1.0
+
+
+def test_fixed_k_and_a_request_cap():
+    assert SpecPolicy(k_max=4, adaptive=False).choose_k(sequence(0.0), batch=1) == 4
+    capped = sequence(0.9)
+    capped.request.spec_k = 2
+    assert SpecPolicy(k_max=4).choose_k(capped, batch=1) == 2
+
+
+def test_adaptive_k_speculates_when_it_pays_and_stops_when_it_does_not():
+    policy = SpecPolicy(k_max=6)
+    for _ in range(50):  # a bandwidth-bound target, a draft a tenth of its cost
+        policy.observe_costs((1, 0.050), (1, 0.005))
+        policy.observe_costs((5, 0.055), None)
+    policy.acceptance = 0.8
+    assert policy.choose_k(sequence(0.8), batch=1) >= 3
+    policy.acceptance = 0.02
+    off = sequence(0.02, num_tokens=PROBE_EVERY + 1)
+    assert policy.choose_k(off, batch=1) == 0
+    # now and then one probe keeps acceptance measured
+    assert policy.choose_k(sequence(0.02, num_tokens=PROBE_EVERY), batch=1) == 1
