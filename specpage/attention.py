@@ -29,9 +29,22 @@ class AttentionMetadata:
     max_query: int
     max_context: int
     # Reference backend: padded views, built once per forward for all layers.
+    padded: list[PaddedGroup]  # sequences with spans of similar length, padded together
+
+
+@dataclass(frozen=True)
+class PaddedGroup:
+    """Sequences whose spans the reference backend pads to one query length
+    and one context. Prefill chunks and decode tokens go in different groups,
+    so one long chunk does not pad every decode row to its length."""
+
+    token_rows: torch.Tensor | None  # [tokens] rows of q in this group; None: all, in order
+    num_seqs: int
+    max_query: int
+    max_context: int
     gather_blocks: torch.Tensor  # [num_seqs * ceil(max_context / block_size)] int64, block ids
     mask: torch.Tensor | None  # [num_seqs, 1, groups * max_query, max_context] bool, True = attend
-    query_index: torch.Tensor | None  # [num_tokens] row of each token in [num_seqs * max_query]
+    query_index: torch.Tensor | None  # [tokens] row of each token in [num_seqs * max_query]
 
 
 class AttentionBackend(Protocol):
@@ -78,13 +91,25 @@ class TorchAttention:
         self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
         """q [num_tokens, heads, head_dim] -> [num_tokens, heads * head_dim]."""
-        num_tokens, heads, head_dim = q.shape
+        if len(meta.padded) == 1:
+            return self._attend_group(q, cache, meta.padded[0], scale)
+        out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+        for group in meta.padded:
+            assert group.token_rows is not None
+            rows = group.token_rows
+            out.index_copy_(0, rows, self._attend_group(q[rows], cache, group, scale))
+        return out
+
+    def _attend_group(
+        self, q: torch.Tensor, cache: torch.Tensor, group: PaddedGroup, scale: float
+    ) -> torch.Tensor:
+        _, heads, head_dim = q.shape
         kv_heads = cache.shape[-2]
         groups = heads // kv_heads
-        num_seqs, max_query = meta.query_lens.shape[0], meta.max_query
-        if meta.query_index is not None:
+        num_seqs, max_query = group.num_seqs, group.max_query
+        if group.query_index is not None:
             padded = q.new_zeros(num_seqs * max_query, heads, head_dim)
-            q = padded.index_copy_(0, meta.query_index, q)
+            q = padded.index_copy_(0, group.query_index, q)
         # Query heads sharing a KV head are stacked along the query axis, so
         # K and V are gathered once per KV head rather than repeated.
         q = q.view(num_seqs, max_query, kv_heads, groups, head_dim)
@@ -94,13 +119,13 @@ class TorchAttention:
         # max_context by a view; positions past a sequence's context are masked.
         rows = cache.view(2, cache.shape[1], -1)
         shape = (num_seqs, -1, kv_heads, head_dim)
-        context = meta.max_context
-        k = self._gather(rows[0], meta.gather_blocks, 0).view(shape)[:, :context].transpose(1, 2)
-        v = self._gather(rows[1], meta.gather_blocks, 1).view(shape)[:, :context].transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.mask, scale=scale)
+        context = group.max_context
+        k = self._gather(rows[0], group.gather_blocks, 0).view(shape)[:, :context].transpose(1, 2)
+        v = self._gather(rows[1], group.gather_blocks, 1).view(shape)[:, :context].transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scale)
         out = out.view(num_seqs, kv_heads, groups, max_query, head_dim).permute(0, 3, 1, 2, 4)
         out = out.reshape(num_seqs * max_query, heads * head_dim)
-        return out if meta.query_index is None else out[meta.query_index]
+        return out if group.query_index is None else out[group.query_index]
 
     def copy_blocks(self, kv_cache: torch.Tensor, pairs: torch.Tensor) -> None:
         """kv_cache [layers, 2, num_blocks, ...]; pairs [num_pairs, 2] int64 (src, dst)."""
@@ -120,12 +145,63 @@ def build_metadata(
     block_tables = torch.tensor(
         [t + [0] * (max_blocks - len(t)) for _, _, t in spans], dtype=torch.int64
     )
-    num_seqs = len(spans)
+    query_start = torch.nn.functional.pad(query_lens.cumsum(0), (1, 0))
+    token_seq = torch.repeat_interleave(torch.arange(len(spans)), query_lens)
+    token_pos = starts[token_seq] + torch.arange(len(token_seq)) - query_start[token_seq]
+    slot_mapping = (
+        block_tables[token_seq, token_pos // block_size] * block_size + token_pos % block_size
+    )
+    grouped = _group_by_span(query_lens)
+    padded = [
+        _padded_group(members, starts, query_lens, query_start, block_tables, block_size,
+                      groups, len(grouped) == 1, device)
+        for members in grouped
+    ]
+    return AttentionMetadata(
+        slot_mapping=slot_mapping.to(device),
+        block_tables=block_tables.to(device),
+        context_lens=context_lens.to(device),
+        query_lens=query_lens.to(device),
+        query_start=query_start.to(device),
+        max_query=max_query,
+        max_context=max_context,
+        padded=padded,
+    )
 
+
+SHORT_SPAN = 8  # decode tokens and verify spans share a group up to this length
+
+
+def _group_by_span(query_lens: torch.Tensor) -> list[list[int]]:
+    """Sequence indices grouped by span length: all short spans together,
+    longer ones by power of two, so padding at most doubles a group's work."""
+    buckets: dict[int, list[int]] = {}
+    for i, n in enumerate(query_lens.tolist()):
+        key = 0 if n <= SHORT_SPAN else (n - 1).bit_length()
+        buckets.setdefault(key, []).append(i)
+    return [buckets[key] for key in sorted(buckets)]
+
+
+def _padded_group(
+    members: list[int],
+    all_starts: torch.Tensor,
+    all_query_lens: torch.Tensor,
+    query_start: torch.Tensor,
+    block_tables: torch.Tensor,
+    block_size: int,
+    groups: int,
+    only_group: bool,
+    device: torch.device,
+) -> PaddedGroup:
+    index = torch.tensor(members, dtype=torch.int64)
+    starts, query_lens = all_starts[index], all_query_lens[index]
+    context_lens = starts + query_lens
+    num_seqs = len(members)
+    max_query, max_context = int(query_lens.max()), int(context_lens.max())
     positions = torch.arange(max_context)
     context_blocks = -(-max_context // block_size)
     # padding entries read block 0, masked below
-    gather_blocks = block_tables[:, :context_blocks].reshape(-1)
+    gather_blocks = block_tables[index, :context_blocks].reshape(-1)
     query_pos = starts[:, None] + torch.arange(max_query)[None, :]  # [num_seqs, max_query]
     valid_query = torch.arange(max_query)[None, :] < query_lens[:, None]
     mask = positions[None, None, :] <= query_pos[:, :, None]
@@ -134,21 +210,16 @@ def build_metadata(
     mask = mask[:, None].repeat(1, groups, 1, 1).view(num_seqs, 1, groups * max_query, -1)
     if max_query == 1 and bool((context_lens == max_context).all()):
         mask = None  # one token per sequence over full, equal contexts: nothing to hide
-
     seq_of_row = torch.arange(num_seqs)[:, None].expand(num_seqs, max_query)
     rows = (seq_of_row * max_query + torch.arange(max_query)[None, :])[valid_query]
-    token_pos = query_pos[valid_query]
-    token_seq = seq_of_row[valid_query]
-    slot_mapping = (
-        block_tables[token_seq, token_pos // block_size] * block_size + token_pos % block_size
-    )
     query_index = None if bool(valid_query.all()) else rows
-    return AttentionMetadata(
-        slot_mapping=slot_mapping.to(device),
-        block_tables=block_tables.to(device),
-        context_lens=context_lens.to(device),
-        query_lens=query_lens.to(device),
-        query_start=torch.nn.functional.pad(query_lens.cumsum(0), (1, 0)).to(device),
+    token_rows = None
+    if not only_group:
+        offsets = torch.arange(max_query)[None, :].expand(num_seqs, max_query)
+        token_rows = (query_start[index][:, None] + offsets)[valid_query].to(device)
+    return PaddedGroup(
+        token_rows=token_rows,
+        num_seqs=num_seqs,
         max_query=max_query,
         max_context=max_context,
         gather_blocks=gather_blocks.to(device),

@@ -93,6 +93,26 @@ def test_mixed_prefill_decode_and_verify_spans_in_one_forward(tmp_path):
     assert rel_error(ours[2:], refs[2][4:]) < RTOL
 
 
+def test_spans_of_very_different_lengths_in_one_forward(tmp_path):
+    """A long prefill chunk, a medium one and a decode token: the reference
+    backend pads them in separate groups and must put every row back."""
+    hf = tiny_checkpoint(tmp_path, "llama")
+    runner = ModelRunner(load_model(tmp_path), num_blocks=32, block_size=4)
+    rng = random.Random(3)
+    seqs = [[rng.randrange(211) for _ in range(n)] for n in (30, 12, 6)]
+    tables = [list(range(0, 8)), [8, 9, 10], [11, 12]]
+    runner.forward([SeqSpan(seqs[2][:5], 0, tables[2], 1)])
+    spans = [SeqSpan(seqs[0], 0, tables[0], 3), SeqSpan(seqs[1], 0, tables[1], 1),
+             SeqSpan(seqs[2][5:], 5, tables[2], 1)]
+    ours = runner.forward(spans)
+    assert ours.shape == (5, 211)
+    with torch.no_grad():
+        refs = [hf(torch.tensor([s])).logits[0] for s in seqs]
+    assert rel_error(ours[:3], refs[0][-3:]) < RTOL
+    assert rel_error(ours[3], refs[1][-1]) < RTOL
+    assert rel_error(ours[4], refs[2][-1]) < RTOL
+
+
 def test_copy_blocks_copies_every_layer_for_copy_on_write(tmp_path):
     hf = tiny_checkpoint(tmp_path)
     runner = ModelRunner(load_model(tmp_path), num_blocks=8, block_size=4)
