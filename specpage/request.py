@@ -98,7 +98,7 @@ class Sequence:
     """One sample of a request. Its id is the pool's sequence id."""
 
     __slots__ = ("seq_id", "request", "index", "token_ids", "num_prompt", "num_computed",
-                 "status", "finish_reason", "logprobs", "acceptance", "detok")  # fmt: skip
+                 "status", "finish_reason", "logprobs", "accepted", "tested", "detok")  # fmt: skip
 
     def __init__(self, seq_id: int, request: Request, index: int, token_ids: list[int]) -> None:
         self.seq_id = seq_id
@@ -110,7 +110,8 @@ class Sequence:
         self.status = Status.WAITING
         self.finish_reason: FinishReason | None = None
         self.logprobs: list[float] = []
-        self.acceptance = 0.6  # running estimate of per-token acceptance
+        self.accepted = 0.0  # decayed counts of its accepted and tested proposals
+        self.tested = 0.0
         self.detok: object = None  # the engine's incremental detokenizer
 
     @property

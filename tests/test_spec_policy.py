@@ -7,17 +7,24 @@ from specpage.request import Request, SamplingParams, Sequence
 from specpage.spec.policy import PROBE_EVERY, LinearCost, SpecPolicy, expected_tokens
 
 
-def sequence(acceptance: float, num_tokens: int = 5, **params) -> Sequence:
+def sequence(num_tokens: int = 5, **params) -> Sequence:
     request = Request("r", (1, 2, 3), SamplingParams(max_tokens=64, **params))
     seq = Sequence(0, request, 0, [1, 2, 3] + [9] * (num_tokens - 3))
-    seq.acceptance = acceptance
     request.sequences.append(seq)
     return seq
 
 
+def cheap_draft_policy() -> SpecPolicy:
+    policy = SpecPolicy(k_max=6)
+    for _ in range(50):  # a bandwidth-bound target, a draft a tenth of its cost
+        policy.observe_costs((1, 0.050), (1, 0.005))
+        policy.observe_costs((5, 0.055), None)
+    return policy
+
+
 def test_per_token_acceptance_counts_only_tested_proposals():
     policy = SpecPolicy(k_max=4)
-    seq = sequence(0.6)
+    seq = sequence()
     policy.observe_acceptance(seq, proposed=4, accepted=2)  # 3 tested: 2 kept, 1 rejected
     policy.observe_acceptance(seq, proposed=4, accepted=4)  # all 4 tested and kept
     policy.observe_acceptance(seq, proposed=0, accepted=0)  # no speculation: ignored
@@ -40,21 +47,43 @@ def test_expected_tokens_matches_the_geometric_sum():
 
 
 def test_fixed_k_and_a_request_cap():
-    assert SpecPolicy(k_max=4, adaptive=False).choose_k(sequence(0.0), batch=1) == 4
-    capped = sequence(0.9)
+    assert SpecPolicy(k_max=4, adaptive=False).choose_k(sequence(), batch=1) == 4
+    capped = sequence()
     capped.request.spec_k = 2
     assert SpecPolicy(k_max=4).choose_k(capped, batch=1) == 2
 
 
-def test_adaptive_k_speculates_when_it_pays_and_stops_when_it_does_not():
-    policy = SpecPolicy(k_max=6)
-    for _ in range(50):  # a bandwidth-bound target, a draft a tenth of its cost
-        policy.observe_costs((1, 0.050), (1, 0.005))
-        policy.observe_costs((5, 0.055), None)
-    policy.acceptance = 0.8
-    assert policy.choose_k(sequence(0.8), batch=1) >= 3
-    policy.acceptance = 0.02
-    off = sequence(0.02, num_tokens=PROBE_EVERY + 1)
-    assert policy.choose_k(off, batch=1) == 0
-    # now and then one probe keeps acceptance measured
-    assert policy.choose_k(sequence(0.02, num_tokens=PROBE_EVERY), batch=1) == 1
+def test_adaptive_k_speculates_when_it_pays():
+    policy = cheap_draft_policy()
+    seq = sequence()
+    for _ in range(10):
+        policy.observe_acceptance(seq, proposed=4, accepted=3)
+    assert policy.acceptance > 0.7
+    assert policy.choose_k(sequence(), batch=1) >= 3  # a new sequence starts from the shared rate
+
+
+def test_a_useless_draft_is_turned_off_within_a_few_steps():
+    policy = cheap_draft_policy()
+    seq = sequence(num_tokens=PROBE_EVERY + 1)
+    k = [policy.choose_k(seq, batch=1)]
+    assert k[0] > 0  # the prior is optimistic
+    while k[-1] > 0 and len(k) < 8:
+        policy.observe_acceptance(seq, proposed=k[-1], accepted=0)
+        k.append(policy.choose_k(seq, batch=1))
+    assert k[-1] == 0, k
+    # a new sequence starts from the shared rate: one proposal at most, then off
+    new = sequence(num_tokens=PROBE_EVERY + 5)
+    assert policy.choose_k(new, batch=1) <= 1
+    policy.observe_acceptance(new, proposed=1, accepted=0)
+    assert policy.choose_k(new, batch=1) == 0
+    # and now and then one probe keeps acceptance measured
+    assert policy.choose_k(sequence(num_tokens=PROBE_EVERY), batch=1) == 1
+
+
+def test_a_seeded_request_chooses_k_from_its_own_history_only():
+    policy = cheap_draft_policy()
+    for _ in range(20):
+        policy.observe_acceptance(sequence(), proposed=4, accepted=0)
+    seeded = sequence(seed=5, temperature=0.8)
+    alone = SpecPolicy(k_max=6).choose_k(sequence(seed=5, temperature=0.8), batch=1)
+    assert policy.choose_k(seeded, batch=32) == alone > 0

@@ -16,8 +16,17 @@ from dataclasses import dataclass, field
 
 from specpage.request import Sequence
 
-EMA = 0.1  # weight of the newest observation
+EMA = 0.1  # weight of the newest cost observation
 PROBE_EVERY = 16  # tokens between probes while speculation is off
+# Acceptance is estimated from counts of accepted and tested proposals,
+# decayed per observation, shrunk towards a prior by a pseudo-count: a few
+# rejections are enough to turn a useless draft off.
+PRIOR_ACCEPTANCE = 0.6
+PRIOR_WEIGHT = 1.0  # tested proposals the prior is worth against all sequences' history
+SEQ_WEIGHT = 4.0  # tested proposals the shared estimate is worth against a sequence's own
+DECAY = 0.97  # all sequences, per observation
+SEQ_DECAY = 0.9  # one sequence, per observation
+GAIN_TO_START = 1.05  # speculation must promise this much over k = 0 (unmodelled costs)
 
 
 @dataclass
@@ -44,6 +53,10 @@ class LinearCost:
         return self.fixed + self.per_item * items
 
 
+def shrunk(accepted: float, tested: float, prior: float, weight: float) -> float:
+    return (accepted + weight * prior) / (tested + weight)
+
+
 def expected_tokens(acceptance: float, k: int) -> float:
     a = min(max(acceptance, 0.0), 0.999)
     return (1 - a ** (k + 1)) / (1 - a)
@@ -59,7 +72,8 @@ class SpecPolicy:
     def __init__(self, k_max: int, adaptive: bool = True) -> None:
         self.k_max = k_max
         self.adaptive = adaptive
-        self.acceptance = 0.6  # all sequences, per proposed token
+        self.recent_accepted = 0.0  # decayed counts over all sequences
+        self.recent_tested = 0.0
         self.target_cost = LinearCost(PRIOR_TARGET.fixed, PRIOR_TARGET.per_item)
         self.draft_cost = LinearCost(PRIOR_DRAFT.fixed, PRIOR_DRAFT.per_item)
         self.num_drafted = 0
@@ -68,6 +82,11 @@ class SpecPolicy:
         self.last_k = 0.0  # mean k of the last step
         self.accepted_by_position = [0] * k_max  # acceptances at proposal 1..k_max
 
+    @property
+    def acceptance(self) -> float:
+        """Per-token acceptance over all sequences, recent history weighted most."""
+        return shrunk(self.recent_accepted, self.recent_tested, PRIOR_ACCEPTANCE, PRIOR_WEIGHT)
+
     def choose_k(self, seq: Sequence, batch: int) -> int:
         forced = seq.request.spec_k
         if forced is not None:
@@ -75,19 +94,20 @@ class SpecPolicy:
         if not self.adaptive or self.k_max == 0:
             return self.k_max
         batch = max(batch, 1)
-        acceptance = 0.5 * seq.acceptance + 0.5 * self.acceptance
+        acceptance = shrunk(seq.accepted, seq.tested, self.acceptance, SEQ_WEIGHT)
         target_cost, draft_cost = self.target_cost, self.draft_cost
         if seq.request.params.seed is not None:
             # A seeded request's samples depend on k; choose it from the
             # request's own history and fixed costs only, so its output is
             # the same whatever else runs and however long forwards take.
-            acceptance, batch = seq.acceptance, 1
-            target_cost, draft_cost = PRIOR_TARGET, PRIOR_DRAFT
+            acceptance = shrunk(seq.accepted, seq.tested, PRIOR_ACCEPTANCE, SEQ_WEIGHT)
+            batch, target_cost, draft_cost = 1, PRIOR_TARGET, PRIOR_DRAFT
         best_k, best_rate = 0, 0.0
         for k in range(self.k_max + 1):
             seconds = k * draft_cost(batch) + target_cost(batch * (k + 1))
             rate = expected_tokens(acceptance, k) / seconds
-            if rate > best_rate * 1.01:  # prefer the smaller k on a near tie
+            # prefer the smaller k on a near tie, and k = 0 unless clearly beaten
+            if rate > best_rate * (GAIN_TO_START if best_k == 0 else 1.01):
                 best_k, best_rate = k, rate
         # Now and then probe with one proposal, so acceptance keeps being
         # measured and speculation can come back.
@@ -111,9 +131,10 @@ class SpecPolicy:
         # Proposals are tested until the first rejection: a per-token rate is
         # accepted over tested, not over proposed.
         tested = accepted + (accepted < proposed)
-        rate = accepted / tested
-        seq.acceptance += EMA * 2 * (rate - seq.acceptance)
-        self.acceptance += EMA * (rate - self.acceptance)
+        seq.accepted = seq.accepted * SEQ_DECAY + accepted
+        seq.tested = seq.tested * SEQ_DECAY + tested
+        self.recent_accepted = self.recent_accepted * DECAY + accepted
+        self.recent_tested = self.recent_tested * DECAY + tested
         self.num_drafted += proposed
         self.num_accepted += accepted
         self.num_tested += tested
