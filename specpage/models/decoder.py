@@ -26,6 +26,28 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
+# On CPU, BLAS is slow for a few rows against a large weight: F.linear packs
+# the weight as if for a big product. Measured on 2 AVX2 cores: 2-5 rows cost
+# 2-3x one row through F.linear, 1.4-2x through W @ x.T; and one row against
+# the vocabulary projection is 2-3x faster as x @ W.T held contiguous.
+FEW_ROWS = 32
+
+
+def few_rows_linear(x: torch.Tensor, weight: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    if 1 < x.shape[0] <= FEW_ROWS and x.device.type == "cpu":
+        y = (weight @ x.T).T
+        return y if bias is None else y + bias
+    return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters) with the few-rows path on CPU."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return few_rows_linear(x, self.weight, self.bias)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -34,12 +56,12 @@ class DecoderLayer(nn.Module):
             config.num_heads, config.num_kv_heads, d
         )
         self.input_layernorm = RMSNorm(h, config.rms_norm_eps)
-        self.qkv_proj = nn.Linear(h, (config.num_heads + 2 * config.num_kv_heads) * d,
+        self.qkv_proj = Linear(h, (config.num_heads + 2 * config.num_kv_heads) * d,
                                   bias=config.qkv_bias)
-        self.o_proj = nn.Linear(config.num_heads * d, h, bias=config.o_bias)
+        self.o_proj = Linear(config.num_heads * d, h, bias=config.o_bias)
         self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps)
-        self.gate_up_proj = nn.Linear(h, 2 * config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, h, bias=config.mlp_bias)
+        self.gate_up_proj = Linear(h, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = Linear(config.intermediate_size, h, bias=config.mlp_bias)
 
     def forward(
         self,
@@ -73,6 +95,7 @@ class DecoderModel(nn.Module):
             None if config.tie_word_embeddings
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
+        self._head_t: torch.Tensor | None = None
         self.register_buffer(
             "inv_freq", inverse_frequencies(config.rope, config.head_dim), persistent=False
         )
@@ -93,4 +116,13 @@ class DecoderModel(nn.Module):
             x = layer(x, rope, cache, meta, backend)
         x = self.norm(x[logits_index])
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(x, head).float()
+        if x.shape[0] == 1 and head.device.type == "cpu":
+            return (x @ self._transposed_head(head)).float()
+        return few_rows_linear(x, head).float()
+
+    def _transposed_head(self, head: torch.Tensor) -> torch.Tensor:
+        """The vocabulary projection as [hidden, vocab], made once (one more
+        copy of it in memory, for a 2-3x faster single-row product on CPU)."""
+        if self._head_t is None or self._head_t.dtype != head.dtype:
+            self._head_t = head.detach().T.contiguous()
+        return self._head_t
