@@ -230,6 +230,8 @@ class Engine:
             if entry.wants_logits:
                 self.pool.rollback(seq.seq_id)
             seq.num_computed += verdict.num_commit
+            if entry.k > 0:  # the draft ran over it: caught up, and its accepted proposals
+                seq.num_draft_computed = seq.num_computed
 
     def _emit(self, plan: StepPlan, verdicts: list[Verdict]) -> list[RequestOutput]:
         outputs = [self._finish(seq, seq.finish_reason or FinishReason.ABORT, [], "")
@@ -311,6 +313,7 @@ class Engine:
             child = self._new_sequence(parent.request, index, list(parent.token_ids))
             self.pool.fork(parent.seq_id, child.seq_id)
             child.num_computed = parent.num_computed
+            child.num_draft_computed = parent.num_draft_computed
             self.scheduler.add_running(child)
             outputs.append(self._append(child, [token], logprobs[index - 1 : index]))
         return outputs

@@ -98,7 +98,8 @@ class Sequence:
     """One sample of a request. Its id is the pool's sequence id."""
 
     __slots__ = ("seq_id", "request", "index", "token_ids", "num_prompt", "num_computed",
-                 "status", "finish_reason", "logprobs", "accepted", "tested", "detok")  # fmt: skip
+                 "num_draft_computed", "status", "finish_reason", "logprobs", "accepted", "tested",
+                 "detok")  # fmt: skip
 
     def __init__(self, seq_id: int, request: Request, index: int, token_ids: list[int]) -> None:
         self.seq_id = seq_id
@@ -106,7 +107,8 @@ class Sequence:
         self.index = index
         self.token_ids = token_ids  # prompt + output
         self.num_prompt = len(request.prompt_token_ids)
-        self.num_computed = 0
+        self.num_computed = 0  # positions whose KV the target holds (committed)
+        self.num_draft_computed = 0  # positions whose KV the draft holds; <= num_computed
         self.status = Status.WAITING
         self.finish_reason: FinishReason | None = None
         self.logprobs: list[float] = []

@@ -174,7 +174,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.pool.free(seq.seq_id)
-        seq.num_computed = 0
+        seq.num_computed = seq.num_draft_computed = 0
         self.num_preemptions += 1
         self.add(seq)
 

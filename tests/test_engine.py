@@ -256,3 +256,45 @@ def test_forked_samples_count_against_max_num_seqs(models):
         eng.step()
         most = max(most, len(eng.scheduler.running))
     assert most <= 4
+
+
+def test_the_draft_catches_up_after_steps_without_speculation(models):
+    """While k = 0 the draft does not run; when speculation resumes it first
+    computes the tokens it missed. With the target as its own draft every
+    proposal is then accepted, which it could not be over stale KV."""
+    hf = models[0]
+    eng = engine(models, draft="self", spec_k=3, adaptive_k=True)
+    forwards = []
+    runner_forward = eng.proposer.runner.forward
+    eng.proposer.runner.forward = lambda spans: forwards.append(spans) or runner_forward(spans)
+    steps = iter([0] * 7 + [3, 0, 0, 3, 3, 0] * 20)
+    eng.scheduler.choose_k = lambda seq, batch: next(steps)
+    batch = prompts(2, seed=5)
+    results = drain(eng, {0: [(str(i), p, GREEDY) for i, p in enumerate(batch)]})
+    for i, p in enumerate(batch):
+        assert results[(str(i), 0)][0] == hf_greedy(hf, p, 16)
+    stats = eng.stats()
+    assert stats.drafted_tokens > 0 and stats.per_token_acceptance == 1.0
+    # the first draft forward covered everything it had missed
+    assert max(len(s.token_ids) for s in forwards[0]) > 7
+
+
+def test_speculation_off_costs_no_draft_forward(models):
+    eng = engine(models, draft="draft", spec_k=3)
+    eng.scheduler.choose_k = lambda seq, batch: 0
+    calls = []
+    eng.proposer.runner.forward = lambda spans: calls.append(spans)
+    drain(eng, {0: [("a", prompts(1)[0], GREEDY)]})
+    assert calls == []
+
+
+def test_a_prefix_cache_hit_recomputes_the_drafts_kv(models):
+    """Cached blocks vouch for the target's KV only: the second request's
+    draft computes the shared prefix itself, so self-drafting stays exact."""
+    eng = engine(models, draft="self", spec_k=3)
+    prompt = prompts(1, seed=9, lengths=(30,))[0]
+    first = drain(eng, {0: [("a", prompt, GREEDY)]})
+    second = drain(eng, {0: [("b", prompt, GREEDY)]})
+    assert eng.stats().prefix_cached_tokens > 0
+    assert first[("a", 0)] == second[("b", 0)]
+    assert eng.stats().per_token_acceptance == 1.0

@@ -1,9 +1,12 @@
-"""The draft: k forwards for the whole batch, proposing into tentative slots.
+"""The draft: up to k forwards for the batch, proposing into tentative slots.
 
-Its first forward covers every scheduled sequence's new tokens (whether or
-not it speculates this step), so the draft holds KV for every token the
-pool commits; then one forward per proposal depth, for the sequences whose
-k reaches it.
+Only sequences that speculate this step (k > 0) run through the draft. Its
+first forward catches each of them up: it covers every token from the
+sequence's `num_draft_computed` (where the draft's KV ends; it lags while a
+sequence does not speculate, and starts at 0 after a prefix-cache hit,
+since cached blocks vouch for the target's KV only) through this step's new
+tokens. Then one forward per proposal depth, for the sequences whose k
+reaches it. With speculation off the draft costs nothing.
 """
 
 from __future__ import annotations
@@ -34,14 +37,17 @@ class DraftProposer:
     def propose(self, scheduled: list[ScheduledSeq]) -> Proposal:
         tokens: list[list[int]] = [[] for _ in scheduled]
         probs: list[list[torch.Tensor]] = [[] for _ in scheduled]
-        tables = [self.pool.block_table(e.seq.seq_id) for e in scheduled]
-        spans = [
-            SeqSpan(e.seq.token_ids[e.seq.num_computed : e.seq.num_computed + e.num_new],
-                    e.seq.num_computed, table, num_logits=int(e.k > 0))
-            for e, table in zip(scheduled, tables, strict=True)
-        ]  # fmt: skip
         active = [i for i, e in enumerate(scheduled) if e.k > 0]
-        start, forwards = time.perf_counter(), 1
+        self.last_cost = None
+        if not active:
+            return Proposal(tokens, [None for _ in scheduled])
+        tables = {i: self.pool.block_table(scheduled[i].seq.seq_id) for i in active}
+        spans = []
+        for i in active:
+            seq, end = scheduled[i].seq, scheduled[i].seq.num_computed + scheduled[i].num_new
+            spans.append(SeqSpan(seq.token_ids[seq.num_draft_computed : end],
+                                 seq.num_draft_computed, tables[i], num_logits=1))
+        start, forwards, batch = time.perf_counter(), 1, len(active)
         logits = self.runner.forward(spans)
         depth = 0
         while active:
@@ -67,5 +73,5 @@ class DraftProposer:
             logits = self.runner.forward(spans)
             forwards += 1
         seconds = time.perf_counter() - start
-        self.last_cost = (len(scheduled), seconds / forwards)
+        self.last_cost = (batch, seconds / forwards)
         return Proposal(tokens, [torch.stack(p) if p else None for p in probs])
