@@ -1,6 +1,7 @@
 """The daemon over real gRPC on 127.0.0.1, tiny models made in the tests."""
 
 import asyncio
+import json
 import random
 import subprocess
 import sys
@@ -361,6 +362,15 @@ async def test_metrics_endpoint_and_cli_client(tmp_path):
         assert 'specpage_kv_blocks{state="in_use"} 0.0' in body
         assert "specpage_time_to_first_token_seconds_count 1.0" in body
         assert "specpage_drafted_tokens_total" in body
+        assert "specpage_per_token_acceptance_ratio" in body
+        info = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "specpage", "info", "--server", daemon.address,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        out, _ = await info.communicate()
+        assert info.returncode == 0, out
+        state = json.loads(out)
+        assert state["running"] == 0 and state["pool"]["in_use"] == 0
+        assert int(state["drafted_tokens"]) > 0 and 0 <= state["acceptance"] <= 1
     finally:
         assert daemon.stop() == 0
 
