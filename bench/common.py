@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import statistics
@@ -14,6 +15,20 @@ from typing import Any
 import torch
 
 RESULTS = Path(__file__).parent / "results"
+DRAFT = Path(__file__).resolve().parent.parent / "models" / "smollm2-draft"  # the default draft
+
+
+def parse_args(doc: str | None, vllm: bool = False) -> argparse.Namespace:
+    """The arguments the model benchmarks share; sets torch's thread count."""
+    parser = argparse.ArgumentParser(description=doc)
+    parser.add_argument("--quick", action="store_true", help="a short run (under a minute)")
+    parser.add_argument("--draft", type=Path, default=DRAFT)
+    parser.add_argument("--threads", type=int, default=2)
+    if vllm:
+        parser.add_argument("--no-vllm", action="store_true", help="skip the vLLM rows")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    return args
 
 
 def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
@@ -51,6 +66,7 @@ def machine() -> dict[str, Any]:
 
 def finish(name: str, result: dict[str, Any]) -> None:
     """Write results/<name>.json and print the headline JSON as the last line."""
+    result = {**result, "quick": "--quick" in sys.argv}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
     sys.stdout.flush()

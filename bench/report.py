@@ -35,30 +35,90 @@ def model_runner(r: dict) -> list[str]:
 
 def engine(r: dict) -> list[str]:
     t = r["throughput_tok_s"]
-    s = r["single_stream"]
-    ms = s["ms_per_token"]
+    rows = [f"| {r['requests']} concurrent requests, mixed lengths, greedy: specpage, target "
+            f"alone | {fmt(t['specpage'], 1)} tok/s | |"]
+    if "specpage_with_draft" in t:
+        rows.append(f"| the same, specpage with the default draft (adaptive k) | "
+                    f"{fmt(t['specpage_with_draft'], 1)} tok/s | |")
+    peers = {"hf_static_batch": "HF `generate`, static left-padded batch",
+             "hf_continuous_batching": "HF `generate_batch` (continuous batching)",
+             "vllm_cpu": "vLLM CPU (eager, both cores)"}
+    for key, name in peers.items():
+        if key in t:
+            rows.append(f"| {name} | {fmt(t[key], 1)} tok/s | specpage is "
+                        f"**{fmt(r['specpage_vs_' + key])}×** |")
+    if "vllm_cpu" not in t:
+        rows.append(f"| vLLM CPU | not measured | {r.get('vllm', {}).get('error', '?')} |")
+    return rows
+
+
+def speculation(r: dict) -> list[str]:
+    ms = r["ms_per_token"]
+    off = ms["off"]
+    names = {"off": "specpage, target alone (speculation off)",
+             "adaptive": "specpage, default pair, adaptive k",
+             "fixed_k4": "specpage, default pair, k = 4",
+             "useless_draft_adaptive": "specpage, random-weight draft, adaptive k (the guard)",
+             "hf_generate": "HF `generate`, target alone",
+             "hf_assisted": "HF assisted generation, same draft",
+             "vllm_alone": "vLLM CPU, target alone",
+             "vllm_with_draft": "vLLM CPU, same draft (k = 4)"}
+    rows = [f"| {names[key]} | {fmt(ms[key], 1)} ms/token | "
+            f"{fmt(off / ms[key])}× the target alone |" for key in names if key in ms]
+    for key, result in r.get("vllm", {}).items():
+        if "error" in result:
+            rows.append(f"| {names['vllm_' + key]} | not measured | {result['error'][:300]} |")
+    rows.append(f"| per-token acceptance at k = 4, held-out prompts | "
+                f"{fmt(r['per_token_acceptance_k4'])} | accepted / drafted "
+                f"{fmt(r['accepted_over_drafted_k4'])} |")
+    return rows
+
+
+def memory(r: dict) -> list[str]:
+    m, n4 = r["length_mix"], r["n4_sharing"]
+    mb = 1e6
     return [
-        f"| {r['requests']} concurrent requests, greedy | {fmt(t['specpage'], 1)} tok/s | "
-        f"HF static batches {fmt(t['hf_static_batch'], 1)}: **{fmt(r['specpage_vs_hf_static'])}×**;"
-        f" HF continuous batching {fmt(t['hf_continuous_batching'], 1)}: "
-        f"**{fmt(r['specpage_vs_hf_continuous'])}×** |",
-        f"| single stream, target alone | {fmt(ms['specpage_target_alone'], 1)} ms/token | "
-        f"HF generate {fmt(ms['hf_generate'], 1)}: **{fmt(s['specpage_alone_vs_hf'])}×** |",
-        f"| single stream, speculative (target as its own draft, acceptance "
-        f"{fmt(s['acceptance'])}) | {fmt(ms['specpage_speculative_self_draft'], 1)} ms/token | "
-        f"HF assisted {fmt(ms['hf_assisted_self_draft'], 1)}: "
-        f"**{fmt(s['specpage_spec_vs_hf_assisted'])}×** |",
+        f"| {m['requests']} held-out chat requests, answers of "
+        f"{m['completion_tokens_range'][0]}–{m['completion_tokens_range'][1]} tokens, block "
+        f"{r['block_size']}: position utilization | {fmt(100 * m['position_utilization_mean'], 1)}%"
+        f" mean over {m['steps']} steps | |",
+        f"| KV at the peak step ({m['peak_blocks']} blocks, "
+        f"{m['bytes_per_position']} B per position) | {fmt(m['peak_kv_bytes'] / mb, 1)} MB | "
+        f"reserving max length per request {fmt(m['reserve_max_length_kv_bytes'] / mb, 1)} MB: "
+        f"**{fmt(m['paged_vs_reserve_max_length'])}×**; static padded batch "
+        f"{fmt(m['static_batch_kv_bytes'] / mb, 1)} MB: **{fmt(m['paged_vs_static_batch'])}×** |",
+        f"| speculation's tentative blocks at peak; block tables | "
+        f"{m['tentative_blocks_peak']} blocks; {m['block_table_bytes_peak']} B | |",
+        f"| n = 4 samples over a {n4['prompt_tokens']}-token prompt, {n4['tokens_each']} tokens "
+        f"each | {n4['blocks_n4_forked']} blocks | four independent sequences "
+        f"{n4['blocks_4_independent']} blocks: **{fmt(100 * n4['saving'], 0)}% fewer** |",
     ]
 
 
-SECTIONS = {"block_pool": block_pool, "model_runner": model_runner, "engine": engine}
+def overhead(r: dict) -> list[str]:
+    rows = []
+    for key, name in (("spec_off", "speculation off"), ("spec_k4", "default draft, k = 4")):
+        if key in r:
+            o = r[key]
+            rows.append(f"| batch {r['batch']}, {name}: scheduler + pool per step | "
+                        f"{fmt(100 * o['scheduler_and_pool_share'], 1)}% of a "
+                        f"{fmt(o['step_ms'], 0)} ms step | emission "
+                        f"{fmt(100 * o['emit_share'], 1)}%, target forward "
+                        f"{fmt(100 * o['target_forward_share'], 1)}% |")
+    return rows
+
+
+SECTIONS = {"block_pool": block_pool, "model_runner": model_runner, "engine": engine,
+            "speculation": speculation, "memory": memory, "overhead": overhead}
 
 
 def main() -> None:
     lines = ["# Benchmarks", "",
              "Generated by `bench/report.py` from `bench/results/*.json` (`make bench`). Every",
              "ratio comes from one run of one script on one machine, specpage and its peer",
-             "side by side; absolute times vary across these shared machines.", ""]
+             "side by side; absolute times vary across these shared machines. `make bench`",
+             "runs each script's short form (`--quick`); a script without `--quick` runs the",
+             "full case. Each section says which one it holds.", ""]
     machine = None
     for name, render in SECTIONS.items():
         path = RESULTS / f"{name}.json"
@@ -67,8 +127,10 @@ def main() -> None:
         result = json.loads(path.read_text())
         if isinstance(result.get("machine"), dict):
             machine = result["machine"]
-        lines += [f"## {name}", "", "| case | specpage | peer and ratio |", "|---|---|---|",
-                  *render(result), ""]
+        when = result.get("machine", {}).get("date", "?")
+        form = "short form (--quick)" if result.get("quick") else "full run"
+        lines += [f"## {name}", "", f"{form}, {when}", "",
+                  "| case | specpage | peer and ratio |", "|---|---|---|", *render(result), ""]
     gpu = RESULTS / "kernels_gpu.json"
     if gpu.is_file():
         lines += ["## kernels_gpu", "", "```", gpu.read_text().strip(), "```", ""]

@@ -1,8 +1,10 @@
 """Train the default draft by distillation: a small Llama with SmolLM2's
 tokenizer learns the target's answers (data from draft/generate_data.py),
-loss on answer tokens only. Saves a standard HF checkpoint (fp16) that
-transformers and specpage load, and reports the validation loss and
-next-token agreement.
+loss on answer tokens only, a cosine learning-rate schedule over a fixed
+number of steps. Saves a standard HF checkpoint (fp16) that transformers and
+specpage load (also every `checkpoint_every` steps, so a stopped run keeps its
+progress), and reports the validation loss, next-token agreement and the
+per-token acceptance on held-out chat prompts (draft/evaluate.py).
 
     python -m draft.train --data draft/data --out models/smollm2-draft
 """
@@ -85,13 +87,36 @@ def batches(examples: list[tuple[list[int], int]], size: int, rng: random.Random
 
 
 def loss_and_agreement(model, ids, labels) -> tuple[torch.Tensor, float]:
-    logits = model(ids).logits[:, :-1]
+    """Cross-entropy on answer tokens; the vocabulary projection (most of the
+    cost) runs only where there is a label."""
+    hidden = model.model(ids).last_hidden_state[:, :-1]
     target = labels[:, 1:]
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
-                           ignore_index=-100)
     mask = target != -100
-    agreement = float((logits.argmax(-1) == target)[mask].float().mean())
+    logits = model.lm_head(hidden[mask])
+    loss = F.cross_entropy(logits, target[mask])
+    agreement = float((logits.argmax(-1) == target[mask]).float().mean())
     return loss, agreement
+
+
+def learning_rate(train: dict, step: int) -> float:
+    """Linear warm-up, then cosine decay to `final_lr_fraction` at `steps`."""
+    if step < train["warmup_steps"]:
+        return train["learning_rate"] * (step + 1) / train["warmup_steps"]
+    decay_steps = max(1, train["steps"] - train["warmup_steps"])
+    progress = min(1.0, (step - train["warmup_steps"]) / decay_steps)
+    floor = train["final_lr_fraction"]
+    cosine = 0.5 * (1 + math.cos(math.pi * progress))
+    return train["learning_rate"] * (floor + (1 - floor) * cosine)
+
+
+def save(model: torch.nn.Module, tokenizer_folder: Path, out: Path) -> None:
+    from transformers import AutoTokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    copy = type(model)(model.config)
+    copy.load_state_dict(model.state_dict())
+    copy.half().save_pretrained(out)
+    AutoTokenizer.from_pretrained(tokenizer_folder).save_pretrained(out)
 
 
 def main() -> None:
@@ -99,7 +124,8 @@ def main() -> None:
     parser.add_argument("--data", type=Path, default=Path("draft/data"))
     parser.add_argument("--out", type=Path, default=Path("models/smollm2-draft"))
     parser.add_argument("--config", type=Path, default=CONFIG)
-    parser.add_argument("--max-minutes", type=float, help="overrides train.max_minutes")
+    parser.add_argument("--max-minutes", type=float, help="stop early after this long")
+    parser.add_argument("--no-eval", action="store_true", help="skip the held-out acceptance")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     config = tomllib.loads(args.config.read_text())
@@ -115,15 +141,13 @@ def main() -> None:
     model = build_draft(target_folder, config["model"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=train["learning_rate"],
                                   weight_decay=train["weight_decay"])
-    minutes = args.max_minutes or train["max_minutes"]
-    deadline = time.monotonic() + minutes * 60
-    step, seen = 0, 0
+    deadline = time.monotonic() + (args.max_minutes or math.inf) * 60
+    step, seen, started = 0, 0, time.monotonic()
     stream = batches(examples, train["batch_sequences"], rng)
-    while time.monotonic() < deadline:
+    while step < train["steps"] and time.monotonic() < deadline:
         ids, labels = next(stream)
-        warm = min(1.0, (step + 1) / train["warmup_steps"])
         for group in optimizer.param_groups:
-            group["lr"] = train["learning_rate"] * warm
+            group["lr"] = learning_rate(train, step)
         loss, agreement = loss_and_agreement(model, ids, labels)
         optimizer.zero_grad()
         loss.backward()
@@ -132,8 +156,11 @@ def main() -> None:
         step += 1
         seen += int((labels != -100).sum())
         if step % 50 == 0:
+            rate = seen / (time.monotonic() - started)
             print(f"step {step}: loss {loss.item():.3f}, agreement {agreement:.3f}, "
-                  f"{seen} answer tokens", file=sys.stderr)
+                  f"{seen} answer tokens, {rate:.0f} tokens/s", file=sys.stderr)
+        if step % train["checkpoint_every"] == 0:
+            save(model, target_folder, args.out)
     model.eval()
     with torch.no_grad():
         losses, agreements = [], []
@@ -144,16 +171,17 @@ def main() -> None:
             loss, agreement = loss_and_agreement(model, ids, labels)
             losses.append(float(loss))
             agreements.append(agreement)
-    args.out.mkdir(parents=True, exist_ok=True)
-    model.half().save_pretrained(args.out)
-    from transformers import AutoTokenizer
-
-    AutoTokenizer.from_pretrained(target_folder).save_pretrained(args.out)
+    save(model, target_folder, args.out)
     result = {"steps": step, "answer_tokens_seen": seen, "examples": len(examples),
               "validation_loss": sum(losses) / len(losses),
               "validation_perplexity": math.exp(sum(losses) / len(losses)),
               "validation_agreement": sum(agreements) / len(agreements),
               "out": str(args.out)}
+    print(json.dumps(result), file=sys.stderr)
+    if not args.no_eval:
+        from draft.evaluate import held_out_acceptance
+
+        result["held_out"] = held_out_acceptance(args.out, k=4)
     print(json.dumps(result))
 
 

@@ -1,0 +1,104 @@
+"""What the engine's own bookkeeping costs at batch 64: scheduler and block
+pool time per step as a share of the step, on the real SmolLM2-135M-Instruct
+fp32 run. 64 chat requests are admitted together and decode to a fixed
+length; the steps counted are those where all 64 decode.
+
+Timed parts of a step: the scheduler (admission, spans, block reservation,
+copy-on-write), the pool's commit and rollback after verification, output
+emission (detokenizing, stop checks), and the model forwards (draft
+proposals and the target's verification). Two runs: speculation off, and the
+default draft at a fixed k = 4 (the most pool work: k tentative slots per
+sequence reserved and rolled back every step).
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import finish, machine, parse_args  # noqa: E402
+from bench.prompts import chat_prompts  # noqa: E402
+from specpage.engine import Engine, EngineConfig  # noqa: E402
+from specpage.llm import LLM, chat_prompt  # noqa: E402
+from specpage.models.fetch import ensure_model  # noqa: E402
+from specpage.request import SamplingParams  # noqa: E402
+
+BATCH = 64
+
+
+def instrument(engine: Engine, spent: dict[str, float]) -> None:
+    """Wrap the step's parts so that each adds its seconds to spent[part]."""
+
+    def timed(owner: Any, name: str, part: str) -> None:
+        inner = getattr(owner, name)
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                spent[part] += time.perf_counter() - start
+
+        setattr(owner, name, wrapper)
+
+    timed(engine.scheduler, "schedule", "scheduler")
+    timed(engine, "_commit", "pool_commit_rollback")
+    timed(engine, "_emit", "emit")
+    timed(engine, "_propose", "draft_forwards")
+    timed(engine.verifier, "verify", "target_forward")
+
+
+def run(llm: LLM, prompts: list[list[int]], tokens: int) -> dict[str, Any]:
+    engine = llm.engine
+    spent: dict[str, float] = defaultdict(float)
+    instrument(engine, spent)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=tokens, ignore_eos=True))
+    shares: dict[str, list[float]] = defaultdict(list)
+    steps = 0
+    while engine.has_unfinished():
+        decoding = (len(engine.scheduler.running) == BATCH
+                    and all(s.num_uncomputed <= 1 for s in engine.scheduler.running))
+        spent.clear()
+        start = time.perf_counter()
+        engine.step()
+        total = time.perf_counter() - start
+        if decoding:
+            steps += 1
+            shares["step_ms"].append(total * 1e3)
+            for part, seconds in spent.items():
+                shares[part].append(seconds / total)
+            shares["scheduler_and_pool"].append(
+                (spent["scheduler"] + spent["pool_commit_rollback"]) / total)
+    engine.pool.check_integrity()
+    return {"decode_steps": steps,
+            **{f"{part}_share" if part != "step_ms" else "step_ms": statistics.median(v)
+               for part, v in shares.items()}}
+
+
+def main() -> None:
+    args = parse_args(__doc__)
+    target = ensure_model("smollm2-135m")
+    tokens = 12 if args.quick else 48
+    config = {"num_blocks": 2048, "max_num_seqs": BATCH, "max_step_tokens": 2048}
+    plain = LLM(target, config=EngineConfig(spec_k=0, **config))
+    prompts = [chat_prompt(plain.tokenizer, t) for t in chat_prompts(BATCH)]
+    result: dict[str, Any] = {"bench": "overhead", "batch": BATCH, "tokens_each": tokens,
+                              "spec_off": run(plain, prompts, tokens)}
+    del plain
+    if (args.draft / "config.json").is_file():
+        spec = LLM(target, draft=args.draft,
+                   config=EngineConfig(spec_k=4, adaptive_k=False, **config))
+        result["spec_k4"] = run(spec, prompts, tokens)
+    result["machine"] = machine()
+    finish("overhead", result)
+
+
+if __name__ == "__main__":
+    main()
