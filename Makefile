@@ -28,18 +28,21 @@ test: lint
 	$(VENV)/bin/pytest -q
 
 # Every benchmark in its short form, then docs/BENCHMARKS.md from the results.
-BENCHES := block_pool model_runner engine kernels_gpu
+# vllm_cpu goes first: it sets up vLLM's own venv (.venv-vllm, once, ~3.4 GB).
+BENCHES := vllm_cpu block_pool model_runner engine speculation memory overhead kernels_gpu
 bench: $(STAMP)
 	$(VENV)/bin/specpage models fetch smollm2-135m
 	for b in $(BENCHES); do $(PY) bench/$$b.py --quick || exit 1; done
 	$(PY) bench/report.py
 
-# The daemon on the default model, 127.0.0.1 only (fetched once, then offline).
+# The daemon on the default pair, 127.0.0.1 only: SmolLM2-135M-Instruct
+# (fetched once, then offline) and its distilled draft (models/smollm2-draft).
+DRAFT := models/smollm2-draft
 serve: $(STAMP)
 	$(VENV)/bin/specpage models fetch smollm2-135m
-	@echo "specpage: serving on 127.0.0.1:50051; call it with:"
+	@echo "specpage: serving on 127.0.0.1:50051 (draft $(DRAFT)); call it with:"
 	@echo '  .venv/bin/specpage generate --server 127.0.0.1:50051 "What is the capital of France?"'
-	$(VENV)/bin/specpage serve --target smollm2-135m --port 50051
+	$(VENV)/bin/specpage serve --target smollm2-135m --draft $(DRAFT) --port 50051
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
