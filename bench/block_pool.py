@@ -85,6 +85,7 @@ def main() -> None:
     args = parser.parse_args()
     steps = 200 if args.quick else 2000
     result = run(args.num_seqs, args.k, steps, args.block_size, args.max_len, args.seed)
+    result["quick"] = args.quick
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "block_pool.json").write_text(json.dumps(result, indent=2) + "\n")
     print(f"{result['us_per_seq_step']:.2f} µs per sequence per step "

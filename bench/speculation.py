@@ -108,7 +108,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     target = ensure_model("smollm2-135m")
-    count, max_tokens = (2, 24) if args.quick else (12, 128)
+    count, max_tokens = (2, 24) if args.quick else (8, 128)
     config = {"num_blocks": 512, "max_num_seqs": 4}
     with tempfile.TemporaryDirectory() as tmp:
         useless = useless_draft(args.draft, Path(tmp) / "useless")
