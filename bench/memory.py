@@ -94,6 +94,11 @@ def length_mix(llm: LLM, prompts: list[list[int]], max_tokens: int,
         "static_batch_kv_bytes": peak[3] * longest * bytes_per_slot,
         "paged_vs_reserve_max_length": peak[3] * reserve_each / (peak[1] * BLOCK),
         "paged_vs_static_batch": peak[3] * longest / (peak[1] * BLOCK),
+        # averaged over the run's steps: what each scheme holds while requests grow
+        "paged_vs_reserve_max_length_mean": statistics.mean(
+            running * reserve_each / (in_use * BLOCK) for _, in_use, _, running in samples),
+        "paged_vs_static_batch_mean": statistics.mean(
+            running * longest / (in_use * BLOCK) for _, in_use, _, running in samples),
     }
 
 

@@ -107,6 +107,9 @@ def memory(r: dict) -> list[str]:
         f"reserving max length per request {fmt(m['reserve_max_length_kv_bytes'] / mb, 1)} MB: "
         f"**{fmt(m['paged_vs_reserve_max_length'])}×**; static padded batch "
         f"{fmt(m['static_batch_kv_bytes'] / mb, 1)} MB: **{fmt(m['paged_vs_static_batch'])}×** |",
+        f"| the same, averaged over the run's steps | paged holds less | reserving max length "
+        f"**{fmt(m['paged_vs_reserve_max_length_mean'])}×** as much; static padded batch "
+        f"**{fmt(m['paged_vs_static_batch_mean'])}×** |",
         f"| speculation's tentative blocks at peak; block tables | "
         f"{m['tentative_blocks_peak']} blocks; {m['block_table_bytes_peak']} B | |",
         f"| n = 4 samples over a {n4['prompt_tokens']}-token prompt, {n4['tokens_each']} tokens "
