@@ -29,17 +29,45 @@ from specpage.models.fetch import ensure_model
 CONFIG = Path(__file__).with_name("config.toml")
 
 
-def load_examples(folder: Path, max_len: int) -> list[tuple[list[int], int]]:
-    """(token ids, index of the first answer token) per answer."""
+Example = tuple[list[int], int, "SoftLabels | None"]
+SoftLabels = tuple[torch.Tensor, torch.Tensor]  # target top-K log-probs, their token ids
+
+
+def load_shard(shard: Path, max_len: int) -> list[tuple[list[int], int]]:
+    """(token ids, index of the first answer token) per answer of one shard."""
     examples = []
-    shards = sorted(folder.glob("*.jsonl")) + sorted(folder.glob("*.jsonl.gz"))
-    for shard in shards:
-        opener = gzip.open if shard.suffix == ".gz" else open
-        for line in opener(shard, "rt"):
-            record = json.loads(line)
-            ids = (record["prompt"] + record["output"])[:max_len]
-            if len(ids) > len(record["prompt"]):
-                examples.append((ids, len(record["prompt"])))
+    opener = gzip.open if shard.suffix == ".gz" else open
+    for line in opener(shard, "rt"):
+        record = json.loads(line)
+        ids = (record["prompt"] + record["output"])[:max_len]
+        if len(ids) > len(record["prompt"]):
+            examples.append((ids, len(record["prompt"])))
+    return examples
+
+
+def soft_label_path(shard: Path, top: int) -> Path:
+    """Where draft/label.py keeps a shard's top-K soft labels."""
+    return shard.with_name(f"{shard.name.split('.')[0]}.top{top}.pt")
+
+
+def load_examples(folder: Path, max_len: int, soft_top: int = 0) -> list[Example]:
+    """Every answer of the folder's shards, with the target's top-K soft labels
+    from draft/label.py when `soft_top` is set."""
+    examples = []
+    for shard in sorted(folder.glob("*.jsonl")) + sorted(folder.glob("*.jsonl.gz")):
+        answers = load_shard(shard, max_len)
+        soft: list = [None] * len(answers)
+        if soft_top:
+            path = soft_label_path(shard, soft_top)
+            if not path.exists():
+                raise FileNotFoundError(f"{path} missing: run python -m draft.label "
+                                        f"--data {folder} --top {soft_top}")
+            soft = torch.load(path)
+            if len(soft) != len(answers):
+                raise ValueError(f"{path} labels {len(soft)} answers, {shard} has "
+                                 f"{len(answers)}: relabel it")
+        examples += [(ids, answer, labels)
+                     for (ids, answer), labels in zip(answers, soft, strict=True)]
     return examples
 
 
@@ -68,7 +96,23 @@ def build_draft(target_folder: Path, cfg: dict) -> torch.nn.Module:
     return draft
 
 
-def batches(examples: list[tuple[list[int], int]], size: int, rng: random.Random):
+def collate(chosen: list[Example]):
+    """Padded token ids, hard labels (-100 outside answers) and, when every
+    example has them, the soft labels of the labelled positions in row order."""
+    width = max(len(ids) for ids, _, _ in chosen)
+    ids = torch.zeros(len(chosen), width, dtype=torch.int64)
+    labels = torch.full((len(chosen), width), -100, dtype=torch.int64)
+    for row, (tokens, answer, _) in enumerate(chosen):
+        ids[row, : len(tokens)] = torch.tensor(tokens)
+        labels[row, answer : len(tokens)] = torch.tensor(tokens[answer:])
+    soft = None
+    if all(example[2] is not None for example in chosen):
+        soft = (torch.cat([example[2][0] for example in chosen]).float(),
+                torch.cat([example[2][1] for example in chosen]).long())
+    return ids, labels, soft
+
+
+def batches(examples: list[Example], size: int, rng: random.Random):
     if not examples:
         raise ValueError("no training examples (run draft/generate_data.py first)")
     size = min(size, len(examples))
@@ -76,24 +120,27 @@ def batches(examples: list[tuple[list[int], int]], size: int, rng: random.Random
         order = list(range(len(examples)))
         rng.shuffle(order)
         for start in range(0, len(order) - size + 1, size):
-            chosen = [examples[i] for i in order[start : start + size]]
-            width = max(len(ids) for ids, _ in chosen)
-            ids = torch.zeros(size, width, dtype=torch.int64)
-            labels = torch.full((size, width), -100, dtype=torch.int64)
-            for row, (tokens, answer) in enumerate(chosen):
-                ids[row, : len(tokens)] = torch.tensor(tokens)
-                labels[row, answer : len(tokens)] = torch.tensor(tokens[answer:])
-            yield ids, labels
+            yield collate([examples[i] for i in order[start : start + size]])
 
 
-def loss_and_agreement(model, ids, labels) -> tuple[torch.Tensor, float]:
-    """Cross-entropy on answer tokens; the vocabulary projection (most of the
-    cost) runs only where there is a label."""
+def loss_and_agreement(model, ids, labels, soft: SoftLabels | None = None,
+                       soft_weight: float = 0.0) -> tuple[torch.Tensor, float]:
+    """Cross-entropy on answer tokens, mixed with `soft_weight` of the cross-
+    entropy against the target's top-K distribution (renormalised) when soft
+    labels are given; agreement is the draft's first choice against the token
+    in the data. The vocabulary projection (most of the cost) runs only where
+    there is a label."""
     hidden = model.model(ids).last_hidden_state[:, :-1]
     target = labels[:, 1:]
     mask = target != -100
     logits = model.lm_head(hidden[mask])
     loss = F.cross_entropy(logits, target[mask])
+    if soft is not None and soft_weight > 0:
+        teacher_logprobs, teacher_ids = soft
+        teacher = torch.softmax(teacher_logprobs, dim=-1)
+        student = torch.log_softmax(logits, dim=-1).gather(1, teacher_ids)
+        soft_loss = -(teacher * student).sum(-1).mean()
+        loss = (1 - soft_weight) * loss + soft_weight * soft_loss
     agreement = float((logits.argmax(-1) == target[mask]).float().mean())
     return loss, agreement
 
@@ -134,7 +181,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     rng = random.Random(train["seed"])
     target_folder = ensure_model("smollm2-135m")
-    examples = load_examples(args.data, train["sequence_tokens"])
+    soft_top, soft_weight = train.get("soft_top", 0), train.get("soft_weight", 0.0)
+    examples = load_examples(args.data, train["sequence_tokens"], soft_top)
     rng.shuffle(examples)
     held = max(1, int(len(examples) * train["held_out_fraction"]))
     validation, examples = examples[:held], examples[held:]
@@ -145,10 +193,10 @@ def main() -> None:
     step, seen, started = 0, 0, time.monotonic()
     stream = batches(examples, train["batch_sequences"], rng)
     while step < train["steps"] and time.monotonic() < deadline:
-        ids, labels = next(stream)
+        ids, labels, soft = next(stream)
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(train, step)
-        loss, agreement = loss_and_agreement(model, ids, labels)
+        loss, agreement = loss_and_agreement(model, ids, labels, soft, soft_weight)
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -164,10 +212,8 @@ def main() -> None:
     model.eval()
     with torch.no_grad():
         losses, agreements = [], []
-        for tokens, answer in validation:
-            ids = torch.tensor([tokens])
-            labels = torch.full_like(ids, -100)
-            labels[0, answer:] = ids[0, answer:]
+        for example in validation:  # hard labels: comparable across runs
+            ids, labels, _ = collate([example])
             loss, agreement = loss_and_agreement(model, ids, labels)
             losses.append(float(loss))
             agreements.append(agreement)
