@@ -156,10 +156,14 @@ def learning_rate(train: dict, step: int) -> float:
     return train["learning_rate"] * (floor + (1 - floor) * cosine)
 
 
-def save(model: torch.nn.Module, tokenizer_folder: Path, out: Path) -> None:
+def save(model: torch.nn.Module, tokenizer_folder: Path, out: Path,
+         vocabulary: list[int]) -> None:
+    """fp16 HF checkpoint, the target's tokenizer files, and draft_vocab.json:
+    the tokens the draft proposes from (specpage scores only those)."""
     from transformers import AutoTokenizer
 
     out.mkdir(parents=True, exist_ok=True)
+    (out / "draft_vocab.json").write_text(json.dumps({"token_ids": vocabulary}))
     copy = type(model)(model.config)
     copy.load_state_dict(model.state_dict())
     copy.half().save_pretrained(out)
@@ -187,6 +191,10 @@ def main() -> None:
     held = max(1, int(len(examples) * train["held_out_fraction"]))
     validation, examples = examples[:held], examples[held:]
     model = build_draft(target_folder, config["model"])
+    # Every token of the target's answers it learns from, and end of sequence.
+    eos = model.config.eos_token_id
+    vocabulary = sorted({t for ids, answer, _ in examples for t in ids[answer:]}
+                        | set(eos if isinstance(eos, list) else [eos]))
     optimizer = torch.optim.AdamW(model.parameters(), lr=train["learning_rate"],
                                   weight_decay=train["weight_decay"])
     deadline = time.monotonic() + (args.max_minutes or math.inf) * 60
@@ -208,7 +216,7 @@ def main() -> None:
             print(f"step {step}: loss {loss.item():.3f}, agreement {agreement:.3f}, "
                   f"{seen} answer tokens, {rate:.0f} tokens/s", file=sys.stderr)
         if step % train["checkpoint_every"] == 0:
-            save(model, target_folder, args.out)
+            save(model, target_folder, args.out, vocabulary)
     model.eval()
     with torch.no_grad():
         losses, agreements = [], []
@@ -217,7 +225,7 @@ def main() -> None:
             loss, agreement = loss_and_agreement(model, ids, labels)
             losses.append(float(loss))
             agreements.append(agreement)
-    save(model, target_folder, args.out)
+    save(model, target_folder, args.out, vocabulary)
     result = {"steps": step, "answer_tokens_seen": seen, "examples": len(examples),
               "validation_loss": sum(losses) / len(losses),
               "validation_perplexity": math.exp(sum(losses) / len(losses)),

@@ -19,7 +19,7 @@ import msgspec
 from specpage.block_pool import BlockPool
 from specpage.detokenizer import IncrementalDetokenizer
 from specpage.model_runner import ModelRunner
-from specpage.models.loader import LoadedModel, check_draft_compatible
+from specpage.models.loader import LoadedModel, check_draft_compatible, draft_vocabulary
 from specpage.request import (
     FinishReason,
     Request,
@@ -98,6 +98,7 @@ class Engine:
             )
         if draft is not None:
             check_draft_compatible(target, draft)
+            draft.model.restrict_output_vocab(draft_vocabulary(draft))
         self.target = target
         self.tokenizer = tokenizer
         identity = target.identity + (draft.identity if draft else b"no-draft")

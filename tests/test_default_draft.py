@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specpage.models.fetch import ensure_model
-from specpage.models.loader import check_draft_compatible, load_model
+from specpage.models.loader import check_draft_compatible, draft_vocabulary, load_model
 
 pytestmark = pytest.mark.slow
 
@@ -25,7 +25,7 @@ def test_the_checkpoint_is_small_documented_and_loads_in_transformers():
 
     files = {p.name: p.stat().st_size for p in DRAFT.iterdir() if p.is_file()}
     assert {"config.json", "model.safetensors", "tokenizer.json", "README.md",
-            "LICENSE"} <= set(files)
+            "LICENSE", "draft_vocab.json"} <= set(files)
     assert sum(files.values()) <= 32_000_000, files
     model = AutoModelForCausalLM.from_pretrained(DRAFT)
     assert model.config.vocab_size == 49152
@@ -36,6 +36,14 @@ def test_the_checkpoint_is_small_documented_and_loads_in_transformers():
 def test_it_shares_the_targets_tokenizer_and_vocabulary(smollm2):
     assert (DRAFT / "tokenizer.json").read_bytes() == (smollm2 / "tokenizer.json").read_bytes()
     check_draft_compatible(load_model(smollm2), load_model(DRAFT))
+
+
+def test_its_vocabulary_covers_the_answers_it_learned_from_and_the_end():
+    draft = load_model(DRAFT)
+    vocabulary = draft_vocabulary(draft)
+    assert vocabulary is not None
+    assert 10_000 < len(vocabulary) < draft.config.vocab_size
+    assert 2 in vocabulary  # <|im_end|>, SmolLM2-Instruct's end of turn
 
 
 def test_greedy_outputs_with_the_draft_equal_the_target_alone(smollm2):

@@ -1,6 +1,7 @@
 """The speculative engine on tiny random checkpoints: exactness against
 transformers, seeded reproducibility, forks, preemption, aborts, prefix cache."""
 
+import json
 import math
 import random
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from specpage.engine import Engine, EngineConfig
-from specpage.models.loader import load_model
+from specpage.models.loader import ModelLoadError, load_model
 from specpage.request import SamplingParams, ValidationError
 from tests.models_util import tiny_checkpoint
 
@@ -298,3 +299,38 @@ def test_a_prefix_cache_hit_recomputes_the_drafts_kv(models):
     assert eng.stats().prefix_cached_tokens > 0
     assert first[("a", 0)] == second[("b", 0)]
     assert eng.stats().per_token_acceptance == 1.0
+
+
+def test_a_restricted_draft_vocabulary_keeps_greedy_output_exact(tmp_path):
+    """The target as its own draft, but proposing only from the tokens in its
+    draft_vocab.json: proposals stay inside that list, the ones the target
+    would not pick are rejected, and the output is still the target's."""
+    hf = tiny_checkpoint(tmp_path / "target")
+    tiny_checkpoint(tmp_path / "draft")  # the same weights
+    allowed = list(range(0, 211, 2))
+    (tmp_path / "draft" / "draft_vocab.json").write_text(json.dumps({"token_ids": allowed}))
+    target, draft = load_model(tmp_path / "target"), load_model(tmp_path / "draft")
+    eng = Engine(target, draft, None, EngineConfig(block_size=4, num_blocks=512, spec_k=3,
+                                                   adaptive_k=False))
+    proposed = []
+    propose = eng.proposer.propose
+    eng.proposer.propose = lambda scheduled: proposed.append(propose(scheduled)) or proposed[-1]
+    batch = prompts(4, seed=3)
+    results = drain(eng, {0: [(str(i), p, GREEDY) for i, p in enumerate(batch)]})
+    for i, p in enumerate(batch):
+        assert results[(str(i), 0)][0] == hf_greedy(hf, p, 16)
+    tokens = {t for proposal in proposed for seq in proposal.tokens for t in seq}
+    assert tokens and tokens <= set(allowed)
+    stats = eng.stats()
+    assert 0 < stats.accepted_tokens < stats.drafted_tokens
+
+
+@pytest.mark.parametrize("content", ['{"token_ids": []}', '{"token_ids": [1, 211]}',
+                                     '{"ids": [1]}', "not json"])
+def test_a_bad_draft_vocabulary_names_the_file(tmp_path, content):
+    tiny_checkpoint(tmp_path / "target")
+    tiny_checkpoint(tmp_path / "draft", seed=1)
+    (tmp_path / "draft" / "draft_vocab.json").write_text(content)
+    target, draft = load_model(tmp_path / "target"), load_model(tmp_path / "draft")
+    with pytest.raises(ModelLoadError, match="draft_vocab.json"):
+        Engine(target, draft, None, EngineConfig(block_size=4, num_blocks=64))

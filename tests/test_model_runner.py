@@ -8,6 +8,7 @@ import torch
 
 from specpage.block_pool import BlockPool
 from specpage.model_runner import ModelRunner, SeqSpan
+from specpage.models.decoder import few_rows_linear, padded_rows
 from specpage.models.loader import load_model
 from tests.models_util import greedy_through_pool, tiny_checkpoint
 
@@ -162,3 +163,37 @@ def test_bad_spans_are_rejected(tmp_path):
         runner.forward([SeqSpan([211], 0, [0], 1)])
     with pytest.raises(ValueError, match="num_logits 2"):
         runner.forward([SeqSpan([1], 0, [0], 2)])
+
+
+@pytest.mark.parametrize("rows", [*range(1, 18), 23, 31, 32, 33])
+def test_few_rows_products_match_a_plain_linear(rows):
+    """Rows padded to the counts BLAS is fast at come back unpadded and equal."""
+    torch.manual_seed(rows)
+    x, weight, bias = torch.randn(rows, 48), torch.randn(200, 48), torch.randn(200)
+    ours = few_rows_linear(x, weight, bias)
+    assert ours.shape == (rows, 200)
+    torch.testing.assert_close(ours, torch.nn.functional.linear(x, weight, bias))
+    assert padded_rows(rows) >= rows
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_restricted_output_vocabulary_scores_only_its_tokens(tmp_path, tied):
+    hf = tiny_checkpoint(tmp_path, tie_word_embeddings=tied)
+    runner = ModelRunner(load_model(tmp_path), num_blocks=16, block_size=4)
+    prompt = list(range(5, 14))
+    allowed = torch.tensor([3, 7, 8, 100, 210])
+    runner.model.restrict_output_vocab([100, 3, 8, 7, 210, 3])  # any order, repeats
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    for num_logits in (1, 3, 9):  # one row, a few rows, all
+        logits = runner.forward([SeqSpan(prompt, 0, [0, 1, 2], num_logits=num_logits)])
+        assert rel_error(logits[:, allowed], ref[-num_logits:, allowed]) < RTOL
+        outside = torch.ones(211, dtype=torch.bool)
+        outside[allowed] = False
+        assert torch.isneginf(logits[:, outside]).all()
+    runner.model.restrict_output_vocab(None)
+    full = runner.forward([SeqSpan(prompt, 0, [0, 1, 2], num_logits=9)])
+    assert rel_error(full, ref) < RTOL
+    for bad in ([], [211], [-1, 4]):
+        with pytest.raises(ValueError, match="output vocabulary"):
+            runner.model.restrict_output_vocab(bad)

@@ -9,6 +9,7 @@ the test can tell them apart.
 """
 
 import itertools
+import json
 from collections import Counter
 
 import pytest
@@ -55,10 +56,15 @@ def exact_joint(model, params):
     return joint.flatten()
 
 
-def sampled_joint(target, draft, params):
+def sampled_joint(target, draft, params, proposed=None):
+    """Counts of (x2, x3) over RUNS seeded requests; `proposed` collects
+    every token the draft proposed."""
     engine = Engine(target, draft, None, EngineConfig(
         block_size=4, num_blocks=2048, max_num_seqs=256, max_step_tokens=2048,
         spec_k=2, adaptive_k=False))
+    if proposed is not None:
+        propose = engine.proposer.propose
+        engine.proposer.propose = lambda scheduled: record(propose(scheduled), proposed)
     for seed in range(RUNS):
         engine.add_request(str(seed), PROMPT, SamplingParams(
             max_tokens=4, temperature=params.temperature, top_k=params.top_k,
@@ -69,6 +75,11 @@ def sampled_joint(target, draft, params):
             outputs.setdefault(out.request_id, []).extend(out.token_ids)
     counts = Counter(tokens[1] * VOCAB + tokens[2] for tokens in outputs.values())
     return torch.tensor([counts[i] for i in range(VOCAB * VOCAB)], dtype=torch.float64), engine
+
+
+def record(proposal, proposed):
+    proposed.extend(token for tokens in proposal.tokens for token in tokens)
+    return proposal
 
 
 def chi_square_p(observed, expected_probs):
@@ -113,3 +124,26 @@ def test_seeded_draws_are_uniform_and_independent():
     counts = torch.histc(draws, bins=20, min=0, max=1)
     assert chisquare(counts.numpy()).pvalue > ALPHA
     assert uniform(1, 2, Purpose.ACCEPT) != uniform(1, 2, Purpose.RESIDUAL)
+
+
+def test_a_draft_restricted_to_part_of_the_vocabulary_keeps_the_distribution(tmp_path):
+    """draft_vocab.json limits what the draft proposes (logit -inf, probability
+    0 elsewhere); the tokens it can never propose still come out of the
+    target at their exact rates, through the residual distribution."""
+    params = SamplingParams(temperature=1.0)
+    target_hf = peaked_model(tmp_path / "t", seed=0)
+    peaked_model(tmp_path / "d", seed=1)
+    allowed = [0, 2, 3, 5]
+    (tmp_path / "d" / "draft_vocab.json").write_text(json.dumps({"token_ids": allowed}))
+    target, draft = load_model(tmp_path / "t"), load_model(tmp_path / "d")
+    exact = exact_joint(target_hf, params)
+    proposed = []
+    speculative, engine = sampled_joint(target, draft, params, proposed)
+    stats = engine.stats()
+    assert stats.drafted_tokens > RUNS and 0 < stats.accepted_tokens < stats.drafted_tokens
+    assert set(proposed) <= set(allowed)
+    assert chi_square_p(speculative, exact) > ALPHA
+    # tokens outside the draft's vocabulary are sampled all the same
+    outside = [x2 * VOCAB + x3 for x2 in range(VOCAB) for x3 in range(VOCAB)
+               if x2 not in allowed or x3 not in allowed]
+    assert speculative[outside].sum() > 0.1 * RUNS

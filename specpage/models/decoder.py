@@ -114,6 +114,10 @@ class DecoderModel(nn.Module):
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         self._head_t: torch.Tensor | None = None
+        # A draft may propose from part of the vocabulary only: its projection
+        # then reads only those rows (see restrict_output_vocab).
+        self.output_vocab: torch.Tensor | None = None
+        self._head_rows: torch.Tensor | None = None
         self.register_buffer(
             "inv_freq", inverse_frequencies(config.rope, config.head_dim), persistent=False
         )
@@ -133,10 +137,39 @@ class DecoderModel(nn.Module):
         for layer, cache in zip(self.layers, caches, strict=True):
             x = layer(x, rope, cache, meta, backend)
         x = self.norm(x[logits_index])
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        head = self._head()
         if x.shape[0] == 1 and head.device.type == "cpu":
-            return (x @ self._transposed_head(head)).float()
-        return few_rows_linear(x, head).float()
+            logits = (x @ self._transposed_head(head)).float()
+        else:
+            logits = few_rows_linear(x, head).float()
+        if self.output_vocab is None:
+            return logits
+        full = logits.new_full((logits.shape[0], self.config.vocab_size), float("-inf"))
+        return full.index_copy_(1, self.output_vocab, logits)
+
+    def restrict_output_vocab(self, token_ids: torch.Tensor | None) -> None:
+        """Score only these tokens; every other one gets logit -inf, so is
+        never proposed and has probability 0. For a draft, whose vocabulary
+        projection is a large share of its cost: a draft distilled from a
+        target's answers need not score tokens those answers never use.
+        None scores the whole vocabulary again."""
+        if token_ids is not None:
+            token_ids = torch.as_tensor(token_ids, dtype=torch.int64).unique()
+            if token_ids.numel() == 0 or not 0 <= int(token_ids[0]) <= int(token_ids[-1]) < (
+                self.config.vocab_size
+            ):
+                raise ValueError(f"output vocabulary must be token ids in 0..."
+                                 f"{self.config.vocab_size - 1}, at least one")
+            token_ids = token_ids.to(self.embed_tokens.weight.device)
+        self.output_vocab, self._head_rows, self._head_t = token_ids, None, None
+
+    def _head(self) -> torch.Tensor:
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if self.output_vocab is None:
+            return head
+        if self._head_rows is None or self._head_rows.dtype != head.dtype:
+            self._head_rows = head.detach()[self.output_vocab].contiguous()
+        return self._head_rows
 
     def _transposed_head(self, head: torch.Tensor) -> torch.Tensor:
         """The vocabulary projection as [hidden, vocab], made once (one more

@@ -164,6 +164,29 @@ def identity(folder: Path, files: list[Path]) -> bytes:
     return digest.digest()
 
 
+DRAFT_VOCAB_FILE = "draft_vocab.json"
+
+
+def draft_vocabulary(draft: LoadedModel) -> list[int] | None:
+    """The tokens a draft proposes from, when its folder lists them in
+    draft_vocab.json ({"token_ids": [...]}, e.g. every token of the target
+    answers it was distilled from); None: the whole vocabulary."""
+    path = draft.folder / DRAFT_VOCAB_FILE
+    if not path.is_file():
+        return None
+    try:
+        ids = json.loads(path.read_text())["token_ids"]
+    except (ValueError, KeyError, TypeError) as error:
+        raise ModelLoadError(f"{path}: expected {{\"token_ids\": [...]}} ({error})") from error
+    if not isinstance(ids, list) or not ids or not all(
+        isinstance(i, int) and 0 <= i < draft.config.vocab_size for i in ids
+    ):
+        raise ModelLoadError(
+            f"{path}: token_ids must be a non-empty list of ids in 0..{draft.config.vocab_size - 1}"
+        )
+    return ids
+
+
 def check_draft_compatible(target: LoadedModel, draft: LoadedModel) -> None:
     """A draft must score the target's vocabulary with the same tokenizer."""
     if draft.config.vocab_size != target.config.vocab_size:
