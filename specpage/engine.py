@@ -211,7 +211,7 @@ class Engine:
         if deciding:
             self.policy.last_k = sum(deciding) / len(deciding)
         self.policy.observe_costs(self.verifier.last_cost,
-                                  self.proposer.last_cost if self.proposer else None)
+                                  self.proposer.last_costs if self.proposer else [])
 
     def _copy_blocks(self, plan: StepPlan) -> None:
         for runner in self.runners:

@@ -334,3 +334,21 @@ def test_a_bad_draft_vocabulary_names_the_file(tmp_path, content):
     target, draft = load_model(tmp_path / "target"), load_model(tmp_path / "draft")
     with pytest.raises(ModelLoadError, match="draft_vocab.json"):
         Engine(target, draft, None, EngineConfig(block_size=4, num_blocks=64))
+
+
+def test_forward_costs_reach_the_policy_without_prefill_steps(models):
+    """The target's cost fit sees decode and verify forwards only (a prompt's
+    positions cost more each); the draft's sees every forward with its
+    positions."""
+    eng = engine(models, draft="draft", spec_k=2)
+    eng.add_request("a", prompts(1, lengths=(40,))[0], GREEDY)
+    eng.step()  # the whole prompt
+    assert eng.policy.target_cost.observations == 0
+    while not eng.proposer.last_costs:
+        eng.step()
+    # the first draft run catches up over the prompt, then proposes one position
+    assert [n for n, _ in eng.proposer.last_costs] == [41, 1]
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.policy.target_cost.observations > 0
+    assert eng.policy.draft_cost.observations > 2

@@ -17,8 +17,8 @@ def sequence(num_tokens: int = 5, **params) -> Sequence:
 def cheap_draft_policy() -> SpecPolicy:
     policy = SpecPolicy(k_max=6)
     for _ in range(50):  # a bandwidth-bound target, a draft a tenth of its cost
-        policy.observe_costs((1, 0.050), (1, 0.005))
-        policy.observe_costs((5, 0.055), None)
+        policy.observe_costs((1, 0.050), [(1, 0.005)])
+        policy.observe_costs((5, 0.055), [])
     return policy
 
 
@@ -87,3 +87,27 @@ def test_a_seeded_request_chooses_k_from_its_own_history_only():
     seeded = sequence(seed=5, temperature=0.8)
     alone = SpecPolicy(k_max=6).choose_k(sequence(seed=5, temperature=0.8), batch=1)
     assert policy.choose_k(seeded, batch=32) == alone > 0
+
+
+def test_before_the_draft_has_run_its_cost_is_a_fraction_of_the_measured_target_step():
+    """Priors are in units of a target step: a 40 ms target does not make a
+    draft that has not run yet look like 0.1 s."""
+    policy = SpecPolicy(k_max=4)
+    for _ in range(10):
+        policy.observe_costs((1, 0.040), [])
+        policy.observe_costs((3, 0.042), [])
+    seq = sequence()
+    for _ in range(5):
+        policy.observe_acceptance(seq, proposed=4, accepted=2)
+    assert policy.draft_cost.observations == 0
+    assert policy.choose_k(seq, batch=1) >= 2
+
+
+def test_a_slow_catch_up_forward_does_not_price_every_proposal():
+    """Draft costs are fitted per forward against its positions: one long
+    catch-up forward (16 positions) among one-position proposal forwards
+    leaves the per-proposal cost near the latter."""
+    policy = SpecPolicy(k_max=4)
+    for _ in range(20):
+        policy.observe_costs((1, 0.040), [(16, 0.008), (1, 0.003), (1, 0.003)])
+    assert policy.draft_cost(1) == pytest.approx(0.003, rel=0.2)

@@ -2,10 +2,16 @@
 measured acceptance and the measured cost of draft and target forwards.
 
 With per-token acceptance a, k proposals yield (1 - a^(k+1)) / (1 - a) tokens
-per step on average. A step costs k draft forwards plus one target forward
-over batch · (k + 1) positions; while the target is bandwidth-bound the extra
-positions are nearly free, and as the batch grows they are not. The policy
-picks the k in 0..k_max with the most expected tokens per second.
+per step on average. A step costs k draft forwards over batch positions plus
+one target forward over batch · (k + 1) positions; while the target is
+bandwidth-bound the extra positions are nearly free, and as the batch grows
+they are not. The policy picks the k in 0..k_max with the most expected
+tokens per second.
+
+Costs are fitted per forward against the positions it computed. Target
+forwards that carry prefill chunks are left out of the fit: a prompt's
+positions cost far more each than verified ones. Until the draft has run,
+its cost is a prior fraction of the measured target step.
 
 Pure Python; imports no torch.
 """
@@ -17,7 +23,7 @@ from dataclasses import dataclass, field
 from specpage.request import Sequence
 
 EMA = 0.1  # weight of the newest cost observation
-PROBE_EVERY = 16  # tokens between probes while speculation is off
+PROBE_EVERY = 4  # tokens between probes while speculation is off
 # Acceptance is estimated from counts of accepted and tested proposals,
 # decayed per observation, shrunk towards a prior by a pseudo-count: a few
 # rejections are enough to turn a useless draft off.
@@ -37,8 +43,10 @@ class LinearCost:
     fixed: float
     per_item: float
     sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # w, x, y, xx, xy
+    observations: int = 0
 
     def observe(self, items: int, seconds: float) -> None:
+        self.observations += 1
         w, x, y, xx, xy = (s * (1 - EMA) for s in self.sums)
         self.sums = [w + 1, x + items, y + seconds, xx + items * items, xy + items * seconds]
         w, x, y, xx, xy = self.sums
@@ -96,6 +104,9 @@ class SpecPolicy:
         batch = max(batch, 1)
         acceptance = shrunk(seq.accepted, seq.tested, self.acceptance, SEQ_WEIGHT)
         target_cost, draft_cost = self.target_cost, self.draft_cost
+        if not draft_cost.observations:  # the prior, in units of a target step
+            unit = target_cost(batch) if target_cost.observations else 1.0
+            draft_cost = LinearCost(PRIOR_DRAFT.fixed * unit, PRIOR_DRAFT.per_item * unit)
         if seq.request.params.seed is not None:
             # A seeded request's samples depend on k; choose it from the
             # request's own history and fixed costs only, so its output is
@@ -116,14 +127,15 @@ class SpecPolicy:
         return best_k
 
     def observe_costs(
-        self, target: tuple[int, float] | None, draft: tuple[int, float] | None
+        self, target: tuple[int, float] | None, drafts: list[tuple[int, float]]
     ) -> None:
-        """(items, seconds) of this step's target forward (items: positions)
-        and of one draft forward (items: sequences)."""
+        """(positions, seconds) of this step's target forward, None when it
+        carried prefill, and of each draft forward."""
         if target is not None and target[0] > 0:
             self.target_cost.observe(*target)
-        if draft is not None and draft[0] > 0:
-            self.draft_cost.observe(*draft)
+        for draft in drafts:
+            if draft[0] > 0:
+                self.draft_cost.observe(*draft)
 
     def observe_acceptance(self, seq: Sequence, proposed: int, accepted: int) -> None:
         if proposed == 0:

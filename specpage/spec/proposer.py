@@ -32,13 +32,20 @@ class DraftProposer:
     def __init__(self, runner: ModelRunner, pool: BlockPool) -> None:
         self.runner = runner
         self.pool = pool
-        self.last_cost: tuple[int, float] | None = None  # (sequences, seconds) per forward
+        self.last_costs: list[tuple[int, float]] = []  # (positions, seconds) per forward
+
+    def _forward(self, spans: list[SeqSpan]) -> torch.Tensor:
+        start = time.perf_counter()
+        logits = self.runner.forward(spans)
+        self.last_costs.append((sum(len(s.token_ids) for s in spans),
+                                time.perf_counter() - start))
+        return logits
 
     def propose(self, scheduled: list[ScheduledSeq]) -> Proposal:
         tokens: list[list[int]] = [[] for _ in scheduled]
         probs: list[list[torch.Tensor]] = [[] for _ in scheduled]
         active = [i for i, e in enumerate(scheduled) if e.k > 0]
-        self.last_cost = None
+        self.last_costs = []
         if not active:
             return Proposal(tokens, [None for _ in scheduled])
         tables = {i: self.pool.block_table(scheduled[i].seq.seq_id) for i in active}
@@ -47,8 +54,7 @@ class DraftProposer:
             seq, end = scheduled[i].seq, scheduled[i].seq.num_computed + scheduled[i].num_new
             spans.append(SeqSpan(seq.token_ids[seq.num_draft_computed : end],
                                  seq.num_draft_computed, tables[i], num_logits=1))
-        start, forwards, batch = time.perf_counter(), 1, len(active)
-        logits = self.runner.forward(spans)
+        logits = self._forward(spans)
         depth = 0
         while active:
             seqs = [scheduled[i].seq for i in active]
@@ -70,8 +76,5 @@ class DraftProposer:
                 break
             spans = [SeqSpan([tokens[i][-1]], scheduled[i].seq.num_tokens + depth - 1, tables[i])
                      for i in active]
-            logits = self.runner.forward(spans)
-            forwards += 1
-        seconds = time.perf_counter() - start
-        self.last_cost = (batch, seconds / forwards)
+            logits = self._forward(spans)
         return Proposal(tokens, [torch.stack(p) if p else None for p in probs])

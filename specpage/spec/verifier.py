@@ -38,7 +38,8 @@ class Verifier:
     def __init__(self, runner: ModelRunner, pool: BlockPool) -> None:
         self.runner = runner
         self.pool = pool
-        self.last_cost: tuple[int, float] | None = None  # (positions, seconds) of the last forward
+        # (positions, seconds) of the last forward, None when it carried prefill
+        self.last_cost: tuple[int, float] | None = None
 
     def verify(self, scheduled: list[ScheduledSeq], proposal: Proposal) -> list[Verdict]:
         if not scheduled:
@@ -52,7 +53,9 @@ class Verifier:
             spans.append(SeqSpan(new, start, self.pool.block_table(e.seq.seq_id), logits_wanted))
         start = time.perf_counter()
         logits = self.runner.forward(spans)  # [sum of (k + 1) over logit rows, vocab]
-        self.last_cost = (sum(len(s.token_ids) for s in spans), time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        decoding = all(e.wants_logits and e.num_new <= 2 for e in scheduled)
+        self.last_cost = (sum(len(s.token_ids) for s in spans), seconds) if decoding else None
         verdicts = [Verdict(e.num_new, [], 0, 0, [], [], []) for e in scheduled]
         rows = [i for i, e in enumerate(scheduled) if e.wants_logits]
         if rows:
