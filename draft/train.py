@@ -123,25 +123,43 @@ def batches(examples: list[Example], size: int, rng: random.Random):
             yield collate([examples[i] for i in order[start : start + size]])
 
 
-def loss_and_agreement(model, ids, labels, soft: SoftLabels | None = None,
+class Vocabulary:
+    """The tokens the draft proposes from (draft_vocab.json): training scores
+    only these, as specpage does at inference, so the vocabulary projection,
+    most of the cost, shrinks with them."""
+
+    def __init__(self, token_ids: list[int], vocab_size: int) -> None:
+        self.ids = torch.tensor(token_ids)
+        self.position = torch.full((vocab_size,), -1, dtype=torch.int64)
+        self.position[self.ids] = torch.arange(len(token_ids))
+
+    def logits(self, model, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden @ model.lm_head.weight[self.ids].T
+
+
+def loss_and_agreement(model, ids, labels, vocabulary: Vocabulary,
+                       soft: SoftLabels | None = None,
                        soft_weight: float = 0.0) -> tuple[torch.Tensor, float]:
     """Cross-entropy on answer tokens, mixed with `soft_weight` of the cross-
-    entropy against the target's top-K distribution (renormalised) when soft
-    labels are given; agreement is the draft's first choice against the token
-    in the data. The vocabulary projection (most of the cost) runs only where
-    there is a label."""
+    entropy against the target's top-K distribution (renormalised over the
+    draft's vocabulary) when soft labels are given; agreement is the draft's
+    first choice against the token in the data. The vocabulary projection runs
+    only where there is a label."""
     hidden = model.model(ids).last_hidden_state[:, :-1]
     target = labels[:, 1:]
     mask = target != -100
-    logits = model.lm_head(hidden[mask])
-    loss = F.cross_entropy(logits, target[mask])
+    log_probs = torch.log_softmax(vocabulary.logits(model, hidden[mask]), dim=-1)
+    wanted = vocabulary.position[target[mask]]  # -1: outside the draft's vocabulary
+    loss = F.nll_loss(log_probs, wanted, ignore_index=-1)
     if soft is not None and soft_weight > 0:
         teacher_logprobs, teacher_ids = soft
-        teacher = torch.softmax(teacher_logprobs, dim=-1)
-        student = torch.log_softmax(logits, dim=-1).gather(1, teacher_ids)
+        where = vocabulary.position[teacher_ids]
+        teacher = torch.softmax(teacher_logprobs.masked_fill(where < 0, float("-inf")), dim=-1)
+        teacher = teacher.nan_to_num(0.0)  # a row with no top-K token inside the vocabulary
+        student = log_probs.gather(1, where.clamp(min=0))
         soft_loss = -(teacher * student).sum(-1).mean()
         loss = (1 - soft_weight) * loss + soft_weight * soft_loss
-    agreement = float((logits.argmax(-1) == target[mask]).float().mean())
+    agreement = float((log_probs.argmax(-1) == wanted).float().mean())
     return loss, agreement
 
 
@@ -195,6 +213,7 @@ def main() -> None:
     eos = model.config.eos_token_id
     vocabulary = sorted({t for ids, answer, _ in examples for t in ids[answer:]}
                         | set(eos if isinstance(eos, list) else [eos]))
+    scored = Vocabulary(vocabulary, model.config.vocab_size)
     optimizer = torch.optim.AdamW(model.parameters(), lr=train["learning_rate"],
                                   weight_decay=train["weight_decay"])
     deadline = time.monotonic() + (args.max_minutes or math.inf) * 60
@@ -204,7 +223,7 @@ def main() -> None:
         ids, labels, soft = next(stream)
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(train, step)
-        loss, agreement = loss_and_agreement(model, ids, labels, soft, soft_weight)
+        loss, agreement = loss_and_agreement(model, ids, labels, scored, soft, soft_weight)
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -222,7 +241,7 @@ def main() -> None:
         losses, agreements = [], []
         for example in validation:  # hard labels: comparable across runs
             ids, labels, _ = collate([example])
-            loss, agreement = loss_and_agreement(model, ids, labels)
+            loss, agreement = loss_and_agreement(model, ids, labels, scored)
             losses.append(float(loss))
             agreements.append(agreement)
     save(model, target_folder, args.out, vocabulary)
