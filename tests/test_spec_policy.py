@@ -4,7 +4,13 @@ fits and the choice of k."""
 import pytest
 
 from specpage.request import Request, SamplingParams, Sequence
-from specpage.spec.policy import PROBE_EVERY, LinearCost, SpecPolicy, expected_tokens
+from specpage.spec.policy import (
+    PROBE_EVERY,
+    PROBE_IDLE,
+    LinearCost,
+    SpecPolicy,
+    expected_tokens,
+)
 
 
 def sequence(num_tokens: int = 5, **params) -> Sequence:
@@ -64,7 +70,7 @@ def test_adaptive_k_speculates_when_it_pays():
 
 def test_a_useless_draft_is_turned_off_within_a_few_steps():
     policy = cheap_draft_policy()
-    seq = sequence(num_tokens=PROBE_EVERY + 1)
+    seq = sequence(num_tokens=PROBE_IDLE + 1)
     k = [policy.choose_k(seq, batch=1)]
     assert k[0] > 0  # the prior is optimistic
     while k[-1] > 0 and len(k) < 8:
@@ -72,12 +78,19 @@ def test_a_useless_draft_is_turned_off_within_a_few_steps():
         k.append(policy.choose_k(seq, batch=1))
     assert k[-1] == 0, k
     # a new sequence starts from the shared rate: one proposal at most, then off
-    new = sequence(num_tokens=PROBE_EVERY + 5)
+    new = sequence(num_tokens=PROBE_IDLE + 5)
     assert policy.choose_k(new, batch=1) <= 1
     policy.observe_acceptance(new, proposed=1, accepted=0)
     assert policy.choose_k(new, batch=1) == 0
-    # and now and then one probe keeps acceptance measured
-    assert policy.choose_k(sequence(num_tokens=PROBE_EVERY), batch=1) == 1
+    # and now and then one probe keeps acceptance measured: rarely for a
+    # sequence whose draft has not been accepted lately, often for one whose has
+    assert policy.choose_k(sequence(num_tokens=PROBE_EVERY), batch=1) == 0
+    assert policy.choose_k(sequence(num_tokens=PROBE_IDLE), batch=1) == 1
+    lucky = sequence(num_tokens=PROBE_EVERY)
+    policy.observe_acceptance(lucky, proposed=1, accepted=1)
+    for _ in range(3):
+        policy.observe_acceptance(lucky, proposed=1, accepted=0)
+    assert policy.choose_k(lucky, batch=1) == 1
 
 
 def test_a_seeded_request_chooses_k_from_its_own_history_only():

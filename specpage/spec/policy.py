@@ -23,7 +23,12 @@ from dataclasses import dataclass, field
 from specpage.request import Sequence
 
 EMA = 0.1  # weight of the newest cost observation
-PROBE_EVERY = 4  # tokens between probes while speculation is off
+# Tokens between probes (one proposal) while speculation is off: often while
+# the sequence's draft has been accepted lately (verifying 2 positions costs
+# about as much as 1), rarely once it has not, so a useless draft costs little.
+PROBE_EVERY = 4
+PROBE_IDLE = 16
+RECENTLY_ACCEPTED = 0.5  # the sequence's decayed count of accepted proposals
 # Acceptance is estimated from counts of accepted and tested proposals,
 # decayed per observation, shrunk towards a prior by a pseudo-count: a few
 # rejections are enough to turn a useless draft off.
@@ -122,7 +127,8 @@ class SpecPolicy:
                 best_k, best_rate = k, rate
         # Now and then probe with one proposal, so acceptance keeps being
         # measured and speculation can come back.
-        if best_k == 0 and seq.num_tokens % PROBE_EVERY == 0:
+        period = PROBE_EVERY if seq.accepted >= RECENTLY_ACCEPTED else PROBE_IDLE
+        if best_k == 0 and seq.num_tokens % period == 0:
             return 1
         return best_k
 
