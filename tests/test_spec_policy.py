@@ -82,15 +82,26 @@ def test_a_useless_draft_is_turned_off_within_a_few_steps():
     assert policy.choose_k(new, batch=1) <= 1
     policy.observe_acceptance(new, proposed=1, accepted=0)
     assert policy.choose_k(new, batch=1) == 0
-    # and now and then one probe keeps acceptance measured: rarely for a
-    # sequence whose draft has not been accepted lately, often for one whose has
+    # and now and then one probe keeps acceptance measured: rarely, as the
+    # draft is useless for every sequence
     assert policy.choose_k(sequence(num_tokens=PROBE_EVERY), batch=1) == 0
     assert policy.choose_k(sequence(num_tokens=PROBE_IDLE), batch=1) == 1
-    lucky = sequence(num_tokens=PROBE_EVERY)
-    policy.observe_acceptance(lucky, proposed=1, accepted=1)
-    for _ in range(3):
-        policy.observe_acceptance(lucky, proposed=1, accepted=0)
-    assert policy.choose_k(lucky, batch=1) == 1
+
+
+def test_a_sequence_the_draft_fails_probes_often_while_it_pays_for_the_others():
+    policy = SpecPolicy(k_max=6)
+    for _ in range(50):  # a draft a quarter of the target's cost
+        policy.observe_costs((1, 0.050), [(1, 0.012)])
+        policy.observe_costs((5, 0.055), [])
+    for _ in range(20):
+        policy.observe_acceptance(sequence(), proposed=4, accepted=3)
+    unlucky = sequence(num_tokens=PROBE_EVERY + 1)
+    for _ in range(40):
+        policy.observe_acceptance(unlucky, proposed=1, accepted=0)
+    assert policy.choose_k(unlucky, batch=1) == 0
+    unlucky.token_ids.extend([9] * (PROBE_EVERY - 1))
+    assert unlucky.num_tokens % PROBE_EVERY == 0 and unlucky.num_tokens % PROBE_IDLE
+    assert policy.choose_k(unlucky, batch=1) == 1
 
 
 def test_a_seeded_request_chooses_k_from_its_own_history_only():

@@ -23,12 +23,12 @@ from dataclasses import dataclass, field
 from specpage.request import Sequence
 
 EMA = 0.1  # weight of the newest cost observation
-# Tokens between probes (one proposal) while speculation is off: often while
-# the sequence's draft has been accepted lately (verifying 2 positions costs
-# about as much as 1), rarely once it has not, so a useless draft costs little.
+# Tokens between probes (one proposal) while a sequence does not speculate:
+# often while speculation pays at the shared acceptance (on a CPU, verifying 2
+# positions costs about as much as 1), rarely otherwise, so that a useless
+# draft, or probes in a large batch, cost little.
 PROBE_EVERY = 4
 PROBE_IDLE = 16
-RECENTLY_ACCEPTED = 0.5  # the sequence's decayed count of accepted proposals
 # Acceptance is estimated from counts of accepted and tested proposals,
 # decayed per observation, shrunk towards a prior by a pseudo-count: a few
 # rejections are enough to turn a useless draft off.
@@ -112,12 +112,27 @@ class SpecPolicy:
         if not draft_cost.observations:  # the prior, in units of a target step
             unit = target_cost(batch) if target_cost.observations else 1.0
             draft_cost = LinearCost(PRIOR_DRAFT.fixed * unit, PRIOR_DRAFT.per_item * unit)
+        shared = self.acceptance
         if seq.request.params.seed is not None:
             # A seeded request's samples depend on k; choose it from the
             # request's own history and fixed costs only, so its output is
             # the same whatever else runs and however long forwards take.
-            acceptance = shrunk(seq.accepted, seq.tested, PRIOR_ACCEPTANCE, SEQ_WEIGHT)
+            acceptance = shared = shrunk(seq.accepted, seq.tested, PRIOR_ACCEPTANCE, SEQ_WEIGHT)
             batch, target_cost, draft_cost = 1, PRIOR_TARGET, PRIOR_DRAFT
+        best_k = self._best_k(acceptance, batch, target_cost, draft_cost)
+        # Now and then probe with one proposal, so acceptance keeps being
+        # measured and speculation can come back: often while speculation
+        # pays at the acceptance shared by all sequences, rarely otherwise
+        # (a useless draft, or a batch where extra positions are not free).
+        if best_k == 0:
+            often = self._best_k(shared, batch, target_cost, draft_cost) > 0
+            if seq.num_tokens % (PROBE_EVERY if often else PROBE_IDLE) == 0:
+                return 1
+        return best_k
+
+    def _best_k(self, acceptance: float, batch: int, target_cost: LinearCost,
+                draft_cost: LinearCost) -> int:
+        """The k with the most expected tokens per second."""
         best_k, best_rate = 0, 0.0
         for k in range(self.k_max + 1):
             seconds = k * draft_cost(batch) + target_cost(batch * (k + 1))
@@ -125,11 +140,6 @@ class SpecPolicy:
             # prefer the smaller k on a near tie, and k = 0 unless clearly beaten
             if rate > best_rate * (GAIN_TO_START if best_k == 0 else 1.01):
                 best_k, best_rate = k, rate
-        # Now and then probe with one proposal, so acceptance keeps being
-        # measured and speculation can come back.
-        period = PROBE_EVERY if seq.accepted >= RECENTLY_ACCEPTED else PROBE_IDLE
-        if best_k == 0 and seq.num_tokens % period == 0:
-            return 1
         return best_k
 
     def observe_costs(
