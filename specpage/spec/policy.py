@@ -124,10 +124,13 @@ class SpecPolicy:
         # measured and speculation can come back: often while speculation
         # pays at the acceptance shared by all sequences, rarely otherwise
         # (a useless draft, or a batch where extra positions are not free).
-        if best_k == 0:
-            often = self._best_k(shared, batch, target_cost, draft_cost) > 0
-            if seq.num_tokens % (PROBE_EVERY if often else PROBE_IDLE) == 0:
-                return 1
+        # (PROBE_IDLE is a multiple of PROBE_EVERY: the shared choice is only
+        # worked out on the tokens where it decides.)
+        if best_k == 0 and seq.num_tokens % PROBE_EVERY == 0 and (
+            seq.num_tokens % PROBE_IDLE == 0
+            or self._best_k(shared, batch, target_cost, draft_cost) > 0
+        ):
+            return 1
         return best_k
 
     def _best_k(self, acceptance: float, batch: int, target_cost: LinearCost,
