@@ -145,7 +145,13 @@ class AsyncEngine:
 
     @property
     def num_queued(self) -> int:
-        return len(self._submissions) + self._stats.waiting
+        """Requests that wait for a running place: the engine's waiting ones,
+        and the submissions its free places will not take at the next step.
+        (A submission the engine has not seen yet but will start at once is
+        not queued: otherwise the bound would depend on when steps fall.)"""
+        stats = self._stats
+        free = 0 if stats.waiting else max(0, self.engine.config.max_num_seqs - stats.running)
+        return stats.waiting + max(0, len(self._submissions) - free)
 
     def submit(self, request: Request) -> RequestStream:
         if self.draining:

@@ -66,3 +66,36 @@ async def test_stop_is_bounded_even_when_the_engine_never_answers(tmp_path):
     with pytest.raises(DrainingError):
         async for _ in stream.events():
             pass
+
+
+@pytest.mark.asyncio
+async def test_the_queue_bound_counts_only_requests_that_must_wait(tmp_path):
+    """With one running place and max_queue 2, three requests that arrive
+    before any step are all admitted (one will run, two wait); a fourth is
+    refused. Whether the engine has stepped in between must not matter."""
+    from specpage.async_engine import AsyncEngine, QueueFullError
+    from specpage.engine import Engine, EngineConfig
+    from specpage.models.loader import load_model
+    from specpage.request import Request, SamplingParams
+    from tests.models_util import tiny_checkpoint
+
+    tiny_checkpoint(tmp_path)
+    engine = Engine(load_model(tmp_path), None, None,
+                    EngineConfig(block_size=4, num_blocks=64, max_num_seqs=1))
+    async_engine = AsyncEngine(engine, max_queue=2)  # not started: no step runs
+
+    def request(i):
+        return Request(f"r{i}", (1, 2, 3), SamplingParams(max_tokens=4))
+
+    for i in range(3):
+        async_engine.submit(request(i))
+    assert async_engine.num_queued == 2
+    with pytest.raises(QueueFullError):
+        async_engine.submit(request(3))
+    # after a step the engine holds them: the same answer
+    async_engine._stats = await asyncio.to_thread(lambda: async_engine._step()[1])
+    assert (async_engine._stats.running, async_engine._stats.waiting) == (1, 2)
+    assert async_engine.num_queued == 2
+    with pytest.raises(QueueFullError):
+        async_engine.submit(request(3))
+    await async_engine.stop(timeout=1)
