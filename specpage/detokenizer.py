@@ -21,26 +21,42 @@ class IncrementalDetokenizer:
         self.text = ""  # all output text so far (cut at a stop string)
         self.emitted = 0  # characters of text already released
         self.stopped = False
+        self.used = 0  # tokens of the last add() that are output (see add)
 
     def add(self, token_ids: Sequence[int]) -> str:
-        """Take new output tokens; return the text now safe to release."""
+        """Take new output tokens; return the text now safe to release. When a
+        stop string completes, `used` is how many of these tokens it took: the
+        output ends with the token that completes it, as it would one token
+        per step."""
+        self.used = 0
         if self.stopped:
             return ""
+        base = len(self.output_ids)
         self.output_ids.extend(token_ids)
-        full = self._decode(self.context + self.output_ids)
-        text = full[len(self.context_text) :]
-        complete = text.rstrip("\ufffd")  # a trailing partial character waits for its bytes
+        self.used = len(token_ids)
+        complete = self._complete_text()
         self.text = complete
         hold = 0
         if self.stop:
             start = max(0, self.emitted - max(map(len, self.stop)))
-            hits = [i for s in self.stop if (i := complete.find(s, start)) >= 0]
-            if hits:
-                self.text = complete[: min(hits)]
+            if _first_hit(complete, self.stop, start) is not None:
+                for n in range(1, len(token_ids) + 1):  # the first token that completes one
+                    self.output_ids[base:] = token_ids[:n]
+                    complete = self._complete_text()
+                    hit = _first_hit(complete, self.stop, start)
+                    if hit is not None:
+                        break
+                self.used = n
+                self.text = complete[:hit]
                 self.stopped = True
             else:
                 hold = _stop_prefix_length(complete, self.stop)
         return self._release(len(self.text) - hold)
+
+    def _complete_text(self) -> str:
+        full = self._decode(self.context + self.output_ids)
+        # a trailing partial character waits for its bytes
+        return full[len(self.context_text) :].rstrip("\ufffd")
 
     def flush(self) -> str:
         """At the end: release whatever was held back for a stop string."""
@@ -55,6 +71,12 @@ class IncrementalDetokenizer:
 
     def _decode(self, ids: list[int]) -> str:
         return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+
+
+def _first_hit(text: str, stops: Sequence[str], start: int) -> int | None:
+    """Where the earliest stop string in text begins (at or after start)."""
+    hits = [i for s in stops if (i := text.find(s, start)) >= 0]
+    return min(hits) if hits else None
 
 
 def _stop_prefix_length(text: str, stops: Sequence[str]) -> int:

@@ -265,18 +265,22 @@ class Engine:
                 reason = FinishReason.LENGTH
             if reason:
                 break
-        seq.token_ids.extend(kept)
-        seq.logprobs.extend(logprobs[: len(kept)])
-        request = seq.request
-        if request.timings.first_token is None:
-            request.timings.first_token = time.monotonic()
         text = ""
         detok: IncrementalDetokenizer | None = seq.detok  # type: ignore[assignment]
         if detok is not None:
             text_ids = kept[:-1] if reason is FinishReason.STOP else kept
             text = detok.add(text_ids)
-            if detok.stopped and reason is None:
+            if detok.stopped:
+                # A stop string ends the output at the token that completes it,
+                # even when more tokens were accepted in the same step (and
+                # before a length limit reached with that same token).
+                del kept[detok.used :]
                 reason = FinishReason.STOP
+        seq.token_ids.extend(kept)
+        seq.logprobs.extend(logprobs[: len(kept)])
+        request = seq.request
+        if request.timings.first_token is None:
+            request.timings.first_token = time.monotonic()
         if reason:
             return self._finish(seq, reason, kept, text, logprobs[: len(kept)])
         return RequestOutput(request.request_id, seq.index, kept, text,

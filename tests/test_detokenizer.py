@@ -39,6 +39,23 @@ def test_stop_string_cuts_the_text_and_is_held_back_until_decided(tokenizer):
     assert detok.add(tokenizer.encode(" more", add_special_tokens=False)) == ""
 
 
+def test_tokens_added_at_once_end_at_the_one_that_completes_the_stop_string(tokenizer):
+    """Speculation accepts several tokens in a step: the output must end
+    where one token per step would have ended it."""
+    ids = tokenizer.encode("Hello world. STOP here and more", add_special_tokens=False)
+    one_by_one = IncrementalDetokenizer(tokenizer, [], stop=("STOP",))
+    for token in ids:
+        one_by_one.add([token])
+        if one_by_one.stopped:
+            break
+    n = len(one_by_one.output_ids)
+    at_once = IncrementalDetokenizer(tokenizer, [], stop=("STOP",))
+    text = at_once.add(ids[:2]) + at_once.add(ids[2:])
+    assert at_once.stopped and 2 + at_once.used == n < len(ids)
+    assert text == at_once.text == one_by_one.text == "Hello world. "
+    assert at_once.output_ids == ids[:n]
+
+
 def test_a_stop_prefix_that_never_completes_is_released_at_the_end(tokenizer):
     ids = tokenizer.encode("Say ST", add_special_tokens=False)
     detok = IncrementalDetokenizer(tokenizer, [], stop=("STOP",))

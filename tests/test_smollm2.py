@@ -63,6 +63,17 @@ def test_speculative_engine_text_and_stop_strings(smollm2):
     assert full.samples[0].finish_reason == "stop"  # <|im_end|>
     assert stopped.samples[0].text == "The capital of France is"
     assert stopped.samples[0].finish_reason == "stop"
+    # The output ends with the token that completes the stop string, though
+    # the step accepted more (the draft is the target: all 4 accepted).
+    paris = next(n for n in range(1, 25)
+                 if " Paris" in llm.tokenizer.decode(full.samples[0].token_ids[:n]))
+    assert stopped.samples[0].token_ids == full.samples[0].token_ids[:paris]
+    assert stopped.usage.completion_tokens == paris
+    # A stop string completed by the last token max_tokens allows is a stop.
+    (exact,) = llm.generate([prompt], [SamplingParams(max_tokens=paris, temperature=0,
+                                                      stop=(" Paris",))])
+    assert exact.samples[0].finish_reason == "stop"
+    assert exact.samples[0].text == "The capital of France is"
     usage = full.usage
     assert usage.drafted_tokens > 0 and usage.accepted_tokens == usage.drafted_tokens
     assert usage.prompt_tokens == len(prompt) and usage.completion_tokens == len(
