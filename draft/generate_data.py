@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 
 from bench.prompts import TOPICS
-from draft.prompts import topic_words, training_prompts
+from draft.prompts import topic_prompts, topic_words, training_prompts
+from draft.topics import curated_topics
 from specpage.engine import EngineConfig
 from specpage.llm import LLM, chat_prompt
 from specpage.models.fetch import ensure_model
@@ -34,20 +35,25 @@ def main() -> None:
     parser.add_argument("--sampled-fraction", type=float, default=0.2,
                         help="share of answers sampled at temperature 0.7 (the rest greedy)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--topics", choices=["vocab", "curated"], default="vocab",
+                        help="topic words from the tokenizer, or draft/topics.py")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     llm = LLM(ensure_model("smollm2-135m"),
               config=EngineConfig(num_blocks=4096, max_num_seqs=args.batch, spec_k=0))
     held_out = {w.lower() for topic in TOPICS for w in topic.split()}
-    words = topic_words(llm.tokenizer, held_out)
     args.out.mkdir(parents=True, exist_ok=True)
-    shard = args.out / f"answers-seed{args.seed}.jsonl"
+    if args.topics == "vocab":
+        shard = args.out / f"answers-seed{args.seed}.jsonl"
+        prompts = training_prompts(topic_words(llm.tokenizer, held_out), 200_000, args.seed)
+    else:
+        shard = args.out / f"answers-curated-seed{args.seed}.jsonl"
+        prompts = topic_prompts(curated_topics(held_out), 200_000, args.seed)
     done = [json.loads(line) for line in shard.open()] if shard.exists() else []
     made = sum(len(record["output"]) for record in done)
     # Resume after the highest prompt done; answers in flight at a stop are skipped.
     done_lines = 1 + max((r.get("index", n) for n, r in enumerate(done)), default=-1)
-    prompts = training_prompts(words, 200_000, args.seed)
     rng = random.Random(args.seed + 1)
     temperatures = [0.7 if rng.random() < args.sampled_fraction else 0.0 for _ in prompts]
     engine = llm.engine

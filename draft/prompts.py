@@ -1,6 +1,7 @@
 """Varied training prompts: instruction templates over topic words taken from
-the tokenizer's own vocabulary. The benchmark prompts (bench/prompts.py) are
-held out: none of their topics is used here."""
+the tokenizer's own vocabulary ("vocab"), or over everyday encyclopedic
+topics (draft/topics.py, "curated"). The benchmark prompts (bench/prompts.py)
+are held out: none of their topics is used here."""
 
 from __future__ import annotations
 
@@ -25,6 +26,11 @@ TEMPLATES = [
     "Write a limerick about {a}.", "Translate the idea of {a} into a simple analogy.",
     "What are the main types of {a}?", "Write a motivational message mentioning {a}.",
     "Explain {a} as if you were a teacher.",
+]
+# More everyday requests, for the curated topics.
+CHAT_TEMPLATES = TEMPLATES + [
+    "Explain {a} to a child.", "What should everyone know about {a}?", "Tell me about {a}.",
+    "Write a short essay about {a}.", "What are five interesting facts about {a}?",
 ]  # fmt: skip
 
 
@@ -38,7 +44,13 @@ def topic_words(tokenizer: Any, held_out: set[str]) -> list[str]:
     return sorted(w for w in words if w not in held_out)
 
 
-def training_prompts(words: list[str], count: int, seed: int) -> list[str]:
+def training_prompts(words: list[str], count: int, seed: int,
+                     templates: list[str] = TEMPLATES) -> list[str]:
     rng = random.Random(seed)
-    return [rng.choice(TEMPLATES).format(a=rng.choice(words), b=rng.choice(words),
+    return [rng.choice(templates).format(a=rng.choice(words), b=rng.choice(words),
                                          c=rng.choice(words)) for _ in range(count)]
+
+
+def topic_prompts(topics: list[str], count: int, seed: int) -> list[str]:
+    """Like `training_prompts`, over whole topics ("the solar system")."""
+    return training_prompts(topics, count, seed, CHAT_TEMPLATES)

@@ -193,6 +193,9 @@ def main() -> None:
     parser.add_argument("--data", type=Path, default=Path("draft/data"))
     parser.add_argument("--out", type=Path, default=Path("models/smollm2-draft"))
     parser.add_argument("--config", type=Path, default=CONFIG)
+    parser.add_argument("--init", type=Path,
+                        help="start from this draft checkpoint (a second stage) "
+                             "instead of a new model")
     parser.add_argument("--max-minutes", type=float, help="stop early after this long")
     parser.add_argument("--no-eval", action="store_true", help="skip the held-out acceptance")
     parser.add_argument("--threads", type=int, default=2)
@@ -208,7 +211,12 @@ def main() -> None:
     rng.shuffle(examples)
     held = max(1, int(len(examples) * train["held_out_fraction"]))
     validation, examples = examples[:held], examples[held:]
-    model = build_draft(target_folder, config["model"])
+    if args.init:
+        from transformers import LlamaForCausalLM
+
+        model = LlamaForCausalLM.from_pretrained(args.init, dtype=torch.float32)
+    else:
+        model = build_draft(target_folder, config["model"])
     # Every token of the target's answers it learns from, and end of sequence.
     eos = model.config.eos_token_id
     vocabulary = sorted({t for ids, answer, _ in examples for t in ids[answer:]}
