@@ -104,6 +104,28 @@ def test_a_sequence_the_draft_fails_probes_often_while_it_pays_for_the_others():
     assert policy.choose_k(unlucky, batch=1) == 1
 
 
+def test_idle_probes_thin_out_as_the_batch_grows():
+    """Probes cost a draft forward and a target position whatever the batch:
+    where speculation does not pay, a sequence in a batch of B probes every
+    PROBE_IDLE · B tokens, so all of them together probe about as often per
+    step as one sequence alone."""
+    policy = SpecPolicy(k_max=4)
+    for _ in range(50):  # compute-bound: each extra target position costs a lot
+        policy.observe_costs((32, 0.150), [(32, 0.008)])
+        policy.observe_costs((64, 0.270), [(2, 0.004)])
+    for _ in range(20):
+        policy.observe_acceptance(sequence(), proposed=1, accepted=1)
+        policy.observe_acceptance(sequence(), proposed=1, accepted=0)
+    assert 0.4 < policy.acceptance < 0.6
+    speculating = {batch: sum(policy.choose_k(sequence(num_tokens=n), batch=batch) > 0
+                              for n in range(3, 3 + 1024))
+                   for batch in (1, 8, 32)}
+    assert speculating[1] == 1024  # alone, speculation pays at this acceptance
+    probes = {batch: n for batch, n in speculating.items() if batch > 1}
+    assert probes[8] == 1024 // (PROBE_IDLE * 8)
+    assert probes[32] == 1024 // (PROBE_IDLE * 32)
+
+
 def test_a_seeded_request_chooses_k_from_its_own_history_only():
     policy = cheap_draft_policy()
     for _ in range(20):

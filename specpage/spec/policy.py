@@ -26,7 +26,12 @@ EMA = 0.1  # weight of the newest cost observation
 # Tokens between probes (one proposal) while a sequence does not speculate:
 # often while speculation pays at the shared acceptance (on a CPU, verifying 2
 # positions costs about as much as 1), rarely otherwise, so that a useless
-# draft, or probes in a large batch, cost little.
+# draft costs little. The rare period is per sequence and grows with the
+# batch (PROBE_IDLE · batch): a probe costs a draft forward and a target
+# position whatever the batch, so the probes of all sequences together stay
+# about as few per step as for one sequence alone. (At 32 streams, probes
+# every 16 tokens each cost 6-12% of throughput with a good draft, for
+# speculation that does not pay at that batch.)
 PROBE_EVERY = 4
 PROBE_IDLE = 16
 # Acceptance is estimated from counts of accepted and tested proposals,
@@ -124,10 +129,10 @@ class SpecPolicy:
         # measured and speculation can come back: often while speculation
         # pays at the acceptance shared by all sequences, rarely otherwise
         # (a useless draft, or a batch where extra positions are not free).
-        # (PROBE_IDLE is a multiple of PROBE_EVERY: the shared choice is only
+        # (PROBE_IDLE · batch is a multiple of PROBE_EVERY: the shared choice is only
         # worked out on the tokens where it decides.)
         if best_k == 0 and seq.num_tokens % PROBE_EVERY == 0 and (
-            seq.num_tokens % PROBE_IDLE == 0
+            seq.num_tokens % (PROBE_IDLE * batch) == 0
             or self._best_k(shared, batch, target_cost, draft_cost) > 0
         ):
             return 1
