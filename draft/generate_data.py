@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from bench.prompts import TOPICS
-from draft.prompts import topic_prompts, topic_words, training_prompts
+from draft.prompts import CHAT_TEMPLATES, topic_words, training_prompts
 from draft.topics import curated_topics
 from specpage.engine import EngineConfig
 from specpage.llm import LLM, chat_prompt
@@ -49,7 +49,8 @@ def main() -> None:
         prompts = training_prompts(topic_words(llm.tokenizer, held_out), 200_000, args.seed)
     else:
         shard = args.out / f"answers-curated-seed{args.seed}.jsonl"
-        prompts = topic_prompts(curated_topics(held_out), 200_000, args.seed)
+        prompts = training_prompts(curated_topics(held_out), 200_000, args.seed,
+                                   CHAT_TEMPLATES)
     done = [json.loads(line) for line in shard.open()] if shard.exists() else []
     made = sum(len(record["output"]) for record in done)
     # Resume after the highest prompt done; answers in flight at a stop are skipped.

@@ -49,8 +49,3 @@ def training_prompts(words: list[str], count: int, seed: int,
     rng = random.Random(seed)
     return [rng.choice(templates).format(a=rng.choice(words), b=rng.choice(words),
                                          c=rng.choice(words)) for _ in range(count)]
-
-
-def topic_prompts(topics: list[str], count: int, seed: int) -> list[str]:
-    """Like `training_prompts`, over whole topics ("the solar system")."""
-    return training_prompts(topics, count, seed, CHAT_TEMPLATES)

@@ -201,6 +201,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     config = tomllib.loads(args.config.read_text())
+    if args.init is None and "model" not in config:
+        parser.error(f"{args.config} has no [model] table: a later stage needs --init DRAFT")
     train = config["train"]
     torch.manual_seed(train["seed"])
     torch.set_num_threads(args.threads)

@@ -1,7 +1,7 @@
 """The draft's training prompts keep the benchmark prompts held out."""
 
 from bench.prompts import TOPICS, chat_prompts
-from draft.prompts import topic_prompts
+from draft.prompts import CHAT_TEMPLATES, training_prompts
 from draft.topics import curated_topics
 
 HELD_OUT = {w.lower() for topic in TOPICS for w in topic.split()}
@@ -22,6 +22,6 @@ def test_no_curated_topic_shares_a_word_with_a_benchmark_topic():
 
 
 def test_no_training_prompt_is_a_benchmark_prompt():
-    prompts = set(topic_prompts(curated_topics(HELD_OUT), 20_000, seed=0))
+    prompts = set(training_prompts(curated_topics(HELD_OUT), 20_000, 0, CHAT_TEMPLATES))
     assert len(prompts) > 5_000
     assert not prompts & set(chat_prompts(len(TOPICS) * 4))
