@@ -9,6 +9,7 @@ Synchronous and single-threaded; the daemon runs it off its event loop.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -31,9 +32,12 @@ from specpage.request import (
     validate_prompt,
 )
 from specpage.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, StepPlan
+from specpage.spec.calibrate import calibration_sizes, fit_segments, measure_forwards
 from specpage.spec.policy import SpecPolicy
 from specpage.spec.proposer import DraftProposer, Proposal
 from specpage.spec.verifier import Verdict, Verifier
+
+log = logging.getLogger("specpage.engine")
 
 
 class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -121,8 +125,22 @@ class Engine:
             self.runners.append(draft_runner)
             self.proposer = DraftProposer(draft_runner, self.pool)
         self.max_context = max_context
+        if self.proposer is not None and self.policy.adaptive and spec_k > 0:
+            self._calibrate(target_runner, self.proposer.runner)
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
+
+    def _calibrate(self, target: ModelRunner, draft: ModelRunner) -> None:
+        """Time both models' forwards for the adaptive-k policy (spec/calibrate.py)."""
+        c, start = self.config, time.perf_counter()
+        sizes = calibration_sizes(min(c.max_step_tokens, c.max_num_seqs * (c.spec_k + 1)))
+        self.policy.calibrate(*(
+            fit_segments(measure_forwards(runner, sizes, c.max_num_seqs, c.num_blocks,
+                                          self.max_context, every_logit=runner is target))
+            for runner in (target, draft)
+        ))
+        log.info("speculation costs measured at %d sizes in %.1f s",
+                 len(sizes), time.perf_counter() - start)
 
     # ------------------------------------------------------------------ requests
 
@@ -207,9 +225,7 @@ class Engine:
 
     def _observe(self, plan: StepPlan) -> None:
         """Feed the step's k and forward costs to the speculation policy."""
-        deciding = [e.k for e in plan.scheduled if e.wants_logits]
-        if deciding:
-            self.policy.last_k = sum(deciding) / len(deciding)
+        self.policy.observe_step([e.k for e in plan.scheduled if e.wants_logits])
         self.policy.observe_costs(self.verifier.last_cost,
                                   self.proposer.last_costs if self.proposer else [])
 

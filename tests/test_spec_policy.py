@@ -7,7 +7,7 @@ from specpage.request import Request, SamplingParams, Sequence
 from specpage.spec.policy import (
     PROBE_EVERY,
     PROBE_IDLE,
-    LinearCost,
+    CostCurve,
     SpecPolicy,
     expected_tokens,
 )
@@ -22,9 +22,22 @@ def sequence(num_tokens: int = 5, **params) -> Sequence:
 
 def cheap_draft_policy() -> SpecPolicy:
     policy = SpecPolicy(k_max=6)
-    for _ in range(50):  # a bandwidth-bound target, a draft a tenth of its cost
-        policy.observe_costs((1, 0.050), [(1, 0.005)])
-        policy.observe_costs((5, 0.055), [])
+    # a bandwidth-bound target, a draft a tenth of its cost
+    policy.calibrate([(1, 0.050), (5, 0.055)], [(1, 0.005), (2, 0.0051)])
+    return policy
+
+
+def cpu_like_policy() -> SpecPolicy:
+    """Each target position costs a tenth of the fixed part, as on a CPU;
+    the draft's forward costs mostly its fixed part."""
+    policy = SpecPolicy(k_max=4)
+    policy.calibrate([(1, 0.045), (64, 0.360)], [(1, 0.005), (64, 0.020)])
+    return policy
+
+
+def seasoned(policy: SpecPolicy, accepted: int, proposed: int = 4, times: int = 20) -> SpecPolicy:
+    for _ in range(times):
+        policy.observe_acceptance(sequence(), proposed=proposed, accepted=accepted)
     return policy
 
 
@@ -38,13 +51,24 @@ def test_per_token_acceptance_counts_only_tested_proposals():
     assert policy.accepted_by_position == [2, 2, 1, 1]
 
 
-def test_linear_cost_recovers_a_line_from_two_batch_sizes():
-    cost = LinearCost(fixed=1.0, per_item=0.0)
-    for _ in range(20):
-        cost.observe(1, 0.050)
-        cost.observe(9, 0.090)
-    assert cost.fixed == pytest.approx(0.045, rel=1e-6)
-    assert cost.per_item == pytest.approx(0.005, rel=1e-6)
+def test_a_cost_curve_interpolates_its_points_and_follows_the_forwards_run():
+    cost = CostCurve([(16, 0.130), (1, 0.050), (4, 0.065)])
+    assert cost(1) == cost(0.5) == pytest.approx(0.050)
+    assert cost(2) == pytest.approx(0.055)
+    assert cost(10) == pytest.approx(0.0975)
+    assert cost(28) == pytest.approx(0.195)  # past the last point, along the last segment
+    for _ in range(100):  # the machine got 20% slower
+        cost.observe(8, 1.2 * cost.base(8))
+    assert cost.scale == pytest.approx(1.2, rel=1e-3)
+    assert cost(4) == pytest.approx(1.2 * 0.065, rel=1e-3)
+    assert cost.observations == 100
+
+
+def test_a_cost_curve_never_falls():
+    cost = CostCurve([(1, 0.05), (2, 0.08), (3, 0.06), (4, 0.09)])
+    assert [cost(n) for n in (1, 2, 3, 4)] == pytest.approx([0.05, 0.08, 0.08, 0.09])
+    with pytest.raises(ValueError, match="at least one"):
+        CostCurve([])
 
 
 def test_expected_tokens_matches_the_geometric_sum():
@@ -90,9 +114,8 @@ def test_a_useless_draft_is_turned_off_within_a_few_steps():
 
 def test_a_sequence_the_draft_fails_probes_often_while_it_pays_for_the_others():
     policy = SpecPolicy(k_max=6)
-    for _ in range(50):  # a draft a quarter of the target's cost
-        policy.observe_costs((1, 0.050), [(1, 0.012)])
-        policy.observe_costs((5, 0.055), [])
+    # a draft a quarter of the target's cost
+    policy.calibrate([(1, 0.050), (5, 0.055)], [(1, 0.012), (2, 0.0121)])
     for _ in range(20):
         policy.observe_acceptance(sequence(), proposed=4, accepted=3)
     unlucky = sequence(num_tokens=PROBE_EVERY + 1)
@@ -110,9 +133,8 @@ def test_idle_probes_thin_out_as_the_batch_grows():
     PROBE_IDLE · B tokens, so all of them together probe about as often per
     step as one sequence alone."""
     policy = SpecPolicy(k_max=4)
-    for _ in range(50):  # compute-bound: each extra target position costs a lot
-        policy.observe_costs((32, 0.150), [(32, 0.008)])
-        policy.observe_costs((64, 0.270), [(2, 0.004)])
+    # compute-bound: each extra target position costs a lot
+    policy.calibrate([(1, 0.040), (32, 0.150), (64, 0.270)], [(2, 0.004), (32, 0.008)])
     for _ in range(20):
         policy.observe_acceptance(sequence(), proposed=1, accepted=1)
         policy.observe_acceptance(sequence(), proposed=1, accepted=0)
@@ -150,10 +172,58 @@ def test_before_the_draft_has_run_its_cost_is_a_fraction_of_the_measured_target_
 
 
 def test_a_slow_catch_up_forward_does_not_price_every_proposal():
-    """Draft costs are fitted per forward against its positions: one long
-    catch-up forward (16 positions) among one-position proposal forwards
-    leaves the per-proposal cost near the latter."""
+    """Draft costs are a curve against positions: one long catch-up forward
+    (16 positions) among one-position proposal forwards leaves the
+    per-proposal cost at the latter."""
     policy = SpecPolicy(k_max=4)
+    policy.calibrate([(1, 0.040), (2, 0.041)], [(1, 0.003), (16, 0.008)])
     for _ in range(20):
         policy.observe_costs((1, 0.040), [(16, 0.008), (1, 0.003), (1, 0.003)])
-    assert policy.draft_cost(1) == pytest.approx(0.003, rel=0.2)
+    assert policy.draft_cost(1) == pytest.approx(0.003, rel=1e-6)
+
+
+def test_alone_in_the_batch_k_is_the_one_with_the_most_tokens_per_second_of_the_step():
+    policy = seasoned(cpu_like_policy(), accepted=2)  # 2 of 3 tested: a = 2/3
+    target, draft = policy.target_cost, policy.draft_cost
+    a = policy.acceptance
+    rates = [expected_tokens(a, k) / (target(1 + k) + k * draft(1)) for k in range(5)]
+    best = max(range(5), key=rates.__getitem__)
+    assert best > 0 and rates[best] > 1.05 * rates[0]
+    assert policy.choose_k(sequence(), batch=1) == best
+
+
+def test_speculation_that_pays_alone_does_not_pay_in_a_batch_where_positions_cost():
+    """On a CPU an extra target position costs about a tenth of a decode step:
+    alone, k > 0 pays; in a batch of 16 the same proposals cost more than the
+    tokens they add, whether or not the others draft."""
+    policy = seasoned(cpu_like_policy(), accepted=2)
+    assert policy.choose_k(sequence(), batch=1) > 0
+    assert policy.choose_k(sequence(num_tokens=5), batch=16) == 0
+    policy.observe_step([2] * 16)  # every other sequence drafted last step
+    assert policy.choose_k(sequence(num_tokens=5), batch=16) == 0
+
+
+def test_a_lone_drafter_pays_for_a_whole_draft_forward():
+    """A draft forward costs nearly the same for one row as for the batch.
+    With a nearly free target and a draft forward of 40% of it, a sequence
+    the draft serves poorly does not start one alone, but adds its row when
+    the others draft anyway."""
+    policy = SpecPolicy(k_max=2)
+    policy.calibrate([(1, 0.050), (64, 0.082)], [(1, 0.020), (64, 0.0263)])
+    for i in range(30):  # 3 proposals in 10 kept
+        policy.observe_acceptance(sequence(), proposed=1, accepted=int(i % 10 < 3))
+    assert 0.25 < policy.acceptance < 0.4
+    policy.observe_step([0] * 8)
+    assert policy.choose_k(sequence(num_tokens=5), batch=8) == 0
+    policy.observe_step([1] * 8)
+    assert policy.choose_k(sequence(num_tokens=5), batch=8) > 0
+
+
+def test_a_draft_forward_worth_running_for_all_starts_when_none_runs():
+    """Priced alone, the first drafter would pay a whole draft forward; the
+    step where every sequence drafts is better, so speculation starts."""
+    policy = SpecPolicy(k_max=2)
+    policy.calibrate([(1, 0.050), (64, 0.082)], [(1, 0.005), (64, 0.0113)])
+    seasoned(policy, accepted=1, proposed=2)  # a = 1/2
+    policy.observe_step([0] * 8)
+    assert policy.choose_k(sequence(num_tokens=5), batch=8) > 0

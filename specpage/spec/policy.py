@@ -2,23 +2,28 @@
 measured acceptance and the measured cost of draft and target forwards.
 
 With per-token acceptance a, k proposals yield (1 - a^(k+1)) / (1 - a) tokens
-per step on average. A step costs k draft forwards over batch positions plus
-one target forward over batch · (k + 1) positions; while the target is
-bandwidth-bound the extra positions are nearly free, and as the batch grows
-they are not. The policy picks the k in 0..k_max with the most expected
-tokens per second.
+per step on average. They cost k more target positions and a row in each of k
+draft forwards. While the target is bandwidth-bound, extra positions are
+nearly free; on a CPU with a batch they are not, and a draft forward that
+runs for one sequence costs nearly what it costs for all. Each sequence picks
+the k in 0..k_max that gives the most expected tokens per second of its share
+of the step (see `_best_k`); alone in the batch that is the step's tokens per
+second.
 
-Costs are fitted per forward against the positions it computed. Target
-forwards that carry prefill chunks are left out of the fit: a prompt's
-positions cost far more each than verified ones. Until the draft has run,
-its cost is a prior fraction of the measured target step.
+Costs are curves of seconds against the positions a forward computes,
+measured by the engine at start-up for both models and scaled online by the
+forwards actually run. Target forwards that carry prefill chunks are left out
+of the scaling: a prompt's positions cost far more each than verified ones.
+Until the draft has run or been measured, its cost is a prior fraction of the
+target step.
 
 Pure Python; imports no torch.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import bisect
+from typing import NamedTuple
 
 from specpage.request import Sequence
 
@@ -45,30 +50,50 @@ SEQ_DECAY = 0.9  # one sequence, per observation
 GAIN_TO_START = 1.05  # speculation must promise this much over k = 0 (unmodelled costs)
 
 
-@dataclass
-class LinearCost:
-    """seconds ≈ fixed + per_item · items, fitted with exponentially weighted
-    least squares; starts from a prior."""
+class CostCurve:
+    """Seconds of one forward against the positions it computes.
 
-    fixed: float
-    per_item: float
-    sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # w, x, y, xx, xy
-    observations: int = 0
+    A piecewise-linear curve through measured points (made non-decreasing;
+    past the last point it continues along the last segment), times a scale
+    that follows the forwards actually run. The engine measures the points
+    when it starts (`calibrate`): forwards run at one batch size for long
+    stretches, so a curve fitted online alone would extrapolate its slope from
+    positions it has barely seen, and the slope is what decides whether extra
+    positions pay.
+    """
+
+    def __init__(self, points: list[tuple[float, float]]) -> None:
+        if not points:
+            raise ValueError("a cost curve needs at least one measured point")
+        self.points: list[tuple[float, float]] = []
+        for items, seconds in sorted(points):
+            if self.points and items == self.points[-1][0]:
+                continue
+            floor = self.points[-1][1] if self.points else 0.0
+            self.points.append((float(items), max(float(seconds), floor)))
+        self._xs = [x for x, _ in self.points]
+        self._ys = [y for _, y in self.points]
+        self.scale = 1.0
+        self.observations = 0
+
+    @classmethod
+    def line(cls, fixed: float, per_item: float) -> CostCurve:
+        return cls([(1, fixed + per_item), (2, fixed + 2 * per_item)])
+
+    def base(self, items: float) -> float:
+        xs, ys = self._xs, self._ys
+        i = bisect.bisect_left(xs, items)  # the first point at or past items
+        if i == 0 or len(xs) == 1:
+            return ys[0]
+        i = min(i, len(xs) - 1)  # past the last point: along the last segment
+        return ys[i - 1] + (ys[i] - ys[i - 1]) * (items - xs[i - 1]) / (xs[i] - xs[i - 1])
+
+    def __call__(self, items: float) -> float:
+        return self.scale * self.base(items)
 
     def observe(self, items: int, seconds: float) -> None:
         self.observations += 1
-        w, x, y, xx, xy = (s * (1 - EMA) for s in self.sums)
-        self.sums = [w + 1, x + items, y + seconds, xx + items * items, xy + items * seconds]
-        w, x, y, xx, xy = self.sums
-        spread = xx * w - x * x
-        if w > 3 and spread > 1e-9 * max(1.0, xx * w):
-            self.per_item = max(0.0, (xy * w - x * y) / spread)
-            self.fixed = max(0.0, (y - self.per_item * x) / w)
-        else:  # one batch size seen so far: keep the slope, move the level
-            self.fixed = max(0.0, y / w - self.per_item * x / w)
-
-    def __call__(self, items: float) -> float:
-        return self.fixed + self.per_item * items
+        self.scale += EMA * (seconds / self.base(items) - self.scale)
 
 
 def shrunk(accepted: float, tested: float, prior: float, weight: float) -> float:
@@ -80,10 +105,11 @@ def expected_tokens(acceptance: float, k: int) -> float:
     return (1 - a ** (k + 1)) / (1 - a)
 
 
-# Priors in units of a target decode step: the draft costs a tenth of it,
-# each extra target position a hundredth.
-PRIOR_TARGET = LinearCost(fixed=1.0, per_item=0.01)
-PRIOR_DRAFT = LinearCost(fixed=0.1, per_item=0.001)
+# Priors in units of a target decode step, until the engine has measured
+# both models: the draft costs a tenth of it, each extra target position a
+# hundredth.
+PRIOR_TARGET = (1.0, 0.01)
+PRIOR_DRAFT = (0.1, 0.001)
 
 
 class SpecPolicy:
@@ -92,13 +118,20 @@ class SpecPolicy:
         self.adaptive = adaptive
         self.recent_accepted = 0.0  # decayed counts over all sequences
         self.recent_tested = 0.0
-        self.target_cost = LinearCost(PRIOR_TARGET.fixed, PRIOR_TARGET.per_item)
-        self.draft_cost = LinearCost(PRIOR_DRAFT.fixed, PRIOR_DRAFT.per_item)
+        self.target_cost = CostCurve.line(*PRIOR_TARGET)
+        self.draft_cost = CostCurve.line(*PRIOR_DRAFT)
+        self.calibrated = False
         self.num_drafted = 0
         self.num_accepted = 0
         self.num_tested = 0  # proposals whose predecessors were all accepted
-        self.last_k = 0.0  # mean k of the last step
+        self.last_k = 0.0  # mean k of the last step's decoding sequences
+        self.last_drafting = 0.0  # the share of them that speculated
         self.accepted_by_position = [0] * k_max  # acceptances at proposal 1..k_max
+
+    def calibrate(self, target: list[tuple[int, float]], draft: list[tuple[int, float]]) -> None:
+        """Measured (positions, seconds) of target and draft forwards."""
+        self.target_cost, self.draft_cost = CostCurve(target), CostCurve(draft)
+        self.calibrated = True
 
     @property
     def acceptance(self) -> float:
@@ -113,18 +146,16 @@ class SpecPolicy:
             return self.k_max
         batch = max(batch, 1)
         acceptance = shrunk(seq.accepted, seq.tested, self.acceptance, SEQ_WEIGHT)
-        target_cost, draft_cost = self.target_cost, self.draft_cost
-        if not draft_cost.observations:  # the prior, in units of a target step
-            unit = target_cost(batch) if target_cost.observations else 1.0
-            draft_cost = LinearCost(PRIOR_DRAFT.fixed * unit, PRIOR_DRAFT.per_item * unit)
         shared = self.acceptance
+        costs = self._costs(batch)
         if seq.request.params.seed is not None:
             # A seeded request's samples depend on k; choose it from the
-            # request's own history and fixed costs only, so its output is
-            # the same whatever else runs and however long forwards take.
+            # request's own history and the priors only, so its output is the
+            # same whatever else runs and however long forwards take.
             acceptance = shared = shrunk(seq.accepted, seq.tested, PRIOR_ACCEPTANCE, SEQ_WEIGHT)
-            batch, target_cost, draft_cost = 1, PRIOR_TARGET, PRIOR_DRAFT
-        best_k = self._best_k(acceptance, batch, target_cost, draft_cost)
+            batch = 1
+            costs = _StepCosts(CostCurve.line(*PRIOR_TARGET), CostCurve.line(*PRIOR_DRAFT), 1, 1, 0)
+        best_k = self._best_k(acceptance, costs)
         # Now and then probe with one proposal, so acceptance keeps being
         # measured and speculation can come back: often while speculation
         # pays at the acceptance shared by all sequences, rarely otherwise
@@ -132,19 +163,46 @@ class SpecPolicy:
         # (PROBE_IDLE · batch is a multiple of PROBE_EVERY: the shared choice is only
         # worked out on the tokens where it decides.)
         if best_k == 0 and seq.num_tokens % PROBE_EVERY == 0 and (
-            seq.num_tokens % (PROBE_IDLE * batch) == 0
-            or self._best_k(shared, batch, target_cost, draft_cost) > 0
+            seq.num_tokens % (PROBE_IDLE * batch) == 0 or self._best_k(shared, costs) > 0
         ):
             return 1
         return best_k
 
-    def _best_k(self, acceptance: float, batch: int, target_cost: LinearCost,
-                draft_cost: LinearCost) -> int:
-        """The k with the most expected tokens per second."""
+    def _costs(self, batch: int) -> _StepCosts:
+        """The step this sequence joins: the costs, and what the other
+        sequences of the batch add to it (as they did last step)."""
+        draft = self.draft_cost
+        if not (self.calibrated or draft.observations):
+            draft = CostCurve.line(*PRIOR_DRAFT)  # in units of a target step
+            draft.scale = self.target_cost.scale
+        others = batch - 1
+        return _StepCosts(self.target_cost, draft, batch,
+                          batch + others * self.last_k, others * self.last_drafting)
+
+    def _best_k(self, acceptance: float, c: _StepCosts) -> int:
+        """The k with the most expected tokens per second of this sequence's
+        share of the step; k = 0 unless another k clearly beats it.
+
+        Its share without proposals is 1/batch of the target forward. Proposals
+        are priced two ways and the better counts:
+        - alone: what its k adds to the step as the others run it (the extra
+          target positions where the step's positions are, and a row in each
+          of k draft forwards; a whole draft forward when no other sequence
+          drafts). Speculate when the tokens it adds come faster than the
+          batch's own.
+        - together: 1/batch of a step in which every sequence proposes k, so
+          that a draft forward worth running for all is started even when
+          none runs yet.
+        Alone in the batch both are the step's tokens per second.
+        """
+        share = c.target(c.batch) / c.batch
+        m = c.drafting
+        draft_row = c.draft(m + 1) - (c.draft(m) if m >= 1 else m * c.draft(1))
         best_k, best_rate = 0, 0.0
         for k in range(self.k_max + 1):
-            seconds = k * draft_cost(batch) + target_cost(batch * (k + 1))
-            rate = expected_tokens(acceptance, k) / seconds
+            alone = share + c.target(c.positions + k) - c.target(c.positions) + k * draft_row
+            together = (c.target(c.batch * (k + 1)) + k * c.draft(c.batch)) / c.batch
+            rate = expected_tokens(acceptance, k) / min(alone, together)
             # prefer the smaller k on a near tie, and k = 0 unless clearly beaten
             if rate > best_rate * (GAIN_TO_START if best_k == 0 else 1.01):
                 best_k, best_rate = k, rate
@@ -161,6 +219,12 @@ class SpecPolicy:
             if draft[0] > 0:
                 self.draft_cost.observe(*draft)
 
+    def observe_step(self, ks: list[int]) -> None:
+        """The k of each decoding sequence of the step just run."""
+        if ks:
+            self.last_k = sum(ks) / len(ks)
+            self.last_drafting = sum(k > 0 for k in ks) / len(ks)
+
     def observe_acceptance(self, seq: Sequence, proposed: int, accepted: int) -> None:
         if proposed == 0:
             return
@@ -176,3 +240,11 @@ class SpecPolicy:
         self.num_tested += tested
         for position in range(accepted):
             self.accepted_by_position[position] += 1
+
+
+class _StepCosts(NamedTuple):
+    target: CostCurve
+    draft: CostCurve
+    batch: int
+    positions: float  # target positions of the step before this sequence's proposals
+    drafting: float  # other sequences that run through the draft
