@@ -94,6 +94,17 @@ def speculation(r: dict) -> list[str]:
     return rows
 
 
+def adaptive(r: dict) -> list[str]:
+    t = r["tok_s_median"]
+    rows = [f"| {r['requests']} concurrent requests, mixed lengths, greedy, speculation off | "
+            f"{fmt(t['off'], 1)} tok/s | median of {r['rounds']} rotated rounds |"]
+    for key, name in (("default_draft", "default draft"), ("useless_draft", "random-weight draft")):
+        rows.append(f"| the same, {name}, adaptive k | {fmt(t[key], 1)} tok/s | "
+                    f"**{fmt(r[key + '_vs_off'])}×** speculation off; "
+                    f"{fmt(r['drafted_per_output_token'][key])} proposals per output token |")
+    return rows
+
+
 def memory(r: dict) -> list[str]:
     m, n4 = r["length_mix"], r["n4_sharing"]
     mb = 1e6
@@ -132,7 +143,8 @@ def overhead(r: dict) -> list[str]:
 
 
 SECTIONS = {"block_pool": block_pool, "model_runner": model_runner, "engine": engine,
-            "speculation": speculation, "memory": memory, "overhead": overhead}
+            "speculation": speculation, "adaptive": adaptive, "memory": memory,
+            "overhead": overhead}
 
 
 def main() -> None:
