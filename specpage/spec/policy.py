@@ -93,7 +93,7 @@ class CostCurve:
 
     def observe(self, items: int, seconds: float) -> None:
         self.observations += 1
-        self.scale += EMA * (seconds / self.base(items) - self.scale)
+        self.scale += EMA * (seconds / max(self.base(items), 1e-12) - self.scale)
 
 
 def shrunk(accepted: float, tested: float, prior: float, weight: float) -> float:
