@@ -7,7 +7,7 @@ draft forwards. While the target is bandwidth-bound, extra positions are
 nearly free; on a CPU with a batch they are not, and a draft forward that
 runs for one sequence costs nearly what it costs for all. Each sequence picks
 the k in 0..k_max that gives the most expected tokens per second of its share
-of the step (see `_best_k`); alone in the batch that is the step's tokens per
+of the step (see `SpecPolicy._step_seconds`); alone in the batch that is the step's tokens per
 second.
 
 Costs are curves of seconds against the positions a forward computes,
@@ -23,7 +23,6 @@ Pure Python; imports no torch.
 from __future__ import annotations
 
 import bisect
-from typing import NamedTuple
 
 from specpage.request import Sequence
 
@@ -127,11 +126,16 @@ class SpecPolicy:
         self.last_k = 0.0  # mean k of the last step's decoding sequences
         self.last_drafting = 0.0  # the share of them that speculated
         self.accepted_by_position = [0] * k_max  # acceptances at proposal 1..k_max
+        # batch -> _step_seconds, until the costs or the last step change
+        self._seconds: dict[int, list[float]] = {}
+        self._prior_seconds = step_seconds(k_max, 1, CostCurve.line(*PRIOR_TARGET),
+                                           CostCurve.line(*PRIOR_DRAFT), 1, 0)
 
     def calibrate(self, target: list[tuple[int, float]], draft: list[tuple[int, float]]) -> None:
         """Measured (positions, seconds) of target and draft forwards."""
         self.target_cost, self.draft_cost = CostCurve(target), CostCurve(draft)
         self.calibrated = True
+        self._seconds.clear()
 
     @property
     def acceptance(self) -> float:
@@ -147,15 +151,17 @@ class SpecPolicy:
         batch = max(batch, 1)
         acceptance = shrunk(seq.accepted, seq.tested, self.acceptance, SEQ_WEIGHT)
         shared = self.acceptance
-        costs = self._costs(batch)
         if seq.request.params.seed is not None:
             # A seeded request's samples depend on k; choose it from the
             # request's own history and the priors only, so its output is the
             # same whatever else runs and however long forwards take.
             acceptance = shared = shrunk(seq.accepted, seq.tested, PRIOR_ACCEPTANCE, SEQ_WEIGHT)
-            batch = 1
-            costs = _StepCosts(CostCurve.line(*PRIOR_TARGET), CostCurve.line(*PRIOR_DRAFT), 1, 1, 0)
-        best_k = self._best_k(acceptance, costs)
+            batch, seconds = 1, self._prior_seconds
+        else:
+            seconds = self._seconds.get(batch)
+            if seconds is None:
+                seconds = self._seconds[batch] = self._step_seconds(batch)
+        best_k = _best_k(acceptance, seconds)
         # Now and then probe with one proposal, so acceptance keeps being
         # measured and speculation can come back: often while speculation
         # pays at the acceptance shared by all sequences, rarely otherwise
@@ -163,50 +169,34 @@ class SpecPolicy:
         # (PROBE_IDLE · batch is a multiple of PROBE_EVERY: the shared choice is only
         # worked out on the tokens where it decides.)
         if best_k == 0 and seq.num_tokens % PROBE_EVERY == 0 and (
-            seq.num_tokens % (PROBE_IDLE * batch) == 0 or self._best_k(shared, costs) > 0
+            seq.num_tokens % (PROBE_IDLE * batch) == 0 or _best_k(shared, seconds) > 0
         ):
             return 1
         return best_k
 
-    def _costs(self, batch: int) -> _StepCosts:
-        """The step this sequence joins: the costs, and what the other
-        sequences of the batch add to it (as they did last step)."""
-        draft = self.draft_cost
-        if not (self.calibrated or draft.observations):
-            draft = CostCurve.line(*PRIOR_DRAFT)  # in units of a target step
-            draft.scale = self.target_cost.scale
-        others = batch - 1
-        return _StepCosts(self.target_cost, draft, batch,
-                          batch + others * self.last_k, others * self.last_drafting)
-
-    def _best_k(self, acceptance: float, c: _StepCosts) -> int:
-        """The k with the most expected tokens per second of this sequence's
-        share of the step; k = 0 unless another k clearly beats it.
-
-        Its share without proposals is 1/batch of the target forward. Proposals
-        are priced two ways and the better counts:
+    def _step_seconds(self, batch: int) -> list[float]:
+        """Seconds of a sequence's share of the step for each k in 0..k_max,
+        in a batch of this size with the other sequences proposing as they
+        did last step. Its share without proposals is 1/batch of the target
+        forward. Proposals are priced two ways and the cheaper counts:
         - alone: what its k adds to the step as the others run it (the extra
           target positions where the step's positions are, and a row in each
           of k draft forwards; a whole draft forward when no other sequence
-          drafts). Speculate when the tokens it adds come faster than the
-          batch's own.
+          drafts). Speculating then pays when the tokens it adds come faster
+          than the batch's own.
         - together: 1/batch of a step in which every sequence proposes k, so
           that a draft forward worth running for all is started even when
           none runs yet.
-        Alone in the batch both are the step's tokens per second.
+        Alone in the batch both are the step's seconds.
         """
-        share = c.target(c.batch) / c.batch
-        m = c.drafting
-        draft_row = c.draft(m + 1) - (c.draft(m) if m >= 1 else m * c.draft(1))
-        best_k, best_rate = 0, 0.0
-        for k in range(self.k_max + 1):
-            alone = share + c.target(c.positions + k) - c.target(c.positions) + k * draft_row
-            together = (c.target(c.batch * (k + 1)) + k * c.draft(c.batch)) / c.batch
-            rate = expected_tokens(acceptance, k) / min(alone, together)
-            # prefer the smaller k on a near tie, and k = 0 unless clearly beaten
-            if rate > best_rate * (GAIN_TO_START if best_k == 0 else 1.01):
-                best_k, best_rate = k, rate
-        return best_k
+        target, draft = self.target_cost, self.draft_cost
+        if not (self.calibrated or draft.observations):
+            draft = CostCurve.line(*PRIOR_DRAFT)  # in units of a target step
+            draft.scale = target.scale
+        others = batch - 1
+        positions = batch + others * self.last_k  # before this sequence's proposals
+        m = others * self.last_drafting  # other sequences that run through the draft
+        return step_seconds(self.k_max, batch, target, draft, positions, m)
 
     def observe_costs(
         self, target: tuple[int, float] | None, drafts: list[tuple[int, float]]
@@ -218,12 +208,14 @@ class SpecPolicy:
         for draft in drafts:
             if draft[0] > 0:
                 self.draft_cost.observe(*draft)
+        self._seconds.clear()
 
     def observe_step(self, ks: list[int]) -> None:
         """The k of each decoding sequence of the step just run."""
         if ks:
             self.last_k = sum(ks) / len(ks)
             self.last_drafting = sum(k > 0 for k in ks) / len(ks)
+            self._seconds.clear()
 
     def observe_acceptance(self, seq: Sequence, proposed: int, accepted: int) -> None:
         if proposed == 0:
@@ -242,9 +234,27 @@ class SpecPolicy:
             self.accepted_by_position[position] += 1
 
 
-class _StepCosts(NamedTuple):
-    target: CostCurve
-    draft: CostCurve
-    batch: int
-    positions: float  # target positions of the step before this sequence's proposals
-    drafting: float  # other sequences that run through the draft
+def step_seconds(k_max: int, batch: int, target: CostCurve, draft: CostCurve,
+                 positions: float, drafting: float) -> list[float]:
+    """See SpecPolicy._step_seconds."""
+    share = target(batch) / batch
+    draft_row = draft(drafting + 1) - (draft(drafting) if drafting >= 1
+                                        else drafting * draft(1))
+    seconds = []
+    for k in range(k_max + 1):
+        alone = share + target(positions + k) - target(positions) + k * draft_row
+        together = (target(batch * (k + 1)) + k * draft(batch)) / batch
+        seconds.append(min(alone, together))
+    return seconds
+
+
+def _best_k(acceptance: float, seconds: list[float]) -> int:
+    """The k with the most expected tokens per second; k = 0 unless another
+    k clearly beats it."""
+    best_k, best_rate = 0, 0.0
+    for k, spent in enumerate(seconds):
+        rate = expected_tokens(acceptance, k) / spent
+        # prefer the smaller k on a near tie, and k = 0 unless clearly beaten
+        if rate > best_rate * (GAIN_TO_START if best_k == 0 else 1.01):
+            best_k, best_rate = k, rate
+    return best_k
