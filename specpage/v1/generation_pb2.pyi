@@ -103,14 +103,16 @@ class Timings(_message.Message):
     def __init__(self, queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., total_s: _Optional[float] = ...) -> None: ...
 
 class Final(_message.Message):
-    __slots__ = ("usage", "timings", "finish_reason")
+    __slots__ = ("usage", "timings", "finish_reason", "finish_reasons")
     USAGE_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASONS_FIELD_NUMBER: _ClassVar[int]
     usage: Usage
     timings: Timings
     finish_reason: str
-    def __init__(self, usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., finish_reason: _Optional[str] = ...) -> None: ...
+    finish_reasons: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., finish_reason: _Optional[str] = ..., finish_reasons: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerateEvent(_message.Message):
     __slots__ = ("chunk", "final")
