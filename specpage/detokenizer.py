@@ -1,10 +1,16 @@
 """Incremental detokenization: text deltas that never split a UTF-8
-character and hold back text that may be the start of a stop string."""
+character and hold back text that may be the start of a stop string.
+
+Stop strings are matched by an automaton fed only each step's new text
+(stop_matcher.py), so a step costs the same with one stop string or many.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
+
+from specpage.stop_matcher import StopMatcher, automaton_for
 
 PROMPT_CONTEXT = 4  # prompt tokens decoded before the output, for spacing
 
@@ -16,7 +22,7 @@ class IncrementalDetokenizer:
         # A prompt that ends inside a character decodes to a trailing U+FFFD
         # that the first output bytes may complete: compare without it.
         self.context_text = self._decode(self.context).rstrip("\ufffd")
-        self.stop = tuple(stop)
+        self.matcher = StopMatcher(automaton_for(tuple(stop))) if stop else None
         self.output_ids: list[int] = []
         self.text = ""  # all output text so far (cut at a stop string)
         self.emitted = 0  # characters of text already released
@@ -36,22 +42,23 @@ class IncrementalDetokenizer:
         self.used = len(token_ids)
         complete = self._complete_text()
         self.text = complete
-        hold = 0
-        if self.stop:
-            start = max(0, self.emitted - max(map(len, self.stop)))
-            if _first_hit(complete, self.stop, start) is not None:
-                for n in range(1, len(token_ids) + 1):  # the first token that completes one
-                    self.output_ids[base:] = token_ids[:n]
-                    complete = self._complete_text()
-                    hit = _first_hit(complete, self.stop, start)
-                    if hit is not None:
-                        break
-                self.used = n
-                self.text = complete[:hit]
-                self.stopped = True
-            else:
-                hold = _stop_prefix_length(complete, self.stop)
-        return self._release(len(self.text) - hold)
+        if self.matcher is None:
+            return self._release(len(complete))
+        scan = self.matcher.scan(complete)
+        if scan.hit is None:
+            self.matcher.move(scan)
+            # no stop string ends the text, so the held tail is a proper prefix of one
+            return self._release(len(complete) - self.matcher.held)
+        for n in range(1, len(token_ids) + 1):  # the first token that completes one
+            self.output_ids[base:] = token_ids[:n]
+            complete = self._complete_text()
+            hit = self.matcher.scan(complete).hit
+            if hit is not None:
+                break
+        self.used = n
+        self.text = complete[:hit]
+        self.stopped = True
+        return self._release(len(self.text))
 
     def _complete_text(self) -> str:
         full = self._decode(self.context + self.output_ids)
@@ -72,19 +79,3 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return str(self.tokenizer.decode(ids, skip_special_tokens=True))
 
-
-def _first_hit(text: str, stops: Sequence[str], start: int) -> int | None:
-    """Where the earliest stop string in text begins (at or after start)."""
-    hits = [i for s in stops if (i := text.find(s, start)) >= 0]
-    return min(hits) if hits else None
-
-
-def _stop_prefix_length(text: str, stops: Sequence[str]) -> int:
-    """Length of the longest suffix of text that is a proper prefix of a stop string."""
-    best = 0
-    for stop in stops:
-        for n in range(min(len(stop) - 1, len(text)), best, -1):
-            if text.endswith(stop[:n]):
-                best = n
-                break
-    return best
