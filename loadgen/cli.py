@@ -56,6 +56,13 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
     bounds.add_argument("--duration", help="length of the measured schedule (e.g. 60s)")
     bounds.add_argument("--warmup", type=int, default=0, help="first N requests not measured")
     _add_workload_flags(parser)
+    policy = parser.add_argument_group("server-side state and sampling")
+    policy.add_argument("--share-prefix-cache", action="store_true",
+                        help="reuse the prefix cache earlier runs left (default: every run, "
+                             "and every sweep point, gets a fresh cache_salt and starts cold)")
+    policy.add_argument("--request-seeds", action="store_true",
+                        help="send each request's --seed-derived sampling seed (default: none, "
+                             "as clients send; --seed always fixes prompts, lengths, arrivals)")
     measure = parser.add_argument_group("measurement and output")
     measure.add_argument("--slo", help="e.g. ttft=2000ms,tpot=200ms,e2e=10s")
     measure.add_argument("--max-inflight", type=int, default=1024,
@@ -97,7 +104,8 @@ def _add_workload_flags(parser: argparse.ArgumentParser) -> None:
                       help="speculation mode sent with each request")
     work.add_argument("--no-ignore-eos", action="store_true",
                       help="let EOS end outputs early (default: exactly --output-len tokens)")
-    work.add_argument("--seed", type=int, default=0)
+    work.add_argument("--seed", type=int, default=0,
+                      help="seeds the workload: prompts, lengths, arrivals, cancellations")
 
 
 COMMANDS = {

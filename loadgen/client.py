@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -17,6 +20,8 @@ from specpage.v1 import generation_pb2_grpc as pb_grpc
 SPEC_MODES = {"auto": pb.SPEC_AUTO, "off": pb.SPEC_OFF, "on": pb.SPEC_ON}
 HEALTH_SERVICE = "specpage.v1.Generation"
 HEALTH_POLL_S = 0.2
+# 64 random bits: two runs never land in one prefix-cache namespace by chance.
+CACHE_SALT_BYTES = 8
 
 
 class TargetError(RuntimeError):
@@ -38,14 +43,36 @@ class RequestOptions:
     spec: str = "auto"
     chat: bool = False
     ignore_eos: bool = True  # so output lengths are what the workload asked for
+    # A seeded request is sampled (and speculated) differently from the unseeded ones
+    # clients send, so seeds go out only when asked for.
+    request_seeds: bool = False
+    # Off: each run gets its own cache_salt, so it starts with a cold prefix cache
+    # instead of the blocks an earlier run (or sweep point) left with the same prompts.
+    share_prefix_cache: bool = False
+    cache_salt: str = ""  # this run's prefix-cache namespace; "" is the shared one
+
+    def for_new_run(self) -> RequestOptions:
+        """These options with the next run's cache namespace: a fresh one unless shared."""
+        if self.share_prefix_cache:
+            return dataclasses.replace(self, cache_salt="")
+        salt = f"loadgen-{secrets.token_hex(CACHE_SALT_BYTES)}"
+        return dataclasses.replace(self, cache_salt=salt)
+
+    def policy(self) -> dict[str, Any]:
+        """The choices that shape what the server does with each request, for the report."""
+        return {
+            "prefix_cache": "shared" if self.share_prefix_cache else "fresh per run",
+            "cache_salt": self.cache_salt,
+            "request_seeds": self.request_seeds,
+        }
 
 
 def build_request(
     spec: RequestSpec, options: RequestOptions, request_id: str
 ) -> pb.GenerateRequest:
-    sampling = pb.SamplingParameters(
-        max_tokens=spec.max_tokens, seed=spec.seed, ignore_eos=options.ignore_eos
-    )
+    sampling = pb.SamplingParameters(max_tokens=spec.max_tokens, ignore_eos=options.ignore_eos)
+    if options.request_seeds:
+        sampling.seed = spec.seed
     if options.temperature is not None:
         sampling.temperature = options.temperature
     for key, value in spec.sampling.items():  # a trace line's own settings win
@@ -54,7 +81,8 @@ def build_request(
         else:
             setattr(sampling, key, value)
     request = pb.GenerateRequest(
-        request_id=request_id, sampling=sampling, spec=SPEC_MODES[options.spec]
+        request_id=request_id, sampling=sampling, spec=SPEC_MODES[options.spec],
+        cache_salt=options.cache_salt,
     )
     if isinstance(spec.prompt, str):
         request.text, request.chat = spec.prompt, options.chat
@@ -64,7 +92,11 @@ def build_request(
 
 
 class Client:
-    """Streams requests to one target and fills in their records."""
+    """Streams requests to one target and fills in their records.
+
+    `options` is replaced between runs (each run has its own cache namespace),
+    never while one is in flight.
+    """
 
     def __init__(self, target: TargetOptions, options: RequestOptions, run_tag: str) -> None:
         self.target = target

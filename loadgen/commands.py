@@ -24,6 +24,7 @@ from loadgen.progress import live_progress, progress_wanted
 from loadgen.record import RequestRecord
 from loadgen.report import (
     load_report,
+    policy_line,
     print_summary,
     records_of,
     sweep_table,
@@ -52,6 +53,7 @@ async def run(args: argparse.Namespace) -> int:
     summary = summarize(records, settings.slo)
     warnings = _warnings(settings, check, summary)
     report = _report("run", settings, check, warnings) | {
+        "policy": settings.request.policy(),
         "summary": summary.to_dict(), "records": [r.to_dict() for r in records],
     }
     write_json(settings.out / "report.json", report)
@@ -59,7 +61,7 @@ async def run(args: argparse.Namespace) -> int:
     if not args.no_plots:
         plots.latency_cdf(settings.out / "latency_cdf.png", records, settings.slo,
                           _describe(settings))
-    print_summary(Console(), summary, _describe(settings))
+    print_summary(Console(), summary, _describe(settings), settings.request.policy())
     _print_warnings(warnings)
     print(f"results in {settings.out}/", file=sys.stderr)
     return 0
@@ -76,14 +78,18 @@ async def sweep(args: argparse.Namespace) -> int:
         raise UsageError("need --start-rate > 0, --bisect-steps >= 0 and --max-steps >= 1")
     target = float(args.target_attainment) / 100
     points: list[tuple[float, bool, Summary, list[RequestRecord]]] = []
+    salts: list[str] = []  # each point's cache namespace, by index
     client = _client(settings)
 
     async def passes(rate: float) -> bool:
-        point = dataclasses.replace(settings, load=dataclasses.replace(settings.load, rate=rate))
+        # Each point is its own run: a later point must not find the earlier ones' prompts cached.
+        point = dataclasses.replace(settings, load=dataclasses.replace(settings.load, rate=rate),
+                                    request=settings.request.for_new_run())
         records = await drive(client, point, f"sweep {rate:.4g} req/s", not args.no_progress)
         summary = summarize(records, settings.slo)
         passed = (summary.slo_attainment or 0.0) >= target
         points.append((rate, passed, summary, records))
+        salts.append(point.request.cache_salt)
         print(f"rate {rate:.4g} req/s: attainment {summary.slo_attainment or 0.0:.1%} "
               f"-> {'pass' if passed else 'fail'}", file=sys.stderr)
         return passed
@@ -96,16 +102,19 @@ async def sweep(args: argparse.Namespace) -> int:
     finally:
         await client.close()
     warnings = [w for rate, _, s, _ in points for w in _warnings(settings, check, s, rate)]
+    policy = settings.request.policy() | {"cache_salt": ""}  # each point has its own
     report = _report("sweep", settings, check, warnings) | {
+        "policy": policy,
         "sweep": {"target_attainment": target, "knee_rate": knee.rate,
                   "failed_rate": knee.failed_rate},
-        "points": [{"rate": rate, "passed": passed, "summary": summary.to_dict(),
-                    "records": [r.to_dict() for r in records]}
-                   for rate, passed, summary, records in points],
+        "points": [{"rate": rate, "passed": passed, "cache_salt": salt,
+                    "summary": summary.to_dict(), "records": [r.to_dict() for r in records]}
+                   for (rate, passed, summary, records), salt in zip(points, salts, strict=True)],
     }
     write_json(settings.out / "sweep.json", report)
     write_csv(settings.out / "records.csv", [({"point_rate": p[0]}, p[3]) for p in points])
     _render_sweep(settings.out, points, knee.rate, settings.slo, not args.no_plots)
+    print(policy_line(policy), file=sys.stderr)
     _print_warnings(warnings)
     print(f"knee: {knee.rate if knee.rate is not None else 'none'} req/s; "
           f"results in {settings.out}/", file=sys.stderr)
@@ -122,7 +131,7 @@ async def report(args: argparse.Namespace) -> int:
         records = records_of(saved.get("records", []), args.report)
         summary = summarize(records, slo)
         title = f"{Path(args.report).name}, {saved.get('created', '')}"
-        print_summary(Console(), summary, title)
+        print_summary(Console(), summary, title, saved.get("policy"))
         plots.latency_cdf(out / "latency_cdf.png", records, slo, title)
         return 0
     target = float(saved.get("sweep", {}).get("target_attainment", 0.99))
@@ -133,6 +142,8 @@ async def report(args: argparse.Namespace) -> int:
         passed = (summary.slo_attainment or 0.0) >= target
         points.append((_point_rate(point, args.report), passed, summary, records))
     _render_sweep(out, points, knee_of(points), slo, True)
+    if (policy := saved.get("policy")) is not None:
+        print(policy_line(policy))
     return 0
 
 
@@ -154,6 +165,7 @@ async def drive(
 ) -> list[RequestRecord]:
     """One run's requests through the client; returns their records."""
     load, bounds, work = settings.load, settings.bounds, settings.workload
+    client.options = settings.request  # this run's cache namespace
     show = progress_wanted(disabled=not progress)
     if load.concurrency is not None:
         counters, clock = RunCounters(planned=None), RunClock(CLOCK_LEAD_S)

@@ -64,6 +64,7 @@ class Summary:
     output_token_throughput: float  # tokens streamed (server num_tokens) per second
     output_tokens: int
     prompt_tokens: int  # server usage, completed requests
+    cached_tokens: int  # of those, served from the server's prefix cache
     latency: dict[str, Stats | None]  # ttft_s, tpot_s, itl_s, e2e_s, queue_s, send_lag_s
     slo: Slo | None
     slo_met: int | None
@@ -89,6 +90,7 @@ def summarize(records: Sequence[RequestRecord], slo: Slo | None) -> Summary:
         output_token_throughput=_rate(output_tokens, window),
         output_tokens=output_tokens,
         prompt_tokens=sum(r.prompt_tokens or 0 for r in completed),
+        cached_tokens=sum(r.cached_tokens or 0 for r in completed),
         latency=latency_stats(completed, measured),
         slo=slo,
         slo_met=met,

@@ -59,8 +59,9 @@ def run_settings(args: argparse.Namespace, sweeping: bool = False) -> RunSetting
         target=target_options(args),
         request=RequestOptions(
             temperature=_temperature(args.temperature), spec=args.spec, chat=args.chat,
-            ignore_eos=not args.no_ignore_eos,
-        ),
+            ignore_eos=not args.no_ignore_eos, request_seeds=args.request_seeds,
+            share_prefix_cache=args.share_prefix_cache,
+        ).for_new_run(),
         workload=workload(args),
         load=load,
         bounds=bounds,

@@ -86,6 +86,9 @@ def totals_lines(summary: Summary) -> list[str]:
         + f", throughput {summary.request_throughput:.3g} req/s, "
         f"{summary.output_token_throughput:.4g} output tok/s",
     ]
+    if summary.prompt_tokens:
+        lines.append(f"prompt tokens {summary.prompt_tokens}, {summary.cached_tokens} of them "
+                     "served from the prefix cache")
     if counts.errors_by_status:
         lines.append("errors by status: " + ", ".join(
             f"{code} {n}" for code, n in counts.errors_by_status.items()))
@@ -97,10 +100,26 @@ def totals_lines(summary: Summary) -> list[str]:
     return lines
 
 
-def print_summary(console: Console, summary: Summary, title: str) -> None:
+def print_summary(
+    console: Console, summary: Summary, title: str, policy: dict[str, Any] | None
+) -> None:
     console.print(summary_table(summary, title))
     for line in totals_lines(summary):
         console.print(line, highlight=False)
+    if policy is not None:
+        console.print(policy_line(policy), highlight=False)
+
+
+def policy_line(policy: dict[str, Any]) -> str:
+    """RequestOptions.policy() (as saved in a report) in words."""
+    salt = policy.get("cache_salt") or ""
+    if policy.get("prefix_cache") == "shared":
+        cache = "prefix cache shared with earlier runs (--share-prefix-cache)"
+    else:
+        cache = f"prefix cache cold: a fresh cache_salt per run ({salt or 'one per point'})"
+    seeds = ("each request seeded from --seed (--request-seeds)" if policy.get("request_seeds")
+             else "requests unseeded, as clients send them")
+    return f"{cache}; {seeds}"
 
 
 def sweep_table(points: Sequence[tuple[float, bool, Summary]], knee: float | None) -> Table:

@@ -17,6 +17,8 @@ from typing import Any
 
 import msgspec
 
+from specpage.request import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, StopLimits
+
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 ENV_PREFIX = "SPECPAGE_"
 # Printed as a comment by dump_toml(show_secrets=False), so output can be shared.
@@ -47,11 +49,19 @@ class EngineSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_context: int = 2048
     spec_k: int = 4  # 0: plain decoding through the same path
     adaptive_k: bool = True
+    max_stop_strings: int = MAX_STOP_STRINGS  # per request; beyond, INVALID_ARGUMENT
+    max_stop_chars: int = MAX_STOP_CHARS  # all of a request's stop strings together
+    max_stop_token_ids: int = MAX_STOP_TOKEN_IDS
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "num_blocks", "max_num_seqs", "max_step_tokens", "max_context"):
+        for name in ("block_size", "num_blocks", "max_num_seqs", "max_step_tokens", "max_context",
+                     "max_stop_strings", "max_stop_chars", "max_stop_token_ids"):
             _require(getattr(self, name) > 0, f"engine.{name} must be > 0", getattr(self, name))
         _require(self.spec_k >= 0, "engine.spec_k must be >= 0", self.spec_k)
+
+    @property
+    def stop_limits(self) -> StopLimits:
+        return StopLimits(self.max_stop_strings, self.max_stop_chars, self.max_stop_token_ids)
 
 
 class ServerSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

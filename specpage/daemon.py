@@ -46,7 +46,7 @@ def build_engine(config: Config) -> Engine:
     engine_config = EngineConfig(
         block_size=e.block_size, num_blocks=e.num_blocks, max_num_seqs=e.max_num_seqs,
         max_step_tokens=e.max_step_tokens, max_context=e.max_context, spec_k=e.spec_k,
-        adaptive_k=e.adaptive_k,
+        adaptive_k=e.adaptive_k, stop_limits=e.stop_limits,
     )
     return Engine(target, draft, load_tokenizer(target.folder), engine_config)
 

@@ -26,6 +26,7 @@ from specpage.request import (
     Request,
     SamplingParams,
     Sequence,
+    StopLimits,
     Timings,
     Usage,
     ValidationError,
@@ -48,6 +49,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_context: int = 2048  # capped by both models' own limits
     spec_k: int = 4  # proposals per step at most; 0 turns speculation off
     adaptive_k: bool = True
+    stop_limits: StopLimits = msgspec.field(default_factory=StopLimits)
 
 
 class RequestOutput(msgspec.Struct):
@@ -165,7 +167,7 @@ class Engine:
         deadline: float | None = None,
     ) -> Request:
         """Validate and tokenize; touches no engine state, so any thread may call it."""
-        params.validate()
+        params.validate(self.config.stop_limits)
         if params.n > self.config.max_num_seqs:
             raise ValidationError("n", f"{params.n} samples exceed max_num_seqs "
                                   f"({self.config.max_num_seqs})")

@@ -28,6 +28,27 @@ class ValidationError(ValueError):
 
 GREEDY_BELOW = 1e-5  # temperatures under this are greedy
 
+# Stop conditions a request may give, by default. Matching costs a step the
+# same for any number of stop strings (stop_matcher.py), but each string's
+# characters are compiled per request and each stop token id is checked per
+# token. OpenAI's API takes 4 stop strings, TGI's --max-stop-sequences
+# defaults to 4, vLLM sets no bound: these leave room for chat templates and
+# tool formats that need dozens.
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 4096  # all stop strings together
+MAX_STOP_TOKEN_IDS = 256
+
+
+class StopLimits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Bounds on a request's stop conditions (engine.max_stop_* in the config)."""
+
+    max_stop_strings: int = MAX_STOP_STRINGS
+    max_stop_chars: int = MAX_STOP_CHARS
+    max_stop_token_ids: int = MAX_STOP_TOKEN_IDS
+
+
+DEFAULT_STOP_LIMITS = StopLimits()
+
 
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_tokens: int = 16
@@ -46,7 +67,8 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         # Below this, logits / temperature overflows fp32: sample greedily, as vLLM does.
         return self.temperature < GREEDY_BELOW
 
-    def validate(self) -> None:
+    def validate(self, limits: StopLimits = DEFAULT_STOP_LIMITS) -> None:
+        self._validate_stop(limits)
         checks = (
             ("max_tokens", self.max_tokens >= 1, "must be >= 1"),
             ("temperature", not math.isnan(self.temperature) and self.temperature >= 0,
@@ -55,12 +77,29 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             ("top_k", self.top_k >= 0, "must be >= 0 (0 keeps every token)"),
             ("n", 1 <= self.n <= 64, "must be in 1..64"),
             ("seed", self.seed is None or 0 <= self.seed < 2**63, "must be in 0..2^63-1"),
-            ("stop", all(self.stop), "stop strings must not be empty"),
-            ("stop_token_ids", all(t >= 0 for t in self.stop_token_ids), "must be >= 0"),
         )  # fmt: skip
         for name, ok, message in checks:
             if not ok:
                 raise ValidationError(name, f"{message}, got {getattr(self, name)!r}")
+
+    def _validate_stop(self, limits: StopLimits) -> None:
+        # Counts first: a message that quoted ten thousand stop strings would
+        # not fit a gRPC status.
+        strings, chars = len(self.stop), sum(map(len, self.stop))
+        if strings > limits.max_stop_strings:
+            raise ValidationError(
+                "stop", f"at most {limits.max_stop_strings} stop strings, got {strings}")
+        if chars > limits.max_stop_chars:
+            raise ValidationError(
+                "stop", f"at most {limits.max_stop_chars} characters in all, got {chars}")
+        if not all(self.stop):
+            raise ValidationError("stop", f"stop strings must not be empty, got {self.stop!r}")
+        ids = len(self.stop_token_ids)
+        if ids > limits.max_stop_token_ids:
+            raise ValidationError(
+                "stop_token_ids", f"at most {limits.max_stop_token_ids} ids, got {ids}")
+        if not all(t >= 0 for t in self.stop_token_ids):
+            raise ValidationError("stop_token_ids", f"must be >= 0, got {self.stop_token_ids!r}")
 
 
 class FinishReason(enum.StrEnum):

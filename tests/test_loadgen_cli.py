@@ -10,7 +10,8 @@ from concurrent import futures
 import grpc
 import pytest
 
-from loadgen.cli import main
+from loadgen.cli import build_parser, main
+from loadgen.options import workload
 from specpage.v1 import generation_pb2 as pb
 from specpage.v1 import generation_pb2_grpc as pb_grpc
 
@@ -178,6 +179,52 @@ def test_same_seed_same_requests(echo_server, tmp_path):
     assert sorted(map(key, first)) == sorted(map(key, second))
 
 
+def test_runs_send_no_seeds_and_a_fresh_cache_salt_by_default(echo_server, tmp_path, capsys):
+    servicer, address = echo_server
+    flags = [*BASE, "--target", address, "--rate", "100", "--requests", "4", "--output-len", "2",
+             "--vocab-size", "211", "--seed", "9", "--no-plots"]
+    reports = []
+    for name in ("a", "b"):
+        assert main([*flags, "--out", str(tmp_path / name)]) == 0
+        reports.append(json.loads((tmp_path / name / "report.json").read_text()))
+    printed = capsys.readouterr().out
+    assert not any(r.sampling.HasField("seed") for r in servicer.requests)
+    salts = [r.cache_salt for r in servicer.requests]
+    first, second = salts[:4], salts[4:]
+    assert len(set(first)) == len(set(second)) == 1 and first[0] != second[0]
+    assert first[0].startswith("loadgen-") and len(first[0]) == len("loadgen-") + 16
+    assert [r["policy"] for r in reports] == [
+        {"prefix_cache": "fresh per run", "cache_salt": salt, "request_seeds": False}
+        for salt in (first[0], second[0])
+    ]
+    assert f"a fresh cache_salt per run ({first[0]})" in printed
+    assert "requests unseeded" in printed
+    # `loadgen report` says the same from the saved JSON.
+    assert main(["report", str(tmp_path / "a" / "report.json")]) == 0
+    assert f"a fresh cache_salt per run ({first[0]})" in capsys.readouterr().out
+
+
+def test_request_seeds_and_a_shared_prefix_cache_on_request(echo_server, tmp_path, capsys):
+    servicer, address = echo_server
+    out = tmp_path / "out"
+    assert main([*BASE, "--target", address, "--rate", "100", "--requests", "4",
+                 "--output-len", "2", "--vocab-size", "211", "--seed", "9", "--no-plots",
+                 "--request-seeds", "--share-prefix-cache", "--out", str(out)]) == 0
+    work = workload(build_parser().parse_args([*BASE, "--vocab-size", "211", "--seed", "9",
+                                               "--output-len", "2"]))
+    expected = {tuple(work.request(i, False, 0.0).prompt): work.request(i, False, 0.0).seed
+                for i in range(4)}
+    sent = {tuple(r.token_ids): r.sampling.seed for r in servicer.requests}
+    assert all(r.sampling.HasField("seed") for r in servicer.requests)
+    assert sent == expected
+    assert {r.cache_salt for r in servicer.requests} == {""}
+    report = json.loads((out / "report.json").read_text())
+    assert report["policy"] == {"prefix_cache": "shared", "cache_salt": "", "request_seeds": True}
+    printed = capsys.readouterr().out
+    assert "shared with earlier runs (--share-prefix-cache)" in printed
+    assert "seeded from --seed (--request-seeds)" in printed
+
+
 def test_closed_loop_trace_and_token_file(echo_server, tmp_path):
     servicer, address = echo_server
     trace = tmp_path / "trace.jsonl"
@@ -219,6 +266,10 @@ def test_sweep_finds_a_knee_and_plots_the_curve(echo_server, tmp_path, capsys):
     assert saved["sweep"]["knee_rate"] == 80 and saved["sweep"]["failed_rate"] is None
     assert (out / "sweep.png").is_file() and (out / "latency_cdf.png").is_file()
     assert len((out / "records.csv").read_text().splitlines()) == 1 + 18
+    # Each point is its own run with its own cache namespace.
+    salts = [p["cache_salt"] for p in saved["points"]]
+    assert len(set(salts)) == 3 and all(salt.startswith("loadgen-") for salt in salts)
+    assert saved["policy"]["prefix_cache"] == "fresh per run"
     assert main(["report", str(out / "sweep.json")]) == 0
     assert "sweep" in capsys.readouterr().out
 

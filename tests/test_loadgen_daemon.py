@@ -119,3 +119,31 @@ def test_short_run_accounts_for_every_request(daemon, tmp_path, capsys):
             if record["cancel_after_s"] is not None:  # it finished before its cancel came
                 assert record["end_s"] - record["sent_s"] <= record["cancel_after_s"] + 0.05
     assert report["summary"]["latency"]["ttft_s"]["count"] == counts["completed"]
+
+
+def cached_tokens(daemon: str, out: Path, *extra: str) -> int:
+    """One short run of the same 8 prompts; the prompt tokens the server served from cache."""
+    code = main([
+        "run", "--target", daemon, "--no-progress", "--no-selfcheck", "--no-plots",
+        "--rate", "20", "--requests", "8", "--prompt-len", "24", "--output-len", "4",
+        "--vocab-size", "211", "--temperature", "0", "--seed", "5", "--out", str(out), *extra,
+    ])
+    assert code == 0
+    report = json.loads((out / "report.json").read_text())
+    records = report["records"]
+    assert [r["outcome"] for r in records] == ["completed"] * 8
+    # The summary's figure is the final usage's cached_tokens, summed.
+    assert report["summary"]["cached_tokens"] == sum(r["cached_tokens"] for r in records)
+    assert report["summary"]["prompt_tokens"] == 8 * 24
+    return int(report["summary"]["cached_tokens"])
+
+
+def test_each_run_starts_with_a_cold_prefix_cache_unless_shared(daemon, tmp_path):
+    # Random token prompts share no block within a run, so a cold run caches nothing.
+    assert cached_tokens(daemon, tmp_path / "a") == 0
+    assert cached_tokens(daemon, tmp_path / "b") == 0  # same prompts, fresh cache_salt
+    shared = ("--share-prefix-cache",)
+    assert cached_tokens(daemon, tmp_path / "c", *shared) == 0  # the shared namespace is new
+    # Every full 4-token block of each 24-token prompt but the last, which the server
+    # recomputes so that the prompt's last position yields logits.
+    assert cached_tokens(daemon, tmp_path / "d", *shared) == 8 * 20
