@@ -53,19 +53,31 @@ class Chunk:
 class Final:
     usage: Usage
     timings: Timings
-    finish_reason: str | None
+    finish_reasons: list[str]  # every sample's, by index
+
+    @property
+    def finish_reason(self) -> str:
+        """Sample 0's."""
+        return self.finish_reasons[0]
 
 
 class RequestStream:
     """What one request has produced and its reader has not yet taken."""
 
-    def __init__(self, request_id: str) -> None:
+    def __init__(self, request_id: str, num_samples: int = 1) -> None:
         self.request_id = request_id
+        self.num_samples = num_samples
         self._pending: dict[int, Chunk] = {}  # per sample, merged
+        self._finish_reasons: dict[int, str] = {}  # per sample, once it ended
         self._final: Final | None = None
         self._error: BaseException | None = None
         self._wake = asyncio.Event()
-        self.finish_reason: str | None = None
+
+    @property
+    def num_places(self) -> int:
+        """Running places the request holds or will hold: one per sample
+        that has not ended (a first sample forks into n, see the scheduler)."""
+        return self.num_samples - len(self._finish_reasons)
 
     def push(self, out: RequestOutput) -> None:
         chunk = self._pending.setdefault(out.index, Chunk(out.index))
@@ -75,10 +87,10 @@ class RequestStream:
         chunk.logprobs += out.logprobs or []
         if out.finished:
             chunk.finish_reason = out.finish_reason
-            if out.index == 0:
-                self.finish_reason = out.finish_reason
+            self._finish_reasons[out.index] = out.finish_reason or ""
         if out.usage is not None and out.timings is not None:
-            self._final = Final(out.usage, out.timings, self.finish_reason)
+            reasons = [self._finish_reasons.get(i, "") for i in range(self.num_samples)]
+            self._final = Final(out.usage, out.timings, reasons)
         self._wake.set()
 
     def fail(self, error: BaseException) -> None:
@@ -160,7 +172,7 @@ class AsyncEngine:
             raise QueueFullError(self._retry_after_ms())
         if request.request_id in self.streams:
             raise ValidationError("request_id", f"{request.request_id!r} is already running")
-        stream = RequestStream(request.request_id)
+        stream = RequestStream(request.request_id, request.params.n)
         self.streams[request.request_id] = stream
         self._submissions.append(request)
         self._work.set()
@@ -223,17 +235,17 @@ class AsyncEngine:
         return self.engine.fail_all(), self.engine.stats()
 
     def _deliver(self, outputs: list[RequestOutput], error: BaseException | None) -> None:
+        """Push outputs to their streams; with an error (an engine fault),
+        a stream whose request ended fails after its samples' last chunks."""
         ended = set()
         for out in outputs:
             stream = self.streams.get(out.request_id)
             if stream is None:
                 continue
-            if error is not None:
-                stream.fail(error)
-                ended.add(out.request_id)
-                continue
             stream.push(out)
             if out.usage is not None:
                 ended.add(out.request_id)
         for request_id in ended:
-            del self.streams[request_id]
+            stream = self.streams.pop(request_id)
+            if error is not None:
+                stream.fail(error)

@@ -1,10 +1,13 @@
 """Async Python client of the specpage daemon.
 
     async with Client("127.0.0.1:50051") as client:
-        async for event in client.generate("Hello", max_tokens=32, chat=True):
+        async for event in client.generate("Hello", chat=True, max_tokens=32):
             if isinstance(event, Chunk):
                 print(event.text, end="")
-        text = (await client.complete("Hi", max_tokens=8)).text
+        completion = await client.complete("Hi", chat=True, max_tokens=8)
+        print(completion.text, completion.usage.completion_tokens)
+
+`complete` returns the same `Completion` as the in-process `LLM.generate`.
 
 Leaving the ``async for`` early or cancelling the task cancels the call, and
 the server aborts the request. Calls that fail before any event with
@@ -17,11 +20,13 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
+from specpage.completion import Completion, Durations
+from specpage.request import Usage
 from specpage.v1 import generation_pb2 as pb
 from specpage.v1 import generation_pb2_grpc as pb_grpc
 
@@ -41,19 +46,12 @@ class Chunk:
 
 @dataclass(frozen=True)
 class Final:
-    finish_reason: str
-    usage: dict[str, int]  # prompt, completion, cached, drafted, accepted tokens
-    timings: dict[str, float]  # queue_s, prefill_s, total_s
+    """The request ended OK (a request cut short ends with its status)."""
 
-
-@dataclass
-class Completion:
-    request_id: str
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    usage: dict[str, int] = field(default_factory=dict)
-    timings: dict[str, float] = field(default_factory=dict)
+    finish_reason: str  # sample 0's
+    finish_reasons: list[str]  # every sample's, by index
+    usage: Usage
+    timings: Durations
 
 
 def generate_request(prompt: str | Sequence[int], request_id: str = "", chat: bool = False,
@@ -95,11 +93,17 @@ class Client:
         await self.channel.close()
 
     async def generate(
-        self, prompt: str | Sequence[int], *, deadline_s: float | None = None, **options: Any
+        self, prompt: str | Sequence[int], *, chat: bool = False,
+        deadline_s: float | None = None, **options: Any,
     ) -> AsyncIterator[Chunk | Final]:
-        """Events of one request. options: request_id, chat, priority, timeout_s,
-        spec ("auto", "on", "off") and SamplingParameters fields."""
-        message = generate_request(prompt, **options)
+        """Events of one request: chunks, then a Final event.
+
+        chat: wrap a text prompt in the model's chat template, as one user
+        message (the daemon refuses it if the model has none); False sends
+        the text as it is. Token-id prompts are never wrapped.
+        options: request_id, priority, timeout_s, spec ("auto", "on", "off")
+        and SamplingParameters fields (max_tokens, temperature, n, ...)."""
+        message = generate_request(prompt, chat=chat, **options)
         for attempt in range(self.max_retries + 1):
             call = self.stub.Generate(message, timeout=deadline_s, metadata=self.metadata)
             started = False
@@ -115,16 +119,22 @@ class Client:
             finally:
                 call.cancel()  # no-op once finished; aborts the request if we left early
 
-    async def complete(self, prompt: str | Sequence[int], **options: Any) -> Completion:
-        """The whole text of sample 0."""
+    async def complete(self, prompt: str | Sequence[int], *, chat: bool = False,
+                       **options: Any) -> Completion:
+        """Run one request to its end: every sample, usage and timings.
+
+        chat: wrap a text prompt in the model's chat template, as one user
+        message (the daemon refuses it if the model has none); False sends
+        the text as it is. Token-id prompts are never wrapped.
+        options: as for `generate`. A request cut short raises its status."""
         completion = Completion(options.get("request_id", ""))
-        async for event in self.generate(prompt, **options):
+        async for event in self.generate(prompt, chat=chat, **options):
             if isinstance(event, Chunk):
-                if event.index == 0:
-                    completion.text += event.text
-                    completion.token_ids += event.token_ids
+                completion.add(event.index, event.token_ids, event.text, event.logprobs,
+                               event.finish_reason)
             else:
-                completion.finish_reason = event.finish_reason
+                for index, reason in enumerate(event.finish_reasons):
+                    completion.sample(index).finish_reason = reason
                 completion.usage, completion.timings = event.usage, event.timings
         return completion
 
@@ -151,8 +161,12 @@ def _event(event: pb.GenerateEvent) -> Chunk | Final:
         return Chunk(c.index, list(c.token_ids), c.text, c.num_tokens, list(c.logprobs),
                      c.finish_reason or None)
     f = event.final
-    usage = {name: getattr(f.usage, name) for name in (
-        "prompt_tokens", "completion_tokens", "cached_tokens", "drafted_tokens",
-        "accepted_tokens")}
-    timings = {name: getattr(f.timings, name) for name in ("queue_s", "prefill_s", "total_s")}
-    return Final(f.finish_reason, usage, timings)
+    usage = Usage(prompt_tokens=f.usage.prompt_tokens,
+                  completion_tokens=f.usage.completion_tokens,
+                  cached_tokens=f.usage.cached_tokens, drafted_tokens=f.usage.drafted_tokens,
+                  accepted_tokens=f.usage.accepted_tokens)
+    timings = Durations(queue_s=f.timings.queue_s, prefill_s=f.timings.prefill_s,
+                        total_s=f.timings.total_s)
+    # A server older than finish_reasons sends sample 0's alone.
+    reasons = list(f.finish_reasons) or [f.finish_reason]
+    return Final(f.finish_reason, reasons, usage, timings)

@@ -189,6 +189,7 @@ class Engine:
         """End every request with an error and free its blocks (after a fault)."""
         outputs = []
         for request in list(self.requests.values()):
+            outputs += self._unforked(request, FinishReason.ERROR)
             for seq in request.sequences:
                 if not seq.finished:
                     outputs.append(self._finish(seq, FinishReason.ERROR, [], ""))
@@ -253,8 +254,11 @@ class Engine:
                 seq.num_draft_computed = seq.num_computed
 
     def _emit(self, plan: StepPlan, verdicts: list[Verdict]) -> list[RequestOutput]:
-        outputs = [self._finish(seq, seq.finish_reason or FinishReason.ABORT, [], "")
-                   for seq in plan.dropped]
+        outputs = []
+        for seq in plan.dropped:
+            reason = seq.finish_reason or FinishReason.ABORT
+            outputs += self._unforked(seq.request, reason)
+            outputs.append(self._finish(seq, reason, [], ""))
         for entry, verdict in zip(plan.scheduled, verdicts, strict=True):
             seq = entry.seq
             request = seq.request
@@ -326,6 +330,15 @@ class Engine:
             output.usage, output.timings = request.usage, request.timings
             del self.requests[request.request_id]
         return output
+
+    @staticmethod
+    def _unforked(request: Request, reason: FinishReason) -> list[RequestOutput]:
+        """Samples 1..n-1 fork at sample 0's first token; a request that ends
+        before it (aborted, past its deadline, failed) ends them too, each
+        with an output of its own, before the request's last output."""
+        return [RequestOutput(request.request_id, index, [], "", 0, finished=True,
+                              finish_reason=str(reason))
+                for index in range(len(request.sequences), request.params.n)]
 
     def _fork(
         self, parent: Sequence, first_tokens: list[int], logprobs: list[float]

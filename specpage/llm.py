@@ -1,33 +1,20 @@
-"""In-process use of the engine: batch generation and streaming, no daemon."""
+"""In-process use of the engine: batch generation and streaming, no daemon.
+
+`LLM.generate` returns the same `Completion` as the gRPC `Client.complete`.
+"""
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from specpage.completion import Completion, Durations
 from specpage.engine import Engine, EngineConfig, RequestOutput
 from specpage.models.fetch import ensure_model, known_models
 from specpage.models.loader import LoadedModel, load_model
-from specpage.request import SamplingParams, Usage
-
-
-@dataclass
-class SampleOutput:
-    index: int
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    finish_reason: str | None = None
-    logprobs: list[float] = field(default_factory=list)
-
-
-@dataclass
-class Completion:
-    request_id: str
-    samples: list[SampleOutput]
-    usage: Usage | None = None
+from specpage.request import SamplingParams, ValidationError
 
 
 def resolve_model(name_or_path: str | Path) -> Path:
@@ -73,40 +60,50 @@ class LLM:
         self,
         prompts: Sequence[str | Sequence[int]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        chat: bool = False,
     ) -> list[Completion]:
-        """Run every prompt to completion, batched continuously; in order."""
+        """Run every prompt to completion, batched continuously; in order.
+
+        chat: wrap a text prompt in the model's chat template, as one user
+        message (a ValidationError if the model has none); False sends
+        the text as it is. Token-id prompts are never wrapped."""
         params = params or SamplingParams()
         all_params = [params] * len(prompts) if isinstance(params, SamplingParams) else params
-        ids = []
+        completions = []
         for prompt, p in zip(prompts, all_params, strict=True):
-            request_id = f"llm-{next(self._ids)}"
-            self.engine.add_request(request_id, prompt, p)
-            ids.append(request_id)
-        completions = {
-            i: Completion(i, [SampleOutput(s) for s in range(p.n)])
-            for i, p in zip(ids, all_params, strict=True)
-        }
+            completion = Completion(f"llm-{next(self._ids)}")
+            completion.sample(p.n - 1)  # all n samples, by index
+            self.engine.add_request(completion.request_id, self._prompt(prompt, chat), p)
+            completions.append(completion)
+        by_id = {completion.request_id: completion for completion in completions}
         while self.engine.has_unfinished():
             for out in self.engine.step():
-                self._record(completions[out.request_id], out)
-        return [completions[i] for i in ids]
+                self._record(by_id[out.request_id], out)
+        return completions
 
-    def stream(self, prompt: str | Sequence[int], params: SamplingParams) -> Iterator[str]:
-        """Text deltas of one request as they are produced."""
+    def stream(self, prompt: str | Sequence[int], params: SamplingParams, *,
+               chat: bool = False) -> Iterator[str]:
+        """Text deltas of one request (sample 0) as they are produced.
+
+        chat: as for `generate`."""
         request_id = f"llm-{next(self._ids)}"
-        self.engine.add_request(request_id, prompt, params)
+        self.engine.add_request(request_id, self._prompt(prompt, chat), params)
         while self.engine.has_unfinished():
             for out in self.engine.step():
-                if out.request_id == request_id and out.text:
+                if out.request_id == request_id and out.index == 0 and out.text:
                     yield out.text
+
+    def _prompt(self, prompt: str | Sequence[int], chat: bool) -> str | Sequence[int]:
+        if not chat or not isinstance(prompt, str):
+            return prompt
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValidationError("chat", "the model has no chat template")
+        return chat_prompt(self.tokenizer, prompt)
 
     @staticmethod
     def _record(completion: Completion, out: RequestOutput) -> None:
-        sample = completion.samples[out.index]
-        sample.token_ids += out.token_ids
-        sample.text += out.text
-        sample.logprobs += out.logprobs or []
-        if out.finished:
-            sample.finish_reason = out.finish_reason
-        if out.usage is not None:
-            completion.usage = out.usage
+        completion.add(out.index, out.token_ids, out.text, out.logprobs or [],
+                       out.finish_reason if out.finished else None)
+        if out.usage is not None and out.timings is not None:
+            completion.usage, completion.timings = out.usage, Durations.of(out.timings)

@@ -17,8 +17,10 @@ from specpage.async_engine import (
     Chunk,
     DrainingError,
     EngineFaultError,
+    Final,
     QueueFullError,
 )
+from specpage.completion import Durations
 from specpage.request import SamplingParams, ValidationError
 from specpage.v1 import generation_pb2 as pb
 from specpage.v1 import generation_pb2_grpc as pb_grpc
@@ -87,9 +89,12 @@ class GenerationService(pb_grpc.GenerationServicer):
                         start = 0.0
                     yield pb.GenerateEvent(chunk=_chunk(event))
                 else:
-                    if event.finish_reason == "timeout":
-                        await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                            f"request {request_id} passed its timeout")
+                    # Every sample's chunks, each with its finish reason, are
+                    # sent by now; a request cut short ends with its status
+                    # instead of a Final event.
+                    code = _status(event.finish_reasons)
+                    if code is not grpc.StatusCode.OK:
+                        await context.abort(code, _cut_short(request_id, event.finish_reasons))
                     yield pb.GenerateEvent(final=_final(event))
         except EngineFaultError as error:
             await context.abort(grpc.StatusCode.INTERNAL, str(error))
@@ -178,20 +183,35 @@ def _chunk(chunk: Chunk) -> pb.Chunk:
                     finish_reason=chunk.finish_reason or "")
 
 
-def _final(final: Any) -> pb.Final:
-    usage, timings = final.usage, final.timings
-    first_scheduled = timings.first_scheduled or timings.arrival
-    first_token = timings.first_token or first_scheduled
-    finished = timings.finished or first_token
+# A request ends with the status of its worst-ended sample: a fault beats a
+# deadline, which beats everything else (stop, length, and abort, which a
+# caller asked for and gets with OK and the Final event).
+ENDING_STATUS = {"error": grpc.StatusCode.INTERNAL, "timeout": grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+def _status(finish_reasons: list[str]) -> grpc.StatusCode:
+    for reason, code in ENDING_STATUS.items():
+        if reason in finish_reasons:
+            return code
+    return grpc.StatusCode.OK
+
+
+def _cut_short(request_id: str, finish_reasons: list[str]) -> str:
+    what = "failed" if "error" in finish_reasons else "passed its timeout"
+    return f"request {request_id} {what}; finish reasons by sample: {', '.join(finish_reasons)}"
+
+
+def _final(final: Final) -> pb.Final:
+    usage, durations = final.usage, Durations.of(final.timings)
     return pb.Final(
         usage=pb.Usage(prompt_tokens=usage.prompt_tokens,
                        completion_tokens=usage.completion_tokens,
                        cached_tokens=usage.cached_tokens, drafted_tokens=usage.drafted_tokens,
                        accepted_tokens=usage.accepted_tokens),
-        timings=pb.Timings(queue_s=first_scheduled - timings.arrival,
-                           prefill_s=first_token - first_scheduled,
-                           total_s=finished - timings.arrival),
-        finish_reason=final.finish_reason or "",
+        timings=pb.Timings(queue_s=durations.queue_s, prefill_s=durations.prefill_s,
+                           total_s=durations.total_s),
+        finish_reason=final.finish_reason,
+        finish_reasons=final.finish_reasons,
     )
 
 

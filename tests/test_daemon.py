@@ -69,9 +69,10 @@ async def test_streamed_greedy_output_equals_the_offline_engine(daemon, tmp_path
             assert [c.num_tokens for c in chunks] == list(
                 __import__("itertools").accumulate(len(c.token_ids) for c in chunks))
             assert final.finish_reason == "length"
-            assert final.usage["completion_tokens"] == 12 and final.usage["prompt_tokens"] == 9
-            assert final.usage["drafted_tokens"] >= final.usage["accepted_tokens"]
-            assert final.timings["total_s"] >= final.timings["queue_s"] >= 0
+            assert final.finish_reasons == ["length"]
+            assert final.usage.completion_tokens == 12 and final.usage.prompt_tokens == 9
+            assert final.usage.drafted_tokens >= final.usage.accepted_tokens
+            assert final.timings.total_s >= final.timings.queue_s >= 0
         info = await wait_idle(client)
         assert info.block_size == 4 and info.draft_model
 
