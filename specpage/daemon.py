@@ -1,7 +1,13 @@
-"""The daemon's lifecycle: load the models, serve gRPC, drain on SIGTERM.
+"""The daemon's lifecycle: bind the ports, load the models, serve gRPC, drain on SIGTERM.
+
+Every port is bound before the models load, so a taken port fails in seconds.
+A start-up failure (port, TLS file, model path or name, incompatible draft)
+ends the process with exit status 1 and one JSON log line at level error whose
+``error`` says what to fix: every line the daemon writes to stderr is JSON, so
+log shippers parse that one like the others, and no traceback follows it.
 
 Health is NOT_SERVING until the models are loaded and again while draining.
-systemd hears STATUS= lines while loading, READY=1 once the port is bound,
+systemd hears STATUS= lines while loading, READY=1 once the models are loaded,
 WATCHDOG=1 from the event loop, and STOPPING=1 when the drain starts.
 """
 
@@ -12,36 +18,44 @@ import contextlib
 import logging
 import signal
 import time
-from pathlib import Path
+from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from specpage import systemd
 from specpage.async_engine import AsyncEngine
 from specpage.config import Config, read_bearer_token
 from specpage.engine import Engine, EngineConfig, EngineStats, RequestOutput
 from specpage.llm import load_tokenizer, resolve_model
-from specpage.metrics import Metrics
+from specpage.metrics import Metrics, MetricsServer
+from specpage.models.config import ModelLoadError
 from specpage.models.loader import load_model
+from specpage.reflection import enable_reflection
 from specpage.server import BearerTokenInterceptor, GenerationService, wait_idle
+from specpage.startup import StartupError, check_port_free, tls_credentials
 from specpage.v1 import generation_pb2 as pb
 from specpage.v1 import generation_pb2_grpc as pb_grpc
 
 log = logging.getLogger("specpage.daemon")
 SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 VERSION = "0.1.0"
+EXIT_STARTUP_FAILED = 1
+# What a start-up failure may raise that its message explains; anything else is a bug
+# and keeps its traceback.
+STARTUP_ERRORS = (StartupError, ModelLoadError, ValueError, OSError)
 
 
 def build_engine(config: Config) -> Engine:
     """Load both models (slow: minutes for big ones) and build the engine."""
     m, e = config.model, config.engine
     systemd.status(f"loading target {m.target}")
+    log.info("loading target", extra={"model": m.target})
     target = load_model(resolve_model(m.target), m.dtype, m.device)
     draft = None
     if m.draft:
         systemd.status(f"loading draft {m.draft}")
+        log.info("loading draft", extra={"model": m.draft})
         draft = load_model(resolve_model(m.draft), m.dtype, m.device)
     engine_config = EngineConfig(
         block_size=e.block_size, num_blocks=e.num_blocks, max_num_seqs=e.max_num_seqs,
@@ -96,50 +110,100 @@ class MetricsObserver:
         self.metrics.update_engine(stats)
 
 
-async def serve(config: Config) -> int:
+@dataclass
+class Listeners:
+    """The bound ports: gRPC (answering NOT_SERVING until attached) and /metrics."""
+
+    server: grpc.aio.Server
+    port: int
+    health: health.aio.HealthServicer
+    service: GenerationService
+    metrics_server: MetricsServer | None
+
+    async def close(self) -> None:
+        await self.server.stop(None)
+        if self.metrics_server is not None:
+            self.metrics_server.close()
+
+
+async def listen(config: Config, metrics: Metrics) -> Listeners:
+    """Bind both ports and start answering, before any model loads."""
     s = config.server
-    systemd.status("starting")
+    credentials = tls_credentials(s.tls_cert, s.tls_key) if s.tls_cert and s.tls_key else None
+    token = read_bearer_token(s)
+    check_port_free("gRPC", s.host, s.port)
     health_servicer = health.aio.HealthServicer()
     for name in ("", SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    token = read_bearer_token(s)
     server = grpc.aio.server(
         interceptors=[BearerTokenInterceptor(token)] if token else [],
         options=[("grpc.max_receive_message_length", s.max_message_bytes),
-                 ("grpc.max_send_message_length", s.max_message_bytes)],
+                 ("grpc.max_send_message_length", s.max_message_bytes),
+                 # gRPC's default lets a second daemon bind the same port and take
+                 # half the connections; a taken port must be an error instead.
+                 ("grpc.so_reuseport", 0)],
     )
-    metrics = Metrics()
     service = GenerationService(lambda engine: server_info(config, engine), s.max_prompt_tokens,
                                 on_first_token=metrics.observe_ttft)
     pb_grpc.add_GenerationServicer_to_server(service, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-         reflection.SERVICE_NAME), server)
+    enable_reflection((SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name),
+                      server)
     address = f"{s.host}:{s.port}"
-    if s.tls_cert and s.tls_key:
-        credentials = grpc.ssl_server_credentials(
-            [(Path(s.tls_key).read_bytes(), Path(s.tls_cert).read_bytes())])
-        port = server.add_secure_port(address, credentials)
-    else:
-        port = server.add_insecure_port(address)
+    try:
+        if credentials is not None:
+            port = server.add_secure_port(address, credentials)
+        else:
+            port = server.add_insecure_port(address)
+        metrics_server = None
+        if s.metrics_port is not None:
+            try:
+                metrics_server = metrics.start_http(s.metrics_host, s.metrics_port)
+            except OSError as error:
+                raise StartupError(f"metrics port {s.metrics_port} on {s.metrics_host}: "
+                                   f"{error.strerror}") from None
+    except RuntimeError as error:  # gRPC's bind failure, the port taken since the check
+        await server.stop(None)
+        raise StartupError(f"gRPC port {s.port} on {s.host}: {error}") from None
+    except StartupError:
+        await server.stop(None)
+        raise
     await server.start()  # health answers NOT_SERVING while the models load
     log.info("listening", extra={"address": f"{s.host}:{port}"})
+    return Listeners(server, port, health_servicer, service, metrics_server)
 
+
+def startup_failed(error: BaseException) -> int:
+    log.error("start-up failed", extra={"error": str(error)})
+    systemd.status(f"start-up failed: {error}")
+    return EXIT_STARTUP_FAILED
+
+
+async def serve(config: Config) -> int:
+    s = config.server
+    systemd.status("starting")
+    metrics = Metrics()
+    try:
+        listeners = await listen(config, metrics)
+    except STARTUP_ERRORS as error:
+        return startup_failed(error)
+    try:
+        built = await asyncio.to_thread(build_engine, config)
+    except STARTUP_ERRORS as error:
+        await listeners.close()
+        return startup_failed(error)
+    service, port = listeners.service, listeners.port
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
 
-    engine = AsyncEngine(await asyncio.to_thread(build_engine, config), s.max_queue)
-    metrics_server = None
+    engine = AsyncEngine(built, s.max_queue)
     engine.step_observers.append(MetricsObserver(metrics))
-    if s.metrics_port is not None:
-        metrics_server = metrics.start_http(s.metrics_host, s.metrics_port)
     service.attach(engine)
     engine.start()
     for name in ("", SERVICE):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await listeners.health.set(name, health_pb2.HealthCheckResponse.SERVING)
     systemd.status(f"serving on {s.host}:{port}")
     systemd.ready()
     # Pings start once ready: TimeoutStartSec covers the loading.
@@ -155,15 +219,15 @@ async def serve(config: Config) -> int:
         systemd.stopping()
         log.info("draining", extra={"grace_s": s.drain_grace_s, "in_flight": service.in_flight})
         engine.draining = True
-        await health_servicer.enter_graceful_shutdown()
+        await listeners.health.enter_graceful_shutdown()
         await wait_idle(service, s.drain_grace_s)
         await engine.stop()  # aborts what is left
-        await server.stop(grace=1.0)
+        await listeners.server.stop(grace=1.0)
         if watchdog is not None:
             watchdog.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await watchdog
-        if metrics_server is not None:
-            metrics_server.close()
+        if listeners.metrics_server is not None:
+            listeners.metrics_server.close()
         log.info("stopped")
     return 0

@@ -12,6 +12,7 @@ from typing import Any
 
 from specpage.completion import Completion, Durations
 from specpage.engine import Engine, EngineConfig, RequestOutput
+from specpage.models.config import ModelLoadError
 from specpage.models.fetch import ensure_model, known_models
 from specpage.models.loader import LoadedModel, load_model
 from specpage.request import SamplingParams, ValidationError
@@ -21,7 +22,11 @@ def resolve_model(name_or_path: str | Path) -> Path:
     """A known model name (fetched into the cache once) or a path."""
     if str(name_or_path) in known_models():
         return ensure_model(str(name_or_path))
-    return Path(name_or_path)
+    path = Path(name_or_path)
+    if not path.exists():
+        raise ModelLoadError(f"{name_or_path}: no such file or folder, and not a known model "
+                             f"name (known: {', '.join(known_models())})")
+    return path
 
 
 def load_tokenizer(folder: Path) -> Any:

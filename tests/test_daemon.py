@@ -394,3 +394,29 @@ async def test_abort_rpc_ends_the_stream_and_reflection_lists_the_service(daemon
     with grpc.insecure_channel(daemon.address) as channel:
         services = ProtoReflectionDescriptorDatabase(channel).get_services()
     assert "specpage.v1.Generation" in services and "grpc.health.v1.Health" in services
+
+
+async def test_reflection_v1_and_v1alpha_list_every_service(daemon):
+    """grpcurl asks v1 first; older clients ask v1alpha. Same messages, two names."""
+    from google.protobuf import descriptor_pb2
+    from grpc_reflection.v1alpha import reflection_pb2
+
+    requests = [reflection_pb2.ServerReflectionRequest(list_services=""),
+                reflection_pb2.ServerReflectionRequest(
+                    file_containing_symbol="grpc.reflection.v1.ServerReflection")]
+    async with grpc.aio.insecure_channel(daemon.address) as channel:
+        for version in ("v1", "v1alpha"):
+            call = channel.stream_stream(
+                f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
+                request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+                response_deserializer=reflection_pb2.ServerReflectionResponse.FromString)
+            listing, file = [response async for response in call(iter(requests))]
+            assert sorted(s.name for s in listing.list_services_response.service) == [
+                "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection",
+                "grpc.reflection.v1alpha.ServerReflection", "specpage.v1.Generation"]
+            [proto] = file.file_descriptor_response.file_descriptor_proto
+            v1 = descriptor_pb2.FileDescriptorProto.FromString(proto)
+            assert (v1.name, v1.package) == ("grpc/reflection/v1/reflection.proto",
+                                             "grpc.reflection.v1")
+            assert v1.service[0].method[0].input_type == (
+                ".grpc.reflection.v1.ServerReflectionRequest")
