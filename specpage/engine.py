@@ -171,8 +171,13 @@ class Engine:
         if params.n > self.config.max_num_seqs:
             raise ValidationError("n", f"{params.n} samples exceed max_num_seqs "
                                   f"({self.config.max_num_seqs})")
+        vocab_size = self.target.config.vocab_size
+        unknown = next((t for t in params.stop_token_ids if t >= vocab_size), None)
+        if unknown is not None:  # it could never be sampled
+            raise ValidationError("stop_token_ids",
+                                  f"token id {unknown} outside 0..{vocab_size - 1}")
         prompt_ids = self._tokenize(prompt)
-        validate_prompt(prompt_ids, self.target.config.vocab_size, self.max_context)
+        validate_prompt(prompt_ids, vocab_size, self.max_context)
         self._check_fits(len(prompt_ids), params)
         if params.stop and self.tokenizer is None:
             raise ValidationError("stop", "stop strings need a tokenizer")

@@ -71,8 +71,8 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         self._validate_stop(limits)
         checks = (
             ("max_tokens", self.max_tokens >= 1, "must be >= 1"),
-            ("temperature", not math.isnan(self.temperature) and self.temperature >= 0,
-             "must be a number >= 0"),
+            ("temperature", math.isfinite(self.temperature) and self.temperature >= 0,
+             "must be a finite number >= 0"),
             ("top_p", not math.isnan(self.top_p) and 0 < self.top_p <= 1, "must be in (0, 1]"),
             ("top_k", self.top_k >= 0, "must be >= 0 (0 keeps every token)"),
             ("n", 1 <= self.n <= 64, "must be in 1..64"),

@@ -191,11 +191,13 @@ def test_stop_token_ids_and_max_tokens(models):
     [
         (SamplingParams(temperature=-1.0), "temperature"),
         (SamplingParams(temperature=math.nan), "temperature"),
+        (SamplingParams(temperature=math.inf), "temperature"),
         (SamplingParams(top_p=0.0), "top_p"),
         (SamplingParams(top_p=1.5), "top_p"),
         (SamplingParams(max_tokens=0), "max_tokens"),
         (SamplingParams(n=0), "n"),
         (SamplingParams(top_k=-1), "top_k"),
+        (SamplingParams(stop_token_ids=(3, 211)), "stop_token_ids"),  # the vocabulary is 211
     ],
 )
 def test_invalid_parameters_name_the_field(models, params, field):
