@@ -5,6 +5,11 @@ Submissions and aborts are queued and reach the engine at the next step
 boundary. Each request has a stream whose pending tokens are merged per
 sample, so a slow reader never stalls the step and never holds more than
 one pending chunk per sample.
+
+Admission is counted here, on the event loop, not from the engine's last
+stats: a request holds running places (one per sample) from the moment it
+is admitted until its samples end, whether the engine has taken it yet or
+a step in flight is taking it now.
 """
 
 from __future__ import annotations
@@ -157,18 +162,30 @@ class AsyncEngine:
 
     @property
     def num_queued(self) -> int:
-        """Requests that wait for a running place: the engine's waiting ones,
-        and the submissions its free places will not take at the next step.
-        (A submission the engine has not seen yet but will start at once is
-        not queued: otherwise the bound would depend on when steps fall.)"""
-        stats = self._stats
-        free = 0 if stats.waiting else max(0, self.engine.config.max_num_seqs - stats.running)
-        return stats.waiting + max(0, len(self._submissions) - free)
+        """Running places that admitted requests wait for (a request of n
+        samples needs n; see `_queued_with`)."""
+        return self._queued_with(0)
+
+    def _queued_with(self, num_places: int) -> int:
+        """Places admitted requests, and num_places more, would wait for.
+
+        Counted from the streams, so a request holds its places from the
+        moment it is admitted, also while a step in flight takes it from
+        the submissions (the engine's stats see it only once that step is
+        over). A submission the engine will start at its next step, a
+        running place being free, is not queued. While the engine's last
+        step left sequences waiting (short of blocks, say), it starts no
+        new submission either: each of those waits too."""
+        held = sum(stream.num_places for stream in self.streams.values()) + num_places
+        beyond_running = held - self.engine.config.max_num_seqs
+        waiting = self._stats.waiting
+        behind_waiting = waiting + len(self._submissions) + num_places if waiting else 0
+        return max(0, beyond_running, behind_waiting)
 
     def submit(self, request: Request) -> RequestStream:
         if self.draining:
             raise DrainingError("the server is draining")
-        if self.num_queued >= self.max_queue:
+        if self._queued_with(request.params.n) > self.max_queue:
             raise QueueFullError(self._retry_after_ms())
         if request.request_id in self.streams:
             raise ValidationError("request_id", f"{request.request_id!r} is already running")

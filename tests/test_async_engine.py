@@ -99,3 +99,36 @@ async def test_the_queue_bound_counts_only_requests_that_must_wait(tmp_path):
     with pytest.raises(QueueFullError):
         async_engine.submit(request(3))
     await async_engine.stop(timeout=1)
+
+
+@pytest.mark.asyncio
+async def test_samples_hold_their_running_places_from_admission(tmp_path):
+    """A request of n samples holds n running places (it forks into n) from
+    the moment it is admitted, and gives one back as each sample ends."""
+    from specpage.async_engine import AsyncEngine, QueueFullError
+    from specpage.engine import Engine, EngineConfig
+    from specpage.models.loader import load_model
+    from specpage.request import Request, SamplingParams
+    from tests.models_util import tiny_checkpoint
+
+    tiny_checkpoint(tmp_path)
+    engine = Engine(load_model(tmp_path), None, None,
+                    EngineConfig(block_size=4, num_blocks=64, max_num_seqs=4))
+    async_engine = AsyncEngine(engine, max_queue=2)  # not started: no step runs
+
+    def request(name, n):
+        return Request(name, (1, 2, 3), SamplingParams(max_tokens=4, n=n))
+
+    async_engine.submit(request("four", 4))
+    assert async_engine.num_queued == 0  # it will start at the next step
+    async_engine.submit(request("two", 2))
+    assert async_engine.num_queued == 2
+    with pytest.raises(QueueFullError):
+        async_engine.submit(request("one", 1))
+    # sample 3 of the first request ends: its place is free for the third
+    async_engine.streams["four"].push(RequestOutput("four", 3, [], "", 0, finished=True,
+                                                    finish_reason="stop"))
+    assert async_engine.num_queued == 1
+    async_engine.submit(request("one", 1))
+    assert async_engine.num_queued == 2
+    await async_engine.stop(timeout=1)

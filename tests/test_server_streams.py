@@ -258,3 +258,70 @@ async def test_a_fault_before_the_samples_fork_ends_each_of_them(target, two_sam
     assert error is not None and error.code() == grpc.StatusCode.INTERNAL
     assert (tokens, reasons, finals) == ({0: [], 1: []}, {0: "error", 1: "error"}, [])
 
+
+# ---------------------------------------------------------------------- admission
+
+MAX_NUM_SEQS, MAX_QUEUE, BURST = 2, 3, 24
+
+
+async def burst(client: Client, first: int, admitted: list[asyncio.Task],
+                refused: list[grpc.aio.AioRpcError], served: Served) -> None:
+    """BURST concurrent calls; returns once each is admitted or refused."""
+    calls = [asyncio.ensure_future(client.complete(
+        PROMPT, request_id=f"b{first + i}", max_tokens=40, temperature=0.0, ignore_eos=True))
+        for i in range(BURST)]
+    known = len(served.async_engine.streams) + len(refused)
+    end = time.monotonic() + GATE_TIMEOUT_S
+    while True:
+        for call in [c for c in calls if c.done()]:
+            calls.remove(call)
+            error = call.exception()
+            assert isinstance(error, grpc.aio.AioRpcError), error
+            refused.append(error)
+        if len(served.async_engine.streams) + len(refused) == known + BURST:
+            break
+        assert time.monotonic() < end, "the burst was never answered"
+        await asyncio.sleep(0.01)
+    admitted += calls
+
+
+@pytest.mark.asyncio
+async def test_the_admission_bound_holds_while_a_step_is_in_flight(target):
+    """max_num_seqs + max_queue = 5. The first request is taken by a step
+    that is held; bursts of 24 then arrive while steps that took submissions
+    are in flight. Exactly 5 are admitted, whatever the step in flight
+    holds, and the engine never has more than max_queue waiting."""
+    async with serving(target, MAX_NUM_SEQS, MAX_QUEUE) as served, \
+            Client(served.address, max_retries=0) as client:
+        gate = Gate(served.engine, lambda: True)
+        admitted: list[asyncio.Task] = [asyncio.ensure_future(client.complete(
+            PROMPT, request_id="b-first", max_tokens=40, temperature=0.0, ignore_eos=True))]
+        refused: list[grpc.aio.AioRpcError] = []
+        await gate.wait_held()  # the step in flight took the first request
+        info = await client.server_info()
+        assert (info.running, info.waiting) == (0, 0)  # the stats are from before it
+
+        await burst(client, 0, admitted, refused, served)
+        assert (len(admitted), len(refused)) == (5, BURST - 4)
+
+        gate.allow()  # the first request runs; the next step takes the 4 and is held
+        await gate.wait_held()
+        assert not served.async_engine._submissions  # the held step took them
+        await burst(client, 100, admitted, refused, served)
+        assert (len(admitted), len(refused)) == (5, 2 * BURST - 4)
+
+        gate.allow()  # 2 run, 3 wait
+        await gate.wait_held()
+        info = await client.server_info()
+        assert (info.running, info.waiting) == (MAX_NUM_SEQS, MAX_QUEUE)
+        await burst(client, 200, admitted, refused, served)
+        assert (len(admitted), len(refused)) == (5, 3 * BURST - 4)
+
+        for error in refused:
+            assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert int(dict(error.trailing_metadata())["retry-after-ms"]) >= 100
+        gate.open()
+        completions = await asyncio.gather(*admitted)
+        assert [(len(c.token_ids), c.finish_reason) for c in completions] == [(40, "length")] * 5
+        info = await client.server_info()
+        assert (info.running, info.waiting, info.pool.in_use) == (0, 0, 0)
