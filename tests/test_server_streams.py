@@ -259,6 +259,26 @@ async def test_a_fault_before_the_samples_fork_ends_each_of_them(target, two_sam
     assert (tokens, reasons, finals) == ({0: [], 1: []}, {0: "error", 1: "error"}, [])
 
 
+@pytest.mark.asyncio
+async def test_the_client_and_the_in_process_llm_return_the_same_completion(
+        target, two_samples):
+    from specpage.completion import Completion
+    from specpage.llm import LLM
+    from specpage.request import ValidationError
+
+    llm = LLM(target, config=engine_config())
+    [local] = llm.generate([PROMPT], SamplingParams(**sampling(two_samples, 4)))
+    with pytest.raises(ValidationError, match="chat"):  # no tokenizer, so no chat template
+        llm.generate(["hello"], chat=True)
+    async with serving(target) as served, Client(served.address, max_retries=0) as client:
+        remote = await client.complete(PROMPT, **sampling(two_samples, 4))
+    assert isinstance(local, Completion) and isinstance(remote, Completion)
+    assert local.samples == remote.samples
+    assert local.finish_reasons == remote.finish_reasons == ["stop", "length"]
+    assert local.usage.completion_tokens == remote.usage.completion_tokens == 5
+    assert local.timings is not None and remote.timings is not None
+
+
 # ---------------------------------------------------------------------- admission
 
 MAX_NUM_SEQS, MAX_QUEUE, BURST = 2, 3, 24

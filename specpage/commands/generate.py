@@ -23,7 +23,11 @@ def add_parser(sub: Any, name: str) -> None:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int)
     parser.add_argument("--spec-k", default="auto", help="proposals per step, or 'auto' (adaptive)")
-    parser.add_argument("--raw", action="store_true", help="no chat template around the prompt")
+    parser.add_argument("--raw", action="store_true",
+                        help="send the prompt as it is (chat=False); by default it is wrapped in "
+                             "the model's chat template as one user message (chat=True): "
+                             "in-process only if the model has one, and a --server daemon "
+                             "refuses a model without one")
     parser.add_argument("--dtype", help="fp32 (CPU default), bf16, fp16")
     parser.add_argument("--server", help="HOST:PORT of a running daemon (instead of in-process)")
     parser.add_argument("--token", help="bearer token for --server")
