@@ -90,24 +90,45 @@ class MetricsObserver:
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
         self.positions: tuple[int, ...] = ()
-        self.last_token: dict[tuple[str, int], float] = {}
+        self.last_token: dict[tuple[str, int], float] = {}  # (request, sample) -> when
 
     def __call__(self, outputs: list[RequestOutput], stats: EngineStats) -> None:
         now = time.monotonic()
         for out in outputs:
-            key = (out.request_id, out.index)
-            if out.token_ids and key in self.last_token:
-                self.metrics.observe_itl((now - self.last_token[key]) / len(out.token_ids))
-            self.last_token[key] = now
+            self._observe_tokens(out, now)
             if out.finished:
                 self.metrics.observe_finish(out.finish_reason or "unknown")
-                self.last_token.pop(key, None)
+                self.last_token.pop((out.request_id, out.index), None)
+            if out.usage is not None and out.timings is not None:  # the request's last output
+                t = out.timings
+                queue_s = None if t.first_scheduled is None else t.first_scheduled - t.arrival
+                self.metrics.observe_request_end(
+                    out.usage.prompt_tokens, queue_s, (t.finished or now) - t.arrival)
         previous = self.positions or (0,) * len(stats.accepted_by_position)
         self.metrics.observe_accepted_positions(
             [now_count - before for now_count, before in zip(
                 stats.accepted_by_position, previous, strict=True)])
         self.positions = stats.accepted_by_position
         self.metrics.update_engine(stats)
+
+    def _observe_tokens(self, out: RequestOutput, now: float) -> None:
+        """One inter-token latency per token after a sample's first.
+
+        A step's tokens arrive together: after an earlier token, the gap since
+        it is spread evenly over them; with the sample's first token (TTFT's),
+        the others came at the same moment, 0 s after it.
+        """
+        tokens = len(out.token_ids)
+        if not tokens:
+            return
+        self.metrics.observe_generated(tokens)
+        key = (out.request_id, out.index)
+        last = self.last_token.get(key)
+        if last is None:
+            self.metrics.observe_itl(0.0, tokens - 1)
+        else:
+            self.metrics.observe_itl((now - last) / tokens, tokens)
+        self.last_token[key] = now
 
 
 @dataclass
@@ -182,7 +203,7 @@ def startup_failed(error: BaseException) -> int:
 async def serve(config: Config) -> int:
     s = config.server
     systemd.status("starting")
-    metrics = Metrics()
+    metrics = Metrics(model_name=config.model.target)
     try:
         listeners = await listen(config, metrics)
     except STARTUP_ERRORS as error:
@@ -199,6 +220,7 @@ async def serve(config: Config) -> int:
         loop.add_signal_handler(signum, stop.set)
 
     engine = AsyncEngine(built, s.max_queue)
+    metrics.update_engine(engine.stats())  # the pool's blocks, all free, before any step
     engine.step_observers.append(MetricsObserver(metrics))
     service.attach(engine)
     engine.start()

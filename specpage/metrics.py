@@ -2,6 +2,11 @@
 
 Never the global registry: tests (and, one day, several engines in one process)
 make as many ``Metrics`` as they like without name clashes.
+
+The request-level metrics carry a ``model_name`` label (the configured target),
+as vLLM's do, so dashboards built for vLLM (``vllm:generation_tokens_total``,
+``vllm:e2e_request_latency_seconds``, ...) find the same series here under the
+``specpage_`` prefix.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ class EngineStatsLike(Protocol):
     preemptions: int
     prefix_cached_tokens: int
     prompt_tokens: int
+    total_blocks: int
 
 
 class _CumulativeCounter:
@@ -75,11 +81,12 @@ class MetricsServer:
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "") -> None:
         self.registry = CollectorRegistry()
-        r, ns = self.registry, NAMESPACE
+        self.model_name = model_name
+        r, ns, model = self.registry, NAMESPACE, {"model_name": model_name}
         self.finished = Counter(
-            "requests_finished", "Finished requests by finish reason", ["reason"],
+            "requests_finished", "Finished requests by finish reason", ["model_name", "reason"],
             namespace=ns, registry=r,
         )  # fmt: skip
         self.aborts = Counter(
@@ -93,25 +100,48 @@ class Metrics:
         self.running = Gauge("requests_running", "Requests running", namespace=ns, registry=r)
         self.ttft = Histogram(
             "time_to_first_token_seconds", "Arrival to first token",
-            namespace=ns, registry=r, buckets=LATENCY_BUCKETS,
-        )  # fmt: skip
+            ["model_name"], namespace=ns, registry=r, buckets=LATENCY_BUCKETS,
+        ).labels(**model)  # fmt: skip
         self.itl = Histogram(
-            "inter_token_latency_seconds", "Time between successive tokens of a request",
-            namespace=ns, registry=r, buckets=LATENCY_BUCKETS,
-        )  # fmt: skip
+            "inter_token_latency_seconds", "Time between successive tokens of a sample, "
+            "one observation per token after the first",
+            ["model_name"], namespace=ns, registry=r, buckets=LATENCY_BUCKETS,
+        ).labels(**model)  # fmt: skip
+        self.e2e = Histogram(
+            "e2e_request_latency_seconds", "Arrival at the engine to the request's last token",
+            ["model_name"], namespace=ns, registry=r, buckets=LATENCY_BUCKETS,
+        ).labels(**model)  # fmt: skip
+        self.queue_time = Histogram(
+            "request_queue_time_seconds", "Arrival at the engine to first scheduled",
+            ["model_name"], namespace=ns, registry=r, buckets=LATENCY_BUCKETS,
+        ).labels(**model)  # fmt: skip
+        self.generation_tokens = Counter(
+            "generation_tokens", "Tokens generated, all samples",
+            ["model_name"], namespace=ns, registry=r,
+        ).labels(**model)  # fmt: skip
+        self.prompt_tokens = Counter(
+            "prompt_tokens", "Prompt tokens of ended requests, each counted once",
+            ["model_name"], namespace=ns, registry=r,
+        ).labels(**model)  # fmt: skip
         self.blocks = Gauge(
             "kv_blocks", "KV pool blocks by state; the states partition the pool "
             "(in_use excludes tentative)", ["state"], namespace=ns, registry=r,
         )  # fmt: skip
-        self.prompt_tokens = _CumulativeCounter(Counter(
-            "prompt_tokens", "Prompt tokens admitted", namespace=ns, registry=r,
+        self.admitted_prompt_tokens = _CumulativeCounter(Counter(
+            "admitted_prompt_tokens", "Prompt tokens admitted, recomputes after preemption "
+            "included (the prefix cache hit ratio's denominator)", namespace=ns, registry=r,
         ))  # fmt: skip
         self.prefix_cached_tokens = _CumulativeCounter(Counter(
             "prefix_cached_tokens", "Prompt tokens served from the prefix cache",
             namespace=ns, registry=r,
         ))  # fmt: skip
         self.prefix_hit_ratio = Gauge(
-            "prefix_cache_hit_ratio", "Prefix-cached prompt tokens / prompt tokens, since start",
+            "prefix_cache_hit_ratio",
+            "Prefix-cached prompt tokens / admitted prompt tokens, since start",
+            namespace=ns, registry=r,
+        )  # fmt: skip
+        self.kv_usage = Gauge(
+            "kv_cache_usage_ratio", "KV blocks in use (tentative included) / all blocks",
             namespace=ns, registry=r,
         )  # fmt: skip
         self.drafted = _CumulativeCounter(Counter(
@@ -135,12 +165,12 @@ class Metrics:
         )
         # Series that exist from the start, at 0, so rate() and sums see them at once.
         for reason in FinishReason:
-            self.finished.labels(reason=reason.value)
+            self.finished.labels(model_name=model_name, reason=reason.value)
         for state in BLOCK_STATES:
             self.blocks.labels(state=state)
 
     def observe_finish(self, reason: str) -> None:
-        self.finished.labels(reason=reason).inc()
+        self.finished.labels(model_name=self.model_name, reason=reason).inc()
 
     def observe_abort(self) -> None:
         self.aborts.inc()
@@ -148,8 +178,21 @@ class Metrics:
     def observe_ttft(self, seconds: float) -> None:
         self.ttft.observe(seconds)
 
-    def observe_itl(self, seconds: float) -> None:
-        self.itl.observe(seconds)
+    def observe_itl(self, seconds: float, tokens: int = 1) -> None:
+        """tokens tokens, each seconds after the one before it."""
+        for _ in range(tokens):
+            self.itl.observe(seconds)
+
+    def observe_generated(self, tokens: int) -> None:
+        self.generation_tokens.inc(tokens)
+
+    def observe_request_end(self, prompt_tokens: int, queue_s: float | None,
+                            e2e_s: float) -> None:
+        """Once per request; queue_s is None for a request never scheduled."""
+        self.prompt_tokens.inc(prompt_tokens)
+        if queue_s is not None:
+            self.queue_time.observe(queue_s)
+        self.e2e.observe(e2e_s)
 
     def observe_accepted_positions(self, accepted_per_position: Sequence[int]) -> None:
         """Add accepted_per_position[i] acceptances at proposal position i + 1."""
@@ -168,7 +211,8 @@ class Metrics:
         for state, count in states.items():
             self.blocks.labels(state=state).set(count)
         self.preemptions.set(stats.preemptions)
-        self.prompt_tokens.set(stats.prompt_tokens)
+        self.kv_usage.set(stats.in_use_blocks / max(1, stats.total_blocks))
+        self.admitted_prompt_tokens.set(stats.prompt_tokens)
         self.prefix_cached_tokens.set(stats.prefix_cached_tokens)
         self.prefix_hit_ratio.set(stats.prefix_cached_tokens / max(1, stats.prompt_tokens))
         self.drafted.set(stats.drafted_tokens)

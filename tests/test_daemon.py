@@ -359,9 +359,10 @@ async def test_metrics_endpoint_and_cli_client(tmp_path):
         assert cli.returncode == 1 and b"INVALID_ARGUMENT" in err  # no tokenizer: clear error
         body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics",
                                       timeout=5).read().decode()
-        assert 'specpage_requests_finished_total{reason="length"} 1.0' in body
+        model = f'model_name="{daemon.config.parent / "models" / "target"}"'
+        assert f'specpage_requests_finished_total{{{model},reason="length"}} 1.0' in body
         assert 'specpage_kv_blocks{state="in_use"} 0.0' in body
-        assert "specpage_time_to_first_token_seconds_count 1.0" in body
+        assert f"specpage_time_to_first_token_seconds_count{{{model}}} 1.0" in body
         assert "specpage_drafted_tokens_total" in body
         assert "specpage_per_token_acceptance_ratio" in body
         info = await asyncio.create_subprocess_exec(

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import logging
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -32,6 +34,8 @@ class Stats:
     preemptions: int = 0
     prefix_cached_tokens: int = 0
     prompt_tokens: int = 0
+    total_blocks: int = 0
+    accepted_by_position: tuple[int, ...] = ()
 
 
 def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -43,9 +47,12 @@ def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     }
 
 
+MODEL = ("model_name", "tiny")
+
+
 @pytest.fixture
 def metrics() -> Metrics:
-    return Metrics()
+    return Metrics(model_name="tiny")
 
 
 def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -70,18 +77,19 @@ def test_http_endpoint_serves_exact_values(metrics: Metrics) -> None:
     finally:
         server.close()
 
-    assert got["specpage_requests_finished_total", (("reason", "stop"),)] == 2
-    assert got["specpage_requests_finished_total", (("reason", "length"),)] == 1
-    assert got["specpage_requests_finished_total", (("reason", "abort"),)] == 0
+    finished = "specpage_requests_finished_total"
+    assert got[finished, (MODEL, ("reason", "stop"))] == 2
+    assert got[finished, (MODEL, ("reason", "length"))] == 1
+    assert got[finished, (MODEL, ("reason", "abort"))] == 0
     assert got["specpage_request_aborts_total", ()] == 1
-    assert got["specpage_time_to_first_token_seconds_count", ()] == 2
-    assert got["specpage_time_to_first_token_seconds_sum", ()] == pytest.approx(0.203)
-    assert got["specpage_time_to_first_token_seconds_bucket", (("le", "0.001"),)] == 0
-    assert got["specpage_time_to_first_token_seconds_bucket", (("le", "0.005"),)] == 1
-    assert got["specpage_time_to_first_token_seconds_bucket", (("le", "0.25"),)] == 2
-    assert got["specpage_time_to_first_token_seconds_bucket", (("le", "60.0"),)] == 2
-    assert got["specpage_inter_token_latency_seconds_bucket", (("le", "0.01"),)] == 0
-    assert got["specpage_inter_token_latency_seconds_bucket", (("le", "0.025"),)] == 1
+    assert got["specpage_time_to_first_token_seconds_count", (MODEL,)] == 2
+    assert got["specpage_time_to_first_token_seconds_sum", (MODEL,)] == pytest.approx(0.203)
+    assert got["specpage_time_to_first_token_seconds_bucket", (("le", "0.001"), MODEL)] == 0
+    assert got["specpage_time_to_first_token_seconds_bucket", (("le", "0.005"), MODEL)] == 1
+    assert got["specpage_time_to_first_token_seconds_bucket", (("le", "0.25"), MODEL)] == 2
+    assert got["specpage_time_to_first_token_seconds_bucket", (("le", "60.0"), MODEL)] == 2
+    assert got["specpage_inter_token_latency_seconds_bucket", (("le", "0.01"), MODEL)] == 0
+    assert got["specpage_inter_token_latency_seconds_bucket", (("le", "0.025"), MODEL)] == 1
     by_position = "specpage_accepted_tokens_by_position_total"
     assert got[by_position, (("position", "1"),)] == 7
     assert got[by_position, (("position", "2"),)] == 5
@@ -92,13 +100,14 @@ def test_update_engine_sets_gauges_and_adds_counter_growth(metrics: Metrics) -> 
     metrics.update_engine(
         Stats(running=3, waiting=2, free_blocks=10, cached_blocks=4, in_use_blocks=6,
               tentative_blocks=2, drafted_tokens=40, accepted_tokens=30, acceptance=0.75,
-              current_k=4, preemptions=1, prefix_cached_tokens=32, prompt_tokens=128)
+              current_k=4, preemptions=1, prefix_cached_tokens=32, prompt_tokens=128,
+              total_blocks=20)
     )  # fmt: skip
     metrics.update_engine(
         Stats(running=1, waiting=0, free_blocks=18, cached_blocks=2, in_use_blocks=0,
               drafted_tokens=100, accepted_tokens=60, acceptance=0.6,
               per_token_acceptance=0.7, current_k=3,
-              preemptions=3, prefix_cached_tokens=64, prompt_tokens=256)
+              preemptions=3, prefix_cached_tokens=64, prompt_tokens=256, total_blocks=20)
     )  # fmt: skip
     got = samples(metrics.render().decode())
 
@@ -111,23 +120,54 @@ def test_update_engine_sets_gauges_and_adds_counter_growth(metrics: Metrics) -> 
     assert got["specpage_preemptions_total", ()] == 3
     assert got["specpage_drafted_tokens_total", ()] == 100
     assert got["specpage_accepted_tokens_total", ()] == 60
-    assert got["specpage_prompt_tokens_total", ()] == 256
+    assert got["specpage_admitted_prompt_tokens_total", ()] == 256
     assert got["specpage_prefix_cached_tokens_total", ()] == 64
     assert got["specpage_prefix_cache_hit_ratio", ()] == 0.25
     assert got["specpage_acceptance_ratio", ()] == 0.6
     assert got["specpage_per_token_acceptance_ratio", ()] == 0.7
     assert got["specpage_spec_k", ()] == 3
+    assert got["specpage_kv_cache_usage_ratio", ()] == 0.0
 
 
 def test_block_states_partition_the_pool(metrics: Metrics) -> None:
     metrics.update_engine(
-        Stats(free_blocks=10, cached_blocks=4, in_use_blocks=6, tentative_blocks=2)
+        Stats(free_blocks=10, cached_blocks=4, in_use_blocks=6, tentative_blocks=2,
+              total_blocks=20)
     )
     got = samples(metrics.render().decode())
     states = {"free": 10, "cached": 4, "in_use": 4, "tentative": 2}
     for state, count in states.items():
         assert got["specpage_kv_blocks", (("state", state),)] == count
     assert sum(states.values()) == 20
+    assert got["specpage_kv_cache_usage_ratio", ()] == 6 / 20  # tentative blocks are in use
+
+
+def test_observer_records_one_inter_token_latency_per_token(metrics: Metrics) -> None:
+    from specpage.daemon import MetricsObserver
+    from specpage.engine import RequestOutput
+    from specpage.request import Timings, Usage
+
+    observe = MetricsObserver(metrics)
+    end = dict(finished=True, finish_reason="length", usage=Usage(prompt_tokens=4),
+               timings=Timings(arrival=10.0, first_scheduled=10.5, finished=12.0))
+    steps = [
+        [RequestOutput("a", 0, [5], "", 1), RequestOutput("b", 0, [1, 2], "", 2)],
+        [RequestOutput("a", 0, [6, 7, 8], "", 4)],  # one step's accepted proposals
+        [RequestOutput("a", 0, [9], "", 5, **end), RequestOutput("b", 0, [3], "", 3, **end)],
+    ]
+    for outputs in steps:
+        observe(outputs, Stats(total_blocks=8, free_blocks=8))  # type: ignore[arg-type]
+    got = samples(metrics.render().decode())
+
+    # 5 + 3 tokens; every token but each sample's first is one observation
+    assert got["specpage_generation_tokens_total", (MODEL,)] == 8
+    assert got["specpage_inter_token_latency_seconds_count", (MODEL,)] == (5 - 1) + (3 - 1)
+    assert got["specpage_prompt_tokens_total", (MODEL,)] == 8
+    assert got["specpage_request_queue_time_seconds_count", (MODEL,)] == 2
+    assert got["specpage_request_queue_time_seconds_sum", (MODEL,)] == 1.0
+    assert got["specpage_e2e_request_latency_seconds_count", (MODEL,)] == 2
+    assert got["specpage_e2e_request_latency_seconds_sum", (MODEL,)] == 4.0
+    assert got["specpage_requests_finished_total", (MODEL, ("reason", "length"))] == 2
 
 
 def test_counter_restarts_with_a_new_engine(metrics: Metrics) -> None:
@@ -196,3 +236,52 @@ def test_configure_logging_replaces_only_its_own_handler(json_log: io.StringIO) 
 def test_configure_logging_rejects_unknown_level() -> None:
     with pytest.raises(ValueError, match="'loud'"):
         configure_logging("loud")
+
+
+@pytest.mark.asyncio
+async def test_a_real_daemon_counts_tokens_and_latencies_exactly(tmp_path: Path) -> None:
+    """The draft is the target itself, so greedy proposals are all accepted and
+    chunks carry several tokens: the inter-token latency count must still be
+    one per token after each sample's first."""
+    from specpage.client import Chunk, Client
+    from tests.daemon_util import Daemon, free_port
+    from tests.models_util import tiny_checkpoint
+
+    models = tmp_path / "models"
+    tiny_checkpoint(models / "target")
+    tiny_checkpoint(models / "draft")  # the same seed: the same weights
+    metrics_port = free_port()
+    daemon = Daemon(tmp_path, server=f"metrics_port = {metrics_port}")
+    try:
+        daemon.wait_serving()
+        first = scrape(metrics_port)
+        assert first["specpage_kv_blocks", (("state", "free"),)] == 512  # num_blocks
+        assert first["specpage_kv_cache_usage_ratio", ()] == 0.0
+        model = ("model_name", str(models / "target"))
+        completions, prompts, chunk_sizes = [], [], []
+        async with Client(daemon.address) as client:
+            for length, max_tokens in ((5, 9), (11, 14), (3, 1)):
+                prompt = list(range(1, length + 1))
+                sizes = [len(event.token_ids) async for event in client.generate(
+                    prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+                    if isinstance(event, Chunk)]
+                completions.append(sum(sizes))
+                chunk_sizes += sizes
+                prompts.append(length)
+            while (await client.server_info()).pool.in_use:  # the last step's stats
+                await asyncio.sleep(0.05)
+        got = scrape(metrics_port)
+    finally:
+        assert daemon.stop() == 0
+
+    assert completions == [9, 14, 1] and max(chunk_sizes) > 1
+    assert got["specpage_generation_tokens_total", (model,)] == sum(completions)
+    assert got["specpage_prompt_tokens_total", (model,)] == sum(prompts)
+    assert got["specpage_inter_token_latency_seconds_count", (model,)] == sum(
+        n - 1 for n in completions)
+    assert got["specpage_time_to_first_token_seconds_count", (model,)] == 3
+    assert got["specpage_e2e_request_latency_seconds_count", (model,)] == 3
+    assert got["specpage_request_queue_time_seconds_count", (model,)] == 3
+    assert got["specpage_requests_finished_total", (model, ("reason", "length"))] == 3
+    assert got["specpage_kv_blocks", (("state", "in_use"),)] == 0
+    assert got["specpage_kv_cache_usage_ratio", ()] == 0.0
