@@ -21,12 +21,43 @@ from specpage.async_engine import (
     QueueFullError,
 )
 from specpage.completion import Durations
-from specpage.request import SamplingParams, ValidationError
+from specpage.request import Request, SamplingParams, ValidationError
 from specpage.v1 import generation_pb2 as pb
 from specpage.v1 import generation_pb2_grpc as pb_grpc
 
 log = logging.getLogger("specpage.server")
-SPEC_K = {pb.SPEC_AUTO: None, pb.SPEC_OFF: 0}
+# Request ids are echoed as gRPC metadata, whose values must be printable
+# ASCII; 128 characters hold a UUID or a W3C trace id with room to spare.
+MAX_REQUEST_ID_LENGTH = 128
+# A text prompt of more bytes than max_prompt_tokens x this cannot fit and is
+# refused before it is tokenized. SmolLM2's longest token is 81 bytes; common
+# byte-level BPE vocabularies stay under 128 too, so no prompt that fits is refused.
+PROMPT_BYTES_PER_TOKEN = 128
+# Requests tokenized at once, off the event loop. Fast tokenizers release the
+# GIL while they encode, so each one takes a core from the engine's step thread.
+PREPARE_CONCURRENCY = 2
+# The salt goes into the hash of every prefix-cache block key, on the engine's
+# step thread: a tenant id is short, and a long salt would slow every stream.
+MAX_CACHE_SALT_BYTES = 256
+
+
+def check_request_id(request_id: str) -> None:
+    if len(request_id) > MAX_REQUEST_ID_LENGTH:
+        raise ValidationError("request_id", f"{len(request_id)} characters exceed the limit "
+                              f"of {MAX_REQUEST_ID_LENGTH}")
+    bad = next((c for c in request_id if not " " <= c <= "~"), None)
+    if bad is not None:
+        raise ValidationError("request_id", f"character U+{ord(bad):04X} is not printable "
+                              "ASCII (0x20-0x7E)")
+
+
+def spec_k(mode: int, k_max: int) -> int | None:
+    """The largest k a request's SpecMode allows; None leaves k to the policy."""
+    choices: dict[int, int | None] = {pb.SPEC_AUTO: None, pb.SPEC_OFF: 0, pb.SPEC_ON: k_max}
+    if mode not in choices:  # proto3 enums are open: any int arrives
+        known = ", ".join(f"{pb.SpecMode.Name(m)} = {m}" for m in choices)
+        raise ValidationError("spec", f"unknown mode {mode}; known: {known}")
+    return choices[mode]
 
 
 def sampling_params(message: pb.SamplingParameters) -> SamplingParams:
@@ -62,8 +93,10 @@ class GenerationService(pb_grpc.GenerationServicer):
         self._engine: AsyncEngine | None = None
         self.info = info
         self.max_prompt_tokens = max_prompt_tokens
+        self.max_prompt_bytes = max_prompt_tokens * PROMPT_BYTES_PER_TOKEN
         self.on_first_token = on_first_token
         self.in_flight = 0
+        self._preparing = asyncio.Semaphore(PREPARE_CONCURRENCY)
 
     def attach(self, engine: AsyncEngine) -> None:
         self._engine = engine
@@ -76,7 +109,7 @@ class GenerationService(pb_grpc.GenerationServicer):
     async def Generate(  # noqa: N802 (the gRPC method name)
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateEvent]:
-        request_id = request.request_id or uuid.uuid4().hex
+        request_id = await _checked_id(request.request_id or uuid.uuid4().hex, context)
         await context.send_initial_metadata((("request-id", request_id),))
         stream = await self._admit(request, request_id, context)
         self.in_flight += 1
@@ -115,16 +148,13 @@ class GenerationService(pb_grpc.GenerationServicer):
         if self.engine.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is draining")
         try:
-            prompt = self._prompt(request)
-            engine = self.engine.engine
+            k = spec_k(request.spec, self.engine.engine.policy.k_max)
             deadline = _deadline(request, context)
-            made = engine.make_request(request_id, prompt, sampling_params(request.sampling),
-                                       request.priority, deadline)
-            if len(made.prompt_token_ids) > self.max_prompt_tokens:
-                raise ValidationError("prompt", f"{len(made.prompt_token_ids)} tokens exceed "
-                                      f"the limit of {self.max_prompt_tokens}")
-            made.cache_salt = request.cache_salt.encode()
-            made.spec_k = SPEC_K.get(request.spec, engine.policy.k_max)
+            # Tokenizing and templating take seconds for megabytes of text: the
+            # event loop must keep answering health checks and streams meanwhile.
+            async with self._preparing:
+                made = await asyncio.to_thread(self._make_request, request, request_id, deadline)
+            made.spec_k = k
             return self.engine.submit(made)
         except ValidationError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
@@ -134,12 +164,39 @@ class GenerationService(pb_grpc.GenerationServicer):
         except DrainingError as error:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
 
+    def _make_request(self, request: pb.GenerateRequest, request_id: str,
+                      deadline: float | None) -> Request:
+        """All the work that grows with the request; runs off the event loop."""
+        salt = request.cache_salt.encode()
+        if len(salt) > MAX_CACHE_SALT_BYTES:
+            raise ValidationError("cache_salt", f"{len(salt)} bytes exceed the limit of "
+                                  f"{MAX_CACHE_SALT_BYTES}")
+        made = self.engine.engine.make_request(
+            request_id, self._prompt(request), sampling_params(request.sampling),
+            request.priority, deadline)
+        if len(made.prompt_token_ids) > self.max_prompt_tokens:
+            raise ValidationError("prompt", f"{len(made.prompt_token_ids)} tokens exceed "
+                                  f"the limit of {self.max_prompt_tokens}")
+        made.cache_salt = salt
+        return made
+
     def _prompt(self, request: pb.GenerateRequest) -> str | list[int]:
+        """The prompt, refused by its size before any per-token work."""
         if request.text and request.token_ids:
             raise ValidationError("prompt", "give text or token_ids, not both")
+        if len(request.token_ids) > self.max_prompt_tokens:
+            raise ValidationError("token_ids", f"{len(request.token_ids)} tokens exceed the "
+                                  f"limit of {self.max_prompt_tokens}")
         if request.token_ids:
-            prompt: str | list[int] = list(request.token_ids)
-        elif request.chat:
+            if request.chat:
+                raise ValidationError("chat", "the chat template wraps text, not token_ids")
+            return list(request.token_ids)
+        size = len(request.text.encode())
+        if size > self.max_prompt_bytes:
+            raise ValidationError("text", f"{size} bytes exceed the limit of "
+                                  f"{self.max_prompt_bytes} ({self.max_prompt_tokens} tokens)")
+        prompt: str | list[int]
+        if request.chat:
             tokenizer = self.engine.engine.tokenizer
             if tokenizer is None or not getattr(tokenizer, "chat_template", None):
                 raise ValidationError("chat", "the model has no chat template")
@@ -153,7 +210,8 @@ class GenerationService(pb_grpc.GenerationServicer):
     async def Abort(  # noqa: N802
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
     ) -> pb.AbortResponse:
-        found = self._engine is not None and self.engine.abort(request.request_id)
+        request_id = await _checked_id(request.request_id, context)
+        found = self._engine is not None and self.engine.abort(request_id)
         return pb.AbortResponse(found=found)
 
     async def GetServerInfo(  # noqa: N802
@@ -164,6 +222,15 @@ class GenerationService(pb_grpc.GenerationServicer):
         return self.info(self.engine)
 
 
+async def _checked_id(request_id: str, context: grpc.aio.ServicerContext) -> str:
+    """The id, checked before anything echoes it in metadata."""
+    try:
+        check_request_id(request_id)
+    except ValidationError as error:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+    return request_id
+
+
 def _deadline(request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> float | None:
     """The earlier of the call's deadline and the request's own timeout."""
     limits = []
@@ -171,8 +238,9 @@ def _deadline(request: pb.GenerateRequest, context: grpc.aio.ServicerContext) ->
     if remaining is not None and math.isfinite(remaining):
         limits.append(remaining)
     if request.HasField("timeout_s"):
-        if not request.timeout_s > 0:
-            raise ValidationError("timeout_s", f"must be > 0, got {request.timeout_s}")
+        if not 0 < request.timeout_s < math.inf:
+            raise ValidationError("timeout_s",
+                                  f"must be a finite number > 0, got {request.timeout_s}")
         limits.append(request.timeout_s)
     return time.monotonic() + min(limits) if limits else None
 
