@@ -363,7 +363,7 @@ def test_ensure_model_unknown_name_lists_known() -> None:
 
 
 def test_known_models() -> None:
-    assert fetch.known_models() == ["smollm2-135m"]
+    assert fetch.known_models() == ["smollm2-135m", "smollm2-draft"]
 
 
 def test_ensure_model_uses_finished_conversion(
@@ -423,3 +423,99 @@ def test_load_model_takes_a_gguf_file_and_caches_its_conversion(
         expected = reference(torch.tensor([ids])).logits[0]
     logits = runner.forward([SeqSpan(ids, 0, [0, 1], num_logits=5)])
     assert float((logits - expected).abs().max() / expected.abs().max()) < 1e-4
+
+
+# --- the packaged draft ------------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parent.parent
+DRAFT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "draft_vocab.json")
+# What a wheel build reads: the project file, its readme and the packages (the draft
+# folder under specpage/ links to models/).
+BUILD_SOURCES = ("pyproject.toml", "README.md", "specpage", "loadgen", "models/smollm2-draft")
+
+
+def test_the_draft_resolves_by_name_in_a_checkout(monkeypatch: pytest.MonkeyPatch) -> None:
+    from specpage.llm import resolve_model
+
+    monkeypatch.setitem(fetch.MODELS, "smollm2-135m", no_download)
+    folder = resolve_model("smollm2-draft")
+    assert folder == ROOT / "specpage" / "drafts" / "smollm2-draft"
+    # The checkout's package folder is the trained draft itself, not a copy of it.
+    assert folder.resolve() == (ROOT / "models" / "smollm2-draft").resolve()
+    assert fetch.ensure_model("smollm2-draft", Path("/nonexistent")) == folder
+
+
+def test_a_packaged_model_missing_from_the_install_is_named(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(fetch.PACKAGED, "smollm2-draft", "drafts/nowhere")
+    with pytest.raises(fetch.MissingPackagedModelError, match="smollm2-draft: not in this"):
+        fetch.ensure_model("smollm2-draft")
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """specpage's wheel, built from a copy of the sources (a build writes into its tree)."""
+    import shutil
+    import sys
+
+    work = tmp_path_factory.mktemp("wheel")
+    source = work / "source"
+    for name in BUILD_SOURCES:
+        if (ROOT / name).is_dir():
+            ignore = shutil.ignore_patterns("__pycache__")
+            shutil.copytree(ROOT / name, source / name, symlinks=True, ignore=ignore)
+        else:
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, source / name)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+         "--disable-pip-version-check", "-w", str(work / "dist"), str(source)],
+        check=True, capture_output=True, timeout=300,
+    )
+    [built] = (work / "dist").glob("specpage-*.whl")
+    return built
+
+
+def test_the_wheel_carries_the_draft(wheel: Path) -> None:
+    with zipfile.ZipFile(wheel) as zf:
+        for name in DRAFT_FILES:
+            packed = zf.read(f"specpage/drafts/smollm2-draft/{name}")
+            assert packed == (ROOT / "models" / "smollm2-draft" / name).read_bytes(), name
+
+
+@pytest.mark.slow
+def test_an_installed_wheel_resolves_and_loads_the_draft_by_name(
+    wheel: Path, tmp_path: Path
+) -> None:
+    import os
+    import sys
+
+    site = tmp_path / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
+         "--disable-pip-version-check", "--target", str(site), str(wheel)],
+        check=True, capture_output=True, timeout=300,
+    )
+    # Away from the checkout, so `specpage` is the installed copy: no link to models/.
+    program = (
+        "import json, specpage\n"
+        "from specpage.llm import resolve_model\n"
+        "from specpage.models.loader import load_model\n"
+        "folder = resolve_model('smollm2-draft')\n"
+        "model = load_model(folder)\n"
+        "print(json.dumps([specpage.__file__, str(folder), model.config.num_layers]))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(site), "SPECPAGE_CACHE_DIR": str(tmp_path / "cache")}
+    result = subprocess.run(
+        [sys.executable, "-c", program], cwd=tmp_path, env=env,
+        capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    package, folder, layers = json.loads(result.stdout.splitlines()[-1])
+    assert Path(package) == site / "specpage" / "__init__.py"
+    assert Path(folder) == site / "specpage" / "drafts" / "smollm2-draft"
+    assert not Path(folder).is_symlink()
+    assert layers == json.loads((ROOT / "models/smollm2-draft/config.json").read_text())[
+        "num_hidden_layers"]
+    assert not (tmp_path / "cache").exists()  # nothing fetched, nothing copied

@@ -1,4 +1,5 @@
-"""systemd/specpage.service: `systemd-analyze verify` finds nothing to say about it."""
+"""systemd/specpage.service: `systemd-analyze verify` finds nothing to say about it, and
+the README's steps give it models it can read."""
 
 from __future__ import annotations
 
@@ -9,12 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from specpage.config import ServerSection
+from specpage.config import ServerSection, load_config
+from specpage.models import fetch
 
-UNIT = Path(__file__).resolve().parent.parent / "systemd" / "specpage.service"
+ROOT = Path(__file__).resolve().parent.parent
+UNIT = ROOT / "systemd" / "specpage.service"
+EXAMPLE = ROOT / "systemd" / "specpage.toml.example"
 INSTALLED_BINARY = "/opt/specpage/.venv/bin/specpage"
+SYSTEM_CACHE = "/var/cache"  # what %C means in a system unit
 
-pytestmark = pytest.mark.skipif(
+needs_systemd_analyze = pytest.mark.skipif(
     shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed"
 )
 
@@ -56,10 +61,12 @@ def service_settings() -> dict[str, list[str]]:
     return settings
 
 
+@needs_systemd_analyze
 def test_unit_verifies_without_warnings(tmp_path: Path) -> None:
     assert verify(UNIT.read_text(), tmp_path) == []
 
 
+@needs_systemd_analyze
 def test_verify_reports_a_misspelled_key(tmp_path: Path) -> None:
     # Guards the test above: unknown keys are only warnings, with exit status 0.
     text = UNIT.read_text().replace("ProtectClock=yes", "ProtectClok=yes")
@@ -79,3 +86,31 @@ def test_unit_settings() -> None:
     assert settings["ExecStart"] == [
         f"{INSTALLED_BINARY} serve --config /etc/specpage/specpage.toml"
     ]
+
+
+def test_the_example_config_speculates_with_the_packaged_draft() -> None:
+    model = load_config(EXAMPLE, env={}).model
+    assert (model.target, model.draft) == ("smollm2-135m", "smollm2-draft")
+    # The draft needs no fetch: it is inside the installed package.
+    assert model.draft in fetch.PACKAGED
+    assert fetch.is_converted(fetch.packaged_model(model.draft))
+
+
+def test_readme_fetches_the_target_into_the_units_cache_directory() -> None:
+    settings = service_settings()
+    assert settings["CacheDirectory"] == ["specpage"]
+    [cache] = [value.removeprefix("SPECPAGE_CACHE_DIR=") for value in settings["Environment"]
+               if value.startswith("SPECPAGE_CACHE_DIR=")]
+    cache = cache.replace("%C", SYSTEM_CACHE)
+    readme = (ROOT / "README.md").read_text()
+    steps = readme.split("### Under systemd", 1)[1].split("```sh", 1)[1].split("```", 1)[0]
+    target = load_config(EXAMPLE, env={}).model.target
+    fetch_step = f"SPECPAGE_CACHE_DIR={cache} {INSTALLED_BINARY} models fetch {target}"
+    assert fetch_step in steps
+    # Fetched before the service first starts, with the config it will read.
+    lines = steps.splitlines()
+    [fetch_line] = [i for i, line in enumerate(lines) if fetch_step in line]
+    [start_line] = [i for i, line in enumerate(lines) if "enable --now specpage" in line]
+    assert fetch_line < start_line
+    assert any("systemd/specpage.toml.example /etc/specpage/specpage.toml" in line
+               for line in lines[:start_line])

@@ -12,7 +12,9 @@ from specpage.models import fetch
 def add_parser(sub: Any, name: str) -> None:
     parser = sub.add_parser(name, help="fetch or list models", description=__doc__)
     actions = parser.add_subparsers(dest="action", required=True)
-    get = actions.add_parser("fetch", help="download, verify and convert a model once")
+    get = actions.add_parser(
+        "fetch", help="download, verify and convert a model once (a packaged one: where it is)"
+    )
     get.add_argument("name", help=f"one of: {', '.join(fetch.known_models())}")
     get.set_defaults(run=run_fetch)
     listing = actions.add_parser("list", help="known models and where they are cached")
@@ -28,6 +30,12 @@ def run_fetch(args: argparse.Namespace) -> int:
 
 def run_list(args: argparse.Namespace) -> int:
     for name in fetch.known_models():
+        if name in fetch.PACKAGED:
+            try:
+                print(f"{name}\tpackaged\t{fetch.packaged_model(name)}")
+            except fetch.MissingPackagedModelError:
+                print(f"{name}\tmissing from the package\t-")
+            continue
         folder = fetch.cache_dir() / "models" / name
         state = "cached" if fetch.is_converted(folder) else "not fetched"
         print(f"{name}\t{state}\t{folder}")

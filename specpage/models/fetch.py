@@ -10,11 +10,16 @@ Everything lives under :func:`cache_dir`::
 
     <cache>/gguf/SmolLM2-135M-Instruct.Q4_1.gguf
     <cache>/models/smollm2-135m/{config.json,model.safetensors,tokenizer.json,...}
+
+The default draft is small enough to ship inside the package (a wheel carries
+it; in a checkout specpage/drafts/smollm2-draft links to models/smollm2-draft),
+so its name resolves to that folder, with no fetch and no copy.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.resources
 import json
 import os
 import shutil
@@ -223,13 +228,40 @@ MODELS: dict[str, Callable[[Path], Path]] = {
 }
 
 
+# name -> folder inside the specpage package, of models that ship with it
+PACKAGED: dict[str, str] = {
+    "smollm2-draft": "drafts/smollm2-draft",
+}
+
+
+class MissingPackagedModelError(FileNotFoundError):
+    """A model that ships with specpage is not where the package keeps it."""
+
+
 def known_models() -> list[str]:
     """The names :func:`ensure_model` accepts."""
-    return sorted(MODELS)
+    return sorted(MODELS.keys() | PACKAGED.keys())
+
+
+def packaged_model(name: str) -> Path:
+    """The folder of model ``name`` inside the installed specpage package."""
+    # A wheel installs unzipped, so the package's files are a plain folder.
+    folder = Path(str(importlib.resources.files("specpage") / PACKAGED[name]))
+    if not is_converted(folder):
+        raise MissingPackagedModelError(
+            f"{name}: not in this installation of specpage ({folder} holds no config.json, "
+            "tokenizer.json and *.safetensors); reinstall specpage, or give the draft's path"
+        )
+    return folder
 
 
 def ensure_model(name: str, cache: Path | None = None) -> Path:
-    """Fetch and convert model ``name`` into ``<cache>/models/<name>`` if needed; return it."""
+    """Fetch and convert model ``name`` into ``<cache>/models/<name>`` if needed; return it.
+
+    A model that ships with specpage is used where the package keeps it.
+    """
+    if name in PACKAGED:
+        return packaged_model(name)
     fetch = MODELS.get(name)
     if fetch is None:
         raise ValueError(f"unknown model {name!r}; known models: {', '.join(known_models())}")
