@@ -353,10 +353,14 @@ async def test_metrics_endpoint_and_cli_client(tmp_path):
             await wait_idle(client)
         cli = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "specpage", "generate", "--server", daemon.address,
-            "--max-tokens", "3", "--raw", "hello",
+            "--max-tokens", "3", "--raw", "--draft", "some-draft", "hello",
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
         _, err = await cli.communicate()
-        assert cli.returncode == 1 and b"INVALID_ARGUMENT" in err  # no tokenizer: clear error
+        assert cli.returncode == 1
+        notice, error = err.decode().splitlines()
+        assert notice == ("specpage generate: --draft is ignored with --server: the daemon "
+                          "runs its own draft (specpage info shows which)")
+        assert "INVALID_ARGUMENT" in error  # no tokenizer: clear error
         body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics",
                                       timeout=5).read().decode()
         model = f'model_name="{daemon.config.parent / "models" / "target"}"'
@@ -372,7 +376,10 @@ async def test_metrics_endpoint_and_cli_client(tmp_path):
         assert info.returncode == 0, out
         state = json.loads(out)
         assert state["running"] == 0 and state["pool"]["in_use"] == 0
-        assert int(state["drafted_tokens"]) > 0 and 0 <= state["acceptance"] <= 1
+        # 64-bit counters as JSON numbers, not the strings protobuf's JSON mapping makes
+        assert type(state["drafted_tokens"]) is int and state["drafted_tokens"] > 0
+        assert type(state["accepted_tokens"]) is int and type(state["preemptions"]) is int
+        assert 0 <= state["acceptance"] <= 1
     finally:
         assert daemon.stop() == 0
 

@@ -48,6 +48,10 @@ def parse_spec_k(text: str) -> tuple[int, bool]:
 
 def run(args: argparse.Namespace) -> int:
     if args.server:
+        if args.draft:
+            # The daemon's draft is fixed at its start; a request cannot choose one.
+            print("specpage generate: --draft is ignored with --server: the daemon runs "
+                  "its own draft (specpage info shows which)", file=sys.stderr)
         return asyncio.run(run_remote(args))
     k, adaptive = parse_spec_k(args.spec_k)
     params = SamplingParams(

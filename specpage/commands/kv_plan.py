@@ -25,7 +25,9 @@ def add_parser(sub: Any, name: str) -> None:
     parser.add_argument("--layers", type=int, help="target layers (instead of --target)")
     parser.add_argument("--kv-heads", type=int, help="target KV heads")
     parser.add_argument("--head-dim", type=int, help="target head dim")
-    parser.add_argument("--dtype", help="KV dtype (fp32, bf16, fp16, fp8); default: config's")
+    parser.add_argument("--dtype", help="KV dtype of both models (fp32, bf16, fp16, fp8); "
+                        "default: the daemon's with model.dtype unset on --device")
+    parser.add_argument("--device", default="cpu", help="the daemon's model.device (default cpu)")
     parser.add_argument("--budget", type=kv_layout.parse_bytes, help="KV bytes, e.g. 8GiB")
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
     parser.set_defaults(run=run)
@@ -85,19 +87,32 @@ def render(plan: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def daemon_dtype(device: str) -> str:
+    """The dtype the daemon loads both models in, and so keeps their KV in, when
+    model.dtype is unset: the loader's rule, not the checkpoint's torch_dtype."""
+    import torch  # only here: the arithmetic alone needs no torch
+
+    from specpage.models.loader import resolve_dtype
+
+    return str(resolve_dtype(None, torch.device(device))).removeprefix("torch.")
+
+
 def _models(args: argparse.Namespace) -> dict[str, KvShape]:
+    if not (args.target or args.draft or args.layers or args.kv_heads or args.head_dim):
+        if args.budget:
+            raise ValueError("--budget needs a model (--target or --layers/--kv-heads/--head-dim)")
+        return {}
+    dtype = args.dtype or daemon_dtype(args.device)  # one dtype for both, as the daemon
     models = {}
     if args.target:
-        models["target"] = KvShape.from_hf_config(args.target, args.dtype)
+        models["target"] = KvShape.from_hf_config(args.target, dtype)
     elif args.layers or args.kv_heads or args.head_dim:
         if not (args.layers and args.kv_heads and args.head_dim):
             raise ValueError("--layers, --kv-heads and --head-dim go together")
-        dtype = kv_layout.dtype_bytes(args.dtype or "fp32")
-        models["target"] = KvShape(args.layers, args.kv_heads, args.head_dim, dtype)
+        models["target"] = KvShape(args.layers, args.kv_heads, args.head_dim,
+                                   kv_layout.dtype_bytes(dtype))
     if args.draft:
-        models["draft"] = KvShape.from_hf_config(args.draft, args.dtype)
-    if args.budget and not models:
-        raise ValueError("--budget needs a model (--target or --layers/--kv-heads/--head-dim)")
+        models["draft"] = KvShape.from_hf_config(args.draft, dtype)
     return models
 
 

@@ -1,0 +1,37 @@
+"""`specpage kv-plan` prices each model's KV in the dtype the daemon runs it in."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from specpage.cli import main
+from specpage.models.loader import load_model
+from tests.models_util import tiny_checkpoint
+
+
+def plan(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, int]:
+    assert main(["kv-plan", "--lengths", "16", "--json", *argv]) == 0
+    per_token: dict[str, int] = json.loads(capsys.readouterr().out)["kv_bytes_per_token"]
+    return per_token
+
+
+def test_the_draft_is_priced_in_the_dtype_the_daemon_loads_it_in(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    draft = tmp_path / "draft"
+    tiny_checkpoint(draft, num_hidden_layers=1)  # 2 KV heads of 16
+    config = json.loads((draft / "config.json").read_text())
+    # A checkpoint saved in bf16: the daemon still runs it in fp32 on a CPU.
+    (draft / "config.json").write_text(json.dumps({**config, "torch_dtype": "bfloat16"}))
+    loaded = load_model(draft)  # as the daemon does with model.dtype unset
+
+    got = plan(capsys, "--draft", str(draft))
+
+    itemsize = next(loaded.model.parameters()).dtype.itemsize
+    assert itemsize == 4
+    assert got == {"draft": 2 * 1 * 2 * 16 * itemsize, "sum": 256}
+    assert plan(capsys, "--draft", str(draft), "--device", "cuda")["draft"] == 128  # bf16
+    assert plan(capsys, "--draft", str(draft), "--dtype", "fp16")["draft"] == 128
