@@ -7,6 +7,7 @@ from specpage.request import Request, SamplingParams, Sequence
 from specpage.spec.policy import (
     PROBE_EVERY,
     PROBE_IDLE,
+    WINDOW,
     CostCurve,
     SpecPolicy,
     expected_tokens,
@@ -57,18 +58,48 @@ def test_a_cost_curve_interpolates_its_points_and_follows_the_forwards_run():
     assert cost(2) == pytest.approx(0.055)
     assert cost(10) == pytest.approx(0.0975)
     assert cost(28) == pytest.approx(0.195)  # past the last point, along the last segment
-    for _ in range(100):  # the machine got 20% slower
-        cost.observe(8, 1.2 * cost.base(8))
-    assert cost.scale == pytest.approx(1.2, rel=1e-3)
-    assert cost(4) == pytest.approx(1.2 * 0.065, rel=1e-3)
-    assert cost.observations == 100
+    for _ in range(3):  # the machine got 20% slower: forwards of every size say so
+        for n in (1, 4, 16):
+            cost.observe(n, 1.2 * cost.base(n))
+    assert [cost.scale(n) for n in (1, 2, 4, 8, 16, 28)] == pytest.approx([1.2] * 6)
+    assert cost(4) == pytest.approx(1.2 * 0.065)
+    assert cost.observations == 9
 
 
-def test_a_cost_curve_never_falls():
-    cost = CostCurve([(1, 0.05), (2, 0.08), (3, 0.06), (4, 0.09)])
-    assert [cost(n) for n in (1, 2, 3, 4)] == pytest.approx([0.05, 0.08, 0.08, 0.09])
-    with pytest.raises(ValueError, match="at least one"):
-        CostCurve([])
+def test_a_cost_curve_measured_half_off_is_corrected_size_by_size_by_one_forward_each():
+    """Start-up points off by -50% and +50% (a busy machine): each size's
+    first forward corrects it, so the slope between sizes comes right too."""
+    true = {1: 0.050, 2: 0.050, 5: 0.060, 16: 0.100}
+    cost = CostCurve([(1, 0.025), (2, 0.075), (5, 0.030), (16, 0.150)])
+    for n in (1, 2, 5, 16):
+        cost.observe(n, true[n])
+    assert [cost(n) for n in true] == pytest.approx(list(true.values()))
+    assert cost(3) == pytest.approx(0.050 + 0.010 / 3)  # between corrected points
+
+
+def test_a_slow_forward_moves_no_cost_and_a_lasting_change_takes_over_after_a_window():
+    cost = CostCurve([(1, 0.040), (4, 0.050)])
+    for seconds in (0.040, 0.400, 0.040):  # the machine busy for one forward
+        cost.observe(1, seconds)
+    assert cost(1) == pytest.approx(0.040)
+    cost.observe(1, 0.030)  # cheaper: at once
+    assert cost(1) == pytest.approx(0.030)
+    seen = []
+    for _ in range(WINDOW):  # then 50% costlier for good
+        cost.observe(1, 0.045)
+        seen.append(cost(1))
+    assert seen == pytest.approx([0.030] * (WINDOW - 1) + [0.045])
+
+
+def test_a_size_not_run_yet_follows_the_nearest_size_run_only_down():
+    """A size no forward ran takes the correction of the nearest size that
+    ran when it is below 1 (the machine is faster than measured); above 1 it
+    keeps its start-up cost, so that it looks no costlier than measured and
+    gets tried."""
+    cost = CostCurve([(1, 0.040), (2, 0.040), (16, 0.120), (64, 0.400)])
+    cost.observe(1, 0.020)  # half the measured cost
+    cost.observe(64, 0.600)  # 1.5 times
+    assert [cost.scale(n) for n in (1, 2, 16, 64)] == pytest.approx([0.5, 0.5, 1.0, 1.5])
 
 
 def test_expected_tokens_matches_the_geometric_sum():
@@ -227,3 +258,27 @@ def test_a_draft_forward_worth_running_for_all_starts_when_none_runs():
     seasoned(policy, accepted=1, proposed=2)  # a = 1/2
     policy.observe_step([0] * 8)
     assert policy.choose_k(sequence(num_tokens=5), batch=8) > 0
+
+
+def test_a_seeded_greedy_request_is_priced_like_an_unseeded_one():
+    """Greedy tokens do not depend on k, so a seed changes nothing: both are
+    priced with the measured costs. (Priced with the priors, where extra
+    positions cost a hundredth of a step, the seeded one would speculate.)"""
+    policy = seasoned(cpu_like_policy(), accepted=2)
+    for batch, speculates in ((1, True), (16, False)):
+        ks = {policy.choose_k(sequence(num_tokens=5, temperature=0.0, seed=seed), batch)
+              for seed in (None, 3)}
+        assert len(ks) == 1 and (ks.pop() > 0) == speculates
+    sampled = sequence(num_tokens=5, temperature=0.8, seed=3)
+    assert policy.choose_k(sampled, batch=16) > 0  # a seeded sampled request: the priors
+
+
+def test_a_speculating_sequence_now_and_then_tries_one_proposal_more():
+    """So that the cost of the next size is measured: a size priced too high
+    at start-up is corrected rather than avoided for good. A step adds up to
+    k + 1 tokens, so the window where it probes is k + 1 tokens wide."""
+    policy = seasoned(cpu_like_policy(), accepted=2)
+    best = policy.choose_k(sequence(num_tokens=5), batch=1)
+    assert 0 < best < policy.k_max
+    ks = [policy.choose_k(sequence(num_tokens=n), batch=1) for n in range(16, 48)]
+    assert ks == [best + 1 if n % PROBE_IDLE <= best else best for n in range(16, 48)]

@@ -11,11 +11,16 @@ of the step (see `SpecPolicy._step_seconds`); alone in the batch that is the ste
 second.
 
 Costs are curves of seconds against the positions a forward computes,
-measured by the engine at start-up for both models and scaled online by the
-forwards actually run. Target forwards that carry prefill chunks are left out
-of the scaling: a prompt's positions cost far more each than verified ones.
-Until the draft has run or been measured, its cost is a prior fraction of the
-target step.
+measured by the engine at start-up for both models and corrected online, size
+by size, by the forwards actually run (a start-up measurement on a busy
+machine can be off by half or more at any size). Target forwards that carry
+prefill chunks are left out of the correction: a prompt's positions cost far
+more each than verified ones. Until the draft has run or been measured, its
+cost is a prior fraction of the target step.
+
+The choice of k only learns what the sizes it runs cost, so a sequence now and
+then tries one proposal more than pays (a probe): a size priced too high at
+start-up is measured and corrected instead of avoided for good.
 
 Pure Python; imports no torch.
 """
@@ -23,19 +28,30 @@ Pure Python; imports no torch.
 from __future__ import annotations
 
 import bisect
+import math
+from collections import deque
+from collections.abc import Sequence as Seq
 
 from specpage.request import Sequence
 
-EMA = 0.1  # weight of the newest cost observation
-# Tokens between probes (one proposal) while a sequence does not speculate:
-# often while speculation pays at the shared acceptance (on a CPU, verifying 2
-# positions costs about as much as 1), rarely otherwise, so that a useless
-# draft costs little. The rare period is per sequence and grows with the
-# batch (PROBE_IDLE · batch): a probe costs a draft forward and a target
-# position whatever the batch, so the probes of all sequences together stay
-# about as few per step as for one sequence alone. (At 32 streams, probes
-# every 16 tokens each cost 6-12% of throughput with a good draft, for
-# speculation that does not pay at that batch.)
+# Observations of one curve point whose least is its correction (as the
+# start-up measurement keeps the least of its repeats). Other work on the
+# machine only ever adds time, to forwards of every size alike, and k is
+# chosen from costs relative to each other: sizes run at busy moments and at
+# quiet ones compare best by their quiet ones. A slow forward moves nothing;
+# a size found cheaper counts at once, a size grown costlier after WINDOW
+# forwards. (On a 2-core machine beside a test run, one-position forwards of
+# a small model took from 3 to 50 ms, in stretches of several forwards.)
+WINDOW = 16
+# Tokens between probes (one proposal more than pays): while a sequence does
+# not speculate, often while speculation pays at the shared acceptance (on a
+# CPU, verifying 2 positions costs about as much as 1); otherwise, and at any
+# k below k_max, rarely, so that a useless draft costs little. The rare period
+# is per sequence and grows with the batch (PROBE_IDLE · batch): a probe costs
+# a draft forward and a target position whatever the batch, so the probes of
+# all sequences together stay about as few per step as for one sequence
+# alone. (At 32 streams, probes every 16 tokens each cost 6-12% of throughput
+# with a good draft, for speculation that does not pay at that batch.)
 PROBE_EVERY = 4
 PROBE_IDLE = 16
 # Acceptance is estimated from counts of accepted and tested proposals,
@@ -53,15 +69,22 @@ class CostCurve:
     """Seconds of one forward against the positions it computes.
 
     A piecewise-linear curve through measured points (made non-decreasing;
-    past the last point it continues along the last segment), times a scale
-    that follows the forwards actually run. The engine measures the points
-    when it starts (`calibrate`): forwards run at one batch size for long
-    stretches, so a curve fitted online alone would extrapolate its slope from
-    positions it has barely seen, and the slope is what decides whether extra
-    positions pay.
+    past the last point it continues along the last segment). The engine
+    measures the points when it starts (`calibrate`): forwards run at one
+    batch size for long stretches, so a curve fitted online alone would
+    extrapolate its slope from positions it has barely seen, and the slope is
+    what decides whether extra positions pay.
+
+    Each point is then corrected by the forwards actually run near it: its
+    scale is the least of the last WINDOW ratios of observed to measured
+    seconds there. A point not run yet takes the scale of the nearest point
+    that was, when that is below 1 (the machine is faster than measured),
+    and otherwise keeps its start-up measurement: a size that looks no
+    costlier than measured gets tried, and then corrected, where one that
+    looked costlier on a busy moment might never be run again.
     """
 
-    def __init__(self, points: list[tuple[float, float]]) -> None:
+    def __init__(self, points: Seq[tuple[float, float]]) -> None:
         if not points:
             raise ValueError("a cost curve needs at least one measured point")
         self.points: list[tuple[float, float]] = []
@@ -72,7 +95,10 @@ class CostCurve:
             self.points.append((float(items), max(float(seconds), floor)))
         self._xs = [x for x, _ in self.points]
         self._ys = [y for _, y in self.points]
-        self.scale = 1.0
+        self._logs = [math.log(max(x, 1e-9)) for x in self._xs]
+        # per point, the latest ratios of observed to measured seconds
+        self._ratios: list[deque[float]] = [deque(maxlen=WINDOW) for _ in self._xs]
+        self._corrected = list(self._ys)
         self.observations = 0
 
     @classmethod
@@ -80,19 +106,46 @@ class CostCurve:
         return cls([(1, fixed + per_item), (2, fixed + 2 * per_item)])
 
     def base(self, items: float) -> float:
-        xs, ys = self._xs, self._ys
-        i = bisect.bisect_left(xs, items)  # the first point at or past items
-        if i == 0 or len(xs) == 1:
-            return ys[0]
-        i = min(i, len(xs) - 1)  # past the last point: along the last segment
-        return ys[i - 1] + (ys[i] - ys[i - 1]) * (items - xs[i - 1]) / (xs[i] - xs[i - 1])
+        """The measured curve, without the online correction."""
+        return _interpolate(self._xs, self._ys, items)
 
     def __call__(self, items: float) -> float:
-        return self.scale * self.base(items)
+        return _interpolate(self._xs, self._corrected, items)
+
+    def scale(self, items: float) -> float:
+        """The online correction at this size: corrected over measured."""
+        return self(items) / max(self.base(items), 1e-12)
 
     def observe(self, items: int, seconds: float) -> None:
         self.observations += 1
-        self.scale += EMA * (seconds / max(self.base(items), 1e-12) - self.scale)
+        self._ratios[self._nearest(items)].append(seconds / max(self.base(items), 1e-12))
+        run = [(log, min(r))
+               for log, r in zip(self._logs, self._ratios, strict=True) if r]
+        floor = 0.0
+        for i, (log, measured) in enumerate(zip(self._logs, self._ys, strict=True)):
+            if self._ratios[i]:
+                scale = min(self._ratios[i])
+            else:
+                scale = min(1.0, min(run, key=lambda point: abs(point[0] - log))[1])
+            floor = max(floor, measured * scale)
+            self._corrected[i] = floor
+
+    def _nearest(self, items: float) -> int:
+        """The point nearest to items, on a log scale (1 and 2 are as far
+        apart as 32 and 64)."""
+        log = math.log(max(items, 1e-9))
+        i = bisect.bisect_left(self._logs, log)
+        if i == len(self._logs) or (i > 0 and log - self._logs[i - 1] < self._logs[i] - log):
+            return i - 1
+        return i
+
+
+def _interpolate(xs: list[float], ys: list[float], items: float) -> float:
+    i = bisect.bisect_left(xs, items)  # the first point at or past items
+    if i == 0 or len(xs) == 1:
+        return ys[0]
+    i = min(i, len(xs) - 1)  # past the last point: along the last segment
+    return ys[i - 1] + (ys[i] - ys[i - 1]) * (items - xs[i - 1]) / (xs[i] - xs[i - 1])
 
 
 def shrunk(accepted: float, tested: float, prior: float, weight: float) -> float:
@@ -151,26 +204,29 @@ class SpecPolicy:
         batch = max(batch, 1)
         acceptance = shrunk(seq.accepted, seq.tested, self.acceptance, SEQ_WEIGHT)
         shared = self.acceptance
-        if seq.request.params.seed is not None:
-            # A seeded request's samples depend on k; choose it from the
-            # request's own history and the priors only, so its output is the
-            # same whatever else runs and however long forwards take.
+        params = seq.request.params
+        if params.seed is not None and not params.greedy:
+            # A seeded sampled request's samples depend on k; choose it from
+            # the request's own history and the priors only, so its output is
+            # the same whatever else runs and however long forwards take.
+            # (Greedy tokens do not depend on k, seed or none: a greedy
+            # request is priced like any other.)
             acceptance = shared = shrunk(seq.accepted, seq.tested, PRIOR_ACCEPTANCE, SEQ_WEIGHT)
             batch, seconds = 1, self._prior_seconds
+        elif batch in self._seconds:
+            seconds = self._seconds[batch]
         else:
-            seconds = self._seconds.get(batch)
-            if seconds is None:
-                seconds = self._seconds[batch] = self._step_seconds(batch)
+            seconds = self._seconds[batch] = self._step_seconds(batch)
         best_k = _best_k(acceptance, seconds)
-        # Now and then probe with one proposal, so acceptance keeps being
-        # measured and speculation can come back: often while speculation
-        # pays at the acceptance shared by all sequences, rarely otherwise
-        # (a useless draft, or a batch where extra positions are not free).
-        # (PROBE_IDLE · batch is a multiple of PROBE_EVERY: the shared choice is only
-        # worked out on the tokens where it decides.)
-        if best_k == 0 and seq.num_tokens % PROBE_EVERY == 0 and (
-            seq.num_tokens % (PROBE_IDLE * batch) == 0 or _best_k(shared, seconds) > 0
-        ):
+        # Now and then probe with one proposal more, so that acceptance and
+        # the cost of the next size keep being measured and speculation can
+        # come back or grow: rarely at any k (a step adds 1..best_k + 1
+        # tokens, so a window that wide is entered at least once a period),
+        # and often while a sequence does not speculate but speculation pays
+        # at the acceptance shared by all sequences.
+        if best_k < self.k_max and seq.num_tokens % (PROBE_IDLE * batch) <= best_k:
+            return best_k + 1
+        if best_k == 0 and seq.num_tokens % PROBE_EVERY == 0 and _best_k(shared, seconds) > 0:
             return 1
         return best_k
 
@@ -191,8 +247,8 @@ class SpecPolicy:
         """
         target, draft = self.target_cost, self.draft_cost
         if not (self.calibrated or draft.observations):
-            draft = CostCurve.line(*PRIOR_DRAFT)  # in units of a target step
-            draft.scale = target.scale
+            step = target(1) / sum(PRIOR_TARGET)  # a target step, in seconds
+            draft = CostCurve.line(*(step * part for part in PRIOR_DRAFT))
         others = batch - 1
         positions = batch + others * self.last_k  # before this sequence's proposals
         m = others * self.last_drafting  # other sequences that run through the draft
