@@ -33,7 +33,8 @@ from specpage.request import (
     validate_prompt,
 )
 from specpage.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, StepPlan
-from specpage.spec.calibrate import calibration_sizes, fit_segments, measure_forwards
+from specpage.spec import cost_cache
+from specpage.spec.calibrate import Plan, calibration_sizes, fit_segments, measure
 from specpage.spec.policy import SpecPolicy
 from specpage.spec.proposer import DraftProposer, Proposal
 from specpage.spec.verifier import Verdict, Verifier
@@ -127,22 +128,34 @@ class Engine:
             self.runners.append(draft_runner)
             self.proposer = DraftProposer(draft_runner, self.pool)
         self.max_context = max_context
-        if self.proposer is not None and self.policy.adaptive and spec_k > 0:
-            self._calibrate(target_runner, self.proposer.runner)
+        if draft is not None and self.policy.adaptive and spec_k > 0:
+            self._calibrate(target_runner, draft_runner, (target.identity, draft.identity))
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
 
-    def _calibrate(self, target: ModelRunner, draft: ModelRunner) -> None:
-        """Time both models' forwards for the adaptive-k policy (spec/calibrate.py)."""
+    def _calibrate(self, target: ModelRunner, draft: ModelRunner,
+                   identities: tuple[bytes, bytes]) -> None:
+        """Time both models' forwards for the adaptive-k policy
+        (spec/calibrate.py), or read what an earlier start measured on this
+        machine (spec/cost_cache.py)."""
         c, start = self.config, time.perf_counter()
         sizes = calibration_sizes(min(c.max_step_tokens, c.max_num_seqs * (c.spec_k + 1)))
-        self.policy.calibrate(*(
-            fit_segments(measure_forwards(runner, sizes, c.max_num_seqs, c.num_blocks,
-                                          self.max_context, every_logit=runner is target))
-            for runner in (target, draft)
-        ))
-        log.info("speculation costs measured at %d sizes in %.1f s",
-                 len(sizes), time.perf_counter() - start)
+        plan = Plan.make(sizes, c.max_num_seqs, c.num_blocks, self.max_context)
+        path = cost_cache.cache_path(identities, plan, target.dtype, c.block_size)
+        costs, source = cost_cache.load(path), "read from " + str(path)
+        if costs is None:
+            source = "measured"
+            measured = measure([(target, True), (draft, False)], plan)
+            costs = cost_cache.CachedCosts(*(m.points() for m in measured))
+            if all(len(m) == len(sizes) for m in measured):
+                cost_cache.store(path, costs)
+        if min(len(costs.target), len(costs.draft)) < 2:  # no slope: keep the priors
+            log.warning("speculation costs: too few forwards timed in %.1f s",
+                        time.perf_counter() - start)
+            return
+        self.policy.calibrate(fit_segments(costs.target), fit_segments(costs.draft))
+        log.info("speculation costs %s (%d and %d sizes) in %.1f s", source,
+                 len(costs.target), len(costs.draft), time.perf_counter() - start)
 
     # ------------------------------------------------------------------ requests
 

@@ -1,14 +1,24 @@
 """Start-up measurement of forward costs: sizes, the fitted curve, and an
 engine that measures before it serves (and serves exactly afterwards)."""
 
+from types import SimpleNamespace
+
 import pytest
+import torch
 
 from specpage.engine import Engine, EngineConfig
 from specpage.models.loader import load_model
 from specpage.request import SamplingParams
-from specpage.spec.calibrate import MAX_POSITIONS, calibration_sizes, fit_segments
+from specpage.spec import calibrate, cost_cache
+from specpage.spec.calibrate import MAX_POSITIONS, Plan, calibration_sizes, fit_segments, measure
 from specpage.spec.policy import CostCurve
 from tests.models_util import tiny_checkpoint
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(monkeypatch, tmp_path):
+    """Each test measures, or reads only what it wrote itself."""
+    monkeypatch.setenv("SPECPAGE_CACHE_DIR", str(tmp_path / "cache"))
 
 
 def test_sizes_run_from_one_position_to_the_most_a_step_verifies():
@@ -85,3 +95,106 @@ def test_fixed_k_or_no_draft_measures_nothing(models):
     assert not engine(models, draft=True, adaptive_k=False).policy.calibrated
     assert not engine(models, draft=False).policy.calibrated
     assert not engine(models, draft=True, spec_k=0).policy.calibrated
+
+
+class Clock:
+    """time.perf_counter for calibrate, moved on only by FakeRunner forwards."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+class FakeRunner:
+    """A forward costs `fixed` seconds plus `per_position` per position."""
+
+    block_size = 4
+    device = torch.device("cpu")
+
+    def __init__(self, clock: Clock, fixed: float, per_position: float) -> None:
+        self.clock, self.fixed, self.per_position = clock, fixed, per_position
+        self.forwards: list[int] = []  # positions of each forward, in order
+
+    def forward(self, spans) -> None:
+        positions = sum(len(s.token_ids) for s in spans)
+        self.forwards.append(positions)
+        self.clock.now += self.fixed + self.per_position * positions
+
+
+def timed(budget: float) -> tuple[FakeRunner, FakeRunner, list]:
+    clock = Clock()
+    target, draft = FakeRunner(clock, 0.1, 0.01), FakeRunner(clock, 0.01, 0.001)
+    plan = Plan.make(calibration_sizes(16), max_rows=4, num_blocks=64, max_context=512)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(calibrate, "time", SimpleNamespace(perf_counter=clock.perf_counter))
+        results = measure([(target, True), (draft, False)], plan, budget)
+    return target, draft, results
+
+
+def test_the_measurement_times_one_then_two_then_the_largest_both_models_at_each_size():
+    target, draft, (t, d) = timed(budget=100.0)
+    first = [1, 1, 2, 16, 3, 4, 6, 8, 12]  # a warm-up forward, then every size
+    repeats = [1, 2, 3, 4, 6, 8] * 2  # sizes up to SMALL, twice more
+    assert target.forwards == draft.forwards == first + repeats
+    assert t.points() == [(n, pytest.approx(0.1 + 0.01 * n)) for n in calibration_sizes(16)]
+    assert d.points() == [(n, pytest.approx(0.01 + 0.001 * n)) for n in calibration_sizes(16)]
+
+
+def test_a_short_budget_leaves_out_repeats_then_sizes_and_starts_no_forward_past_it():
+    target, draft, (t, d) = timed(budget=0.6)
+    # Both warm-ups and both models at 1 and 2 take 0.374 s. A target forward
+    # of 16 is predicted at 8 x its 0.12 s at 2 and left out; of 3, at 0.18 s,
+    # it fits (0.543 s with the draft's); of 4, at 0.173 s, not. The draft's
+    # forwards are a tenth of that: it is timed up to 8 (0.591 s) but not
+    # repeated.
+    assert target.forwards == [1, 1, 2, 3]
+    assert draft.forwards == [1, 1, 2, 16, 3, 4, 6, 8]
+    assert sorted(t) == [1, 2, 3] and sorted(d) == [1, 2, 3, 4, 6, 8, 16]
+    assert target.clock.now == pytest.approx(0.591)
+
+
+def test_a_second_engine_reads_the_costs_the_first_one_measured(models, monkeypatch):
+    first = engine(models, draft=True)
+    files = list((cost_cache.cache_dir() / "costs").glob("*.json"))
+    assert len(files) == 1
+
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("measured despite the cache")
+
+    monkeypatch.setattr("specpage.engine.measure", no_measuring)
+    second = engine(models, draft=True)
+    assert second.policy.calibrated
+    assert second.policy.target_cost.points == first.policy.target_cost.points
+    assert second.policy.draft_cost.points == first.policy.draft_cost.points
+    # another plan (more rows) or other models measure again
+    with pytest.raises(AssertionError, match="despite the cache"):
+        engine(models, draft=True, max_num_seqs=4)
+
+
+def test_the_cache_key_names_both_models_and_the_machine(monkeypatch):
+    plan = Plan.make([1, 2, 4], 4, 64, 512)
+    path = cost_cache.cache_path((b"target", b"draft"), plan, torch.float32, 16)
+    assert path.parent == cost_cache.cache_dir() / "costs"
+    others = [
+        cost_cache.cache_path((b"target", b"other draft"), plan, torch.float32, 16),
+        cost_cache.cache_path((b"other target", b"draft"), plan, torch.float32, 16),
+        cost_cache.cache_path((b"target", b"draft"), plan, torch.bfloat16, 16),
+        cost_cache.cache_path((b"target", b"draft"), plan, torch.float32, 32),
+        cost_cache.cache_path((b"target", b"draft"), Plan.make([1, 2, 8], 4, 64, 512),
+                              torch.float32, 16),
+    ]
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 97)
+    others.append(cost_cache.cache_path((b"target", b"draft"), plan, torch.float32, 16))
+    assert len({path, *others}) == 1 + len(others)
+
+
+def test_an_incomplete_measurement_is_not_cached_and_two_sizes_are_needed(models, monkeypatch):
+    def one_size(runners, plan, budget=calibrate.BUDGET):
+        return [calibrate.Measured({1: 0.01}) for _ in runners]
+
+    monkeypatch.setattr("specpage.engine.measure", one_size)
+    eng = engine(models, draft=True)
+    assert not eng.policy.calibrated  # no slope measured: the priors, corrected online
+    assert not (cost_cache.cache_dir() / "costs").exists()
