@@ -24,7 +24,7 @@ from loadgen.progress import live_progress, progress_wanted
 from loadgen.record import RequestRecord
 from loadgen.report import (
     load_report,
-    policy_line,
+    policy_lines,
     print_summary,
     records_of,
     sweep_table,
@@ -114,7 +114,8 @@ async def sweep(args: argparse.Namespace) -> int:
     write_json(settings.out / "sweep.json", report)
     write_csv(settings.out / "records.csv", [({"point_rate": p[0]}, p[3]) for p in points])
     _render_sweep(settings.out, points, knee.rate, settings.slo, not args.no_plots)
-    print(policy_line(policy), file=sys.stderr)
+    for line in policy_lines(policy):
+        print(line, file=sys.stderr)
     _print_warnings(warnings)
     print(f"knee: {knee.rate if knee.rate is not None else 'none'} req/s; "
           f"results in {settings.out}/", file=sys.stderr)
@@ -142,8 +143,8 @@ async def report(args: argparse.Namespace) -> int:
         passed = (summary.slo_attainment or 0.0) >= target
         points.append((_point_rate(point, args.report), passed, summary, records))
     _render_sweep(out, points, knee_of(points), slo, True)
-    if (policy := saved.get("policy")) is not None:
-        print(policy_line(policy))
+    for line in policy_lines(saved.get("policy") or {}):
+        print(line)
     return 0
 
 

@@ -106,20 +106,23 @@ def print_summary(
     console.print(summary_table(summary, title))
     for line in totals_lines(summary):
         console.print(line, highlight=False)
-    if policy is not None:
-        console.print(policy_line(policy), highlight=False)
+    for line in policy_lines(policy or {}):
+        console.print(line, highlight=False)
 
 
-def policy_line(policy: dict[str, Any]) -> str:
-    """RequestOptions.policy() (as saved in a report) in words."""
-    salt = policy.get("cache_salt") or ""
+def policy_lines(policy: dict[str, Any]) -> list[str]:
+    """RequestOptions.policy() (as saved in a report) in words; none for older reports."""
+    if not policy:
+        return []
+    salt = policy.get("cache_salt") or "one per point"
     if policy.get("prefix_cache") == "shared":
-        cache = "prefix cache shared with earlier runs (--share-prefix-cache)"
+        cache = "prefix cache: shared with earlier runs (--share-prefix-cache)"
     else:
-        cache = f"prefix cache cold: a fresh cache_salt per run ({salt or 'one per point'})"
-    seeds = ("each request seeded from --seed (--request-seeds)" if policy.get("request_seeds")
-             else "requests unseeded, as clients send them")
-    return f"{cache}; {seeds}"
+        cache = f"prefix cache: cold, a fresh cache_salt per run ({salt})"
+    seeds = "seeds: requests unseeded, as clients send them"
+    if policy.get("request_seeds"):
+        seeds = "seeds: each request seeded from --seed (--request-seeds)"
+    return [cache, seeds]
 
 
 def sweep_table(points: Sequence[tuple[float, bool, Summary]], knee: float | None) -> Table:
