@@ -170,28 +170,35 @@ async def listen(config: Config, metrics: Metrics) -> Listeners:
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     enable_reflection((SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name),
                       server)
-    address = f"{s.host}:{s.port}"
     try:
-        if credentials is not None:
-            port = server.add_secure_port(address, credentials)
-        else:
-            port = server.add_insecure_port(address)
+        port = bind_grpc(server, s.host, s.port, credentials)
         metrics_server = None
         if s.metrics_port is not None:
-            try:
-                metrics_server = metrics.start_http(s.metrics_host, s.metrics_port)
-            except OSError as error:
-                raise StartupError(f"metrics port {s.metrics_port} on {s.metrics_host}: "
-                                   f"{error.strerror}") from None
-    except RuntimeError as error:  # gRPC's bind failure, the port taken since the check
-        await server.stop(None)
-        raise StartupError(f"gRPC port {s.port} on {s.host}: {error}") from None
+            metrics_server = start_metrics(metrics, s.metrics_host, s.metrics_port)
     except StartupError:
-        await server.stop(None)
+        await server.stop(None)  # give back what was bound, on the loop that owns it
         raise
     await server.start()  # health answers NOT_SERVING while the models load
     log.info("listening", extra={"address": f"{s.host}:{port}"})
     return Listeners(server, port, health_servicer, service, metrics_server)
+
+
+def bind_grpc(server: grpc.aio.Server, host: str, port: int,
+              credentials: grpc.ServerCredentials | None) -> int:
+    address = f"{host}:{port}"
+    try:
+        if credentials is not None:
+            return int(server.add_secure_port(address, credentials))
+        return int(server.add_insecure_port(address))
+    except RuntimeError as error:  # the port taken since check_port_free
+        raise StartupError(f"gRPC port {port} on {host}: {error}") from None
+
+
+def start_metrics(metrics: Metrics, host: str, port: int) -> MetricsServer:
+    try:
+        return metrics.start_http(host, port)
+    except OSError as error:
+        raise StartupError(f"metrics port {port} on {host}: {error.strerror}") from None
 
 
 def startup_failed(error: BaseException) -> int:
