@@ -37,12 +37,24 @@ bench: $(STAMP)
 
 # The daemon on the default pair, 127.0.0.1 only: SmolLM2-135M-Instruct
 # (fetched once, then offline) and its distilled draft (models/smollm2-draft).
+# The call to make is printed once the daemon answers (it loads the models
+# first); Ctrl-C or a TERM drains it, and make waits for it to exit.
 DRAFT := models/smollm2-draft
+PORT := 50051
 serve: $(STAMP)
 	$(VENV)/bin/specpage models fetch smollm2-135m
-	@echo "specpage: serving on 127.0.0.1:50051 (draft $(DRAFT)); call it with:"
-	@echo '  .venv/bin/specpage generate --server 127.0.0.1:50051 "What is the capital of France?"'
-	$(VENV)/bin/specpage serve --target smollm2-135m --draft $(DRAFT) --port 50051
+	@$(VENV)/bin/specpage serve --target smollm2-135m --draft $(DRAFT) --port $(PORT) & \
+	pid=$$!; trap 'kill -TERM $$pid 2>/dev/null' INT TERM; \
+	until $(VENV)/bin/specpage info --server 127.0.0.1:$(PORT) >/dev/null 2>&1; do \
+		kill -0 $$pid 2>/dev/null || break; sleep 1; \
+	done; \
+	if kill -0 $$pid 2>/dev/null; then \
+		echo "specpage: serving on 127.0.0.1:$(PORT) (draft $(DRAFT)); call it with:"; \
+		echo '  .venv/bin/specpage generate --server 127.0.0.1:$(PORT) "What is the capital of France?"'; \
+	fi; \
+	wait $$pid; status=$$?; \
+	while kill -0 $$pid 2>/dev/null; do wait $$pid; status=$$?; done; \
+	exit $$status
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
