@@ -86,6 +86,7 @@ class EngineStats:
     prompt_tokens: int  # admitted, cumulative
     total_blocks: int
     accepted_by_position: tuple[int, ...]  # cumulative acceptances at proposal 1..k
+    aborts: int = 0  # requests aborted by a caller before they finished, cumulative
 
 
 class Engine:
@@ -131,6 +132,7 @@ class Engine:
         if draft is not None and self.policy.adaptive and spec_k > 0:
             self._calibrate(target_runner, draft_runner, (target.identity, draft.identity))
         self.requests: dict[str, Request] = {}
+        self.num_aborts = 0  # requests a caller aborted before they finished
         self._seq_ids = itertools.count()
 
     def _calibrate(self, target: ModelRunner, draft: ModelRunner,
@@ -227,6 +229,8 @@ class Engine:
         request = self.requests.get(request_id)
         if request is None or request.finished:
             return False
+        if not request.aborted:
+            self.num_aborts += 1
         request.aborted = True
         return True
 
@@ -419,4 +423,5 @@ class Engine:
             prompt_tokens=self.scheduler.num_prompt_tokens,
             total_blocks=pool.total,
             accepted_by_position=tuple(self.policy.accepted_by_position),
+            aborts=self.num_aborts,
         )

@@ -48,6 +48,7 @@ class EngineStatsLike(Protocol):
     prefix_cached_tokens: int
     prompt_tokens: int
     total_blocks: int
+    aborts: int
 
 
 class _CumulativeCounter:
@@ -89,10 +90,10 @@ class Metrics:
             "requests_finished", "Finished requests by finish reason", ["model_name", "reason"],
             namespace=ns, registry=r,
         )  # fmt: skip
-        self.aborts = Counter(
-            "request_aborts", "Aborts asked for: client cancel, disconnect, deadline, drain",
-            namespace=ns, registry=r,
-        )  # fmt: skip
+        self.aborts = _CumulativeCounter(Counter(
+            "request_aborts", "Requests aborted before they finished: client cancel, "
+            "disconnect, call deadline, Abort RPC, drain", namespace=ns, registry=r,
+        ))  # fmt: skip
         self.preemptions = _CumulativeCounter(Counter(
             "preemptions", "Sequences preempted by recompute", namespace=ns, registry=r,
         ))  # fmt: skip
@@ -172,8 +173,6 @@ class Metrics:
     def observe_finish(self, reason: str) -> None:
         self.finished.labels(model_name=self.model_name, reason=reason).inc()
 
-    def observe_abort(self) -> None:
-        self.aborts.inc()
 
     def observe_ttft(self, seconds: float) -> None:
         self.ttft.observe(seconds)
@@ -211,6 +210,7 @@ class Metrics:
         for state, count in states.items():
             self.blocks.labels(state=state).set(count)
         self.preemptions.set(stats.preemptions)
+        self.aborts.set(stats.aborts)
         self.kv_usage.set(stats.in_use_blocks / max(1, stats.total_blocks))
         self.admitted_prompt_tokens.set(stats.prompt_tokens)
         self.prefix_cached_tokens.set(stats.prefix_cached_tokens)

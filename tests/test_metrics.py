@@ -36,6 +36,7 @@ class Stats:
     prompt_tokens: int = 0
     total_blocks: int = 0
     accepted_by_position: tuple[int, ...] = ()
+    aborts: int = 0
 
 
 def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -67,7 +68,6 @@ def test_http_endpoint_serves_exact_values(metrics: Metrics) -> None:
         metrics.observe_finish("stop")
         metrics.observe_finish("stop")
         metrics.observe_finish("length")
-        metrics.observe_abort()
         metrics.observe_ttft(0.003)
         metrics.observe_ttft(0.2)
         metrics.observe_itl(0.02)
@@ -81,7 +81,6 @@ def test_http_endpoint_serves_exact_values(metrics: Metrics) -> None:
     assert got[finished, (MODEL, ("reason", "stop"))] == 2
     assert got[finished, (MODEL, ("reason", "length"))] == 1
     assert got[finished, (MODEL, ("reason", "abort"))] == 0
-    assert got["specpage_request_aborts_total", ()] == 1
     assert got["specpage_time_to_first_token_seconds_count", (MODEL,)] == 2
     assert got["specpage_time_to_first_token_seconds_sum", (MODEL,)] == pytest.approx(0.203)
     assert got["specpage_time_to_first_token_seconds_bucket", (("le", "0.001"), MODEL)] == 0
@@ -101,13 +100,14 @@ def test_update_engine_sets_gauges_and_adds_counter_growth(metrics: Metrics) -> 
         Stats(running=3, waiting=2, free_blocks=10, cached_blocks=4, in_use_blocks=6,
               tentative_blocks=2, drafted_tokens=40, accepted_tokens=30, acceptance=0.75,
               current_k=4, preemptions=1, prefix_cached_tokens=32, prompt_tokens=128,
-              total_blocks=20)
+              total_blocks=20, aborts=2)
     )  # fmt: skip
     metrics.update_engine(
         Stats(running=1, waiting=0, free_blocks=18, cached_blocks=2, in_use_blocks=0,
               drafted_tokens=100, accepted_tokens=60, acceptance=0.6,
               per_token_acceptance=0.7, current_k=3,
-              preemptions=3, prefix_cached_tokens=64, prompt_tokens=256, total_blocks=20)
+              preemptions=3, prefix_cached_tokens=64, prompt_tokens=256, total_blocks=20,
+              aborts=5)
     )  # fmt: skip
     got = samples(metrics.render().decode())
 
@@ -118,6 +118,7 @@ def test_update_engine_sets_gauges_and_adds_counter_growth(metrics: Metrics) -> 
     assert got["specpage_kv_blocks", (("state", "in_use"),)] == 0
     assert got["specpage_kv_blocks", (("state", "tentative"),)] == 0
     assert got["specpage_preemptions_total", ()] == 3
+    assert got["specpage_request_aborts_total", ()] == 5
     assert got["specpage_drafted_tokens_total", ()] == 100
     assert got["specpage_accepted_tokens_total", ()] == 60
     assert got["specpage_admitted_prompt_tokens_total", ()] == 256
@@ -178,7 +179,8 @@ def test_counter_restarts_with_a_new_engine(metrics: Metrics) -> None:
 
 def test_registries_are_separate() -> None:
     first, second = Metrics(), Metrics()
-    first.observe_abort()
+    first.update_engine(Stats(aborts=3))  # type: ignore[arg-type]
+    assert samples(first.render().decode())["specpage_request_aborts_total", ()] == 3
     assert samples(second.render().decode())["specpage_request_aborts_total", ()] == 0
 
 
@@ -270,7 +272,15 @@ async def test_a_real_daemon_counts_tokens_and_latencies_exactly(tmp_path: Path)
                 prompts.append(length)
             while (await client.server_info()).pool.in_use:  # the last step's stats
                 await asyncio.sleep(0.05)
-        got = scrape(metrics_port)
+            got = scrape(metrics_port)
+            # a call left after its first chunk (one token a step: 400 steps
+            # to go): the server aborts its request
+            async for _ in client.generate([7, 8, 9], max_tokens=400, temperature=0.0,
+                                           ignore_eos=True, spec="off"):
+                break
+            while (await client.server_info()).pool.in_use:
+                await asyncio.sleep(0.05)
+        aborted = scrape(metrics_port)
     finally:
         assert daemon.stop() == 0
 
@@ -283,5 +293,8 @@ async def test_a_real_daemon_counts_tokens_and_latencies_exactly(tmp_path: Path)
     assert got["specpage_e2e_request_latency_seconds_count", (model,)] == 3
     assert got["specpage_request_queue_time_seconds_count", (model,)] == 3
     assert got["specpage_requests_finished_total", (model, ("reason", "length"))] == 3
+    assert got["specpage_request_aborts_total", ()] == 0
+    assert aborted["specpage_requests_finished_total", (model, ("reason", "abort"))] == 1
+    assert aborted["specpage_request_aborts_total", ()] == 1
     assert got["specpage_kv_blocks", (("state", "in_use"),)] == 0
     assert got["specpage_kv_cache_usage_ratio", ()] == 0.0
