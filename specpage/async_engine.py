@@ -98,6 +98,11 @@ class RequestStream:
             self._final = Final(out.usage, out.timings, reasons)
         self._wake.set()
 
+    @property
+    def aborted(self) -> bool:
+        """Whether an abort cut any of its samples."""
+        return "abort" in self._finish_reasons.values()
+
     def fail(self, error: BaseException) -> None:
         self._error = error
         self._wake.set()
@@ -131,6 +136,7 @@ class AsyncEngine:
         self._task: asyncio.Task[None] | None = None
         self._stats = engine.stats()
         self.draining = False
+        self._stopping = False  # stop() aborts what is left: those requests did not end OK
         # called after every step with its outputs and the engine's stats (metrics)
         self.step_observers: list[Callable[[list[RequestOutput], EngineStats], None]] = []
 
@@ -141,7 +147,10 @@ class AsyncEngine:
 
     async def stop(self, timeout: float = 10.0) -> None:
         """Abort whatever is left, wait for it to end (at most timeout
-        seconds), fail any stream still open, and stop the engine task."""
+        seconds), fail any stream still open, and stop the engine task.
+        A request cut by it ends its stream with DrainingError after the
+        chunks it produced, never as a complete output."""
+        self._stopping = True
         for request_id in list(self.streams):
             self.abort(request_id)
         end = asyncio.get_running_loop().time() + timeout
@@ -266,3 +275,6 @@ class AsyncEngine:
             stream = self.streams.pop(request_id)
             if error is not None:
                 stream.fail(error)
+            elif self._stopping and stream.aborted:
+                stream.fail(DrainingError(
+                    f"the server stopped before request {request_id} finished"))

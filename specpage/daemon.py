@@ -251,6 +251,7 @@ async def serve(config: Config) -> int:
         await listeners.health.enter_graceful_shutdown()
         await wait_idle(service, s.drain_grace_s)
         await engine.stop()  # aborts what is left
+        service.close()
         await listeners.server.stop(grace=1.0)
         if watchdog is not None:
             watchdog.cancel()

@@ -8,6 +8,7 @@ import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -33,8 +34,12 @@ MAX_REQUEST_ID_LENGTH = 128
 # refused before it is tokenized. SmolLM2's longest token is 81 bytes; common
 # byte-level BPE vocabularies stay under 128 too, so no prompt that fits is refused.
 PROMPT_BYTES_PER_TOKEN = 128
-# Requests tokenized at once, off the event loop. Fast tokenizers release the
-# GIL while they encode, so each one takes a core from the engine's step thread.
+# Requests tokenized at once, off the event loop, by threads of their own. Fast
+# tokenizers release the GIL while they encode, so each one takes a core from
+# the engine's step thread. A pool this size bounds them however calls end: a
+# cancelled call cannot stop the thread tokenizing its prompt, only free its
+# place in a queue, so a semaphore around shared threads would let a client that
+# cancels at once keep any number of them busy.
 PREPARE_CONCURRENCY = 2
 # The salt goes into the hash of every prefix-cache block key, on the engine's
 # step thread: a tenant id is short, and a long salt would slow every stream.
@@ -96,10 +101,15 @@ class GenerationService(pb_grpc.GenerationServicer):
         self.max_prompt_bytes = max_prompt_tokens * PROMPT_BYTES_PER_TOKEN
         self.on_first_token = on_first_token
         self.in_flight = 0
-        self._preparing = asyncio.Semaphore(PREPARE_CONCURRENCY)
+        self._preparing = ThreadPoolExecutor(PREPARE_CONCURRENCY,
+                                             thread_name_prefix="specpage-prepare")
 
     def attach(self, engine: AsyncEngine) -> None:
         self._engine = engine
+
+    def close(self) -> None:
+        """Drop the prompts still queued for tokenizing (their calls have ended)."""
+        self._preparing.shutdown(wait=False, cancel_futures=True)
 
     @property
     def engine(self) -> AsyncEngine:
@@ -152,8 +162,10 @@ class GenerationService(pb_grpc.GenerationServicer):
             deadline = _deadline(request, context)
             # Tokenizing and templating take seconds for megabytes of text: the
             # event loop must keep answering health checks and streams meanwhile.
-            async with self._preparing:
-                made = await asyncio.to_thread(self._make_request, request, request_id, deadline)
+            # A call cancelled while its prompt waits for a thread drops it from
+            # the queue; one already tokenizing runs to its end on its thread.
+            made = await asyncio.get_running_loop().run_in_executor(
+                self._preparing, self._make_request, request, request_id, deadline)
             made.spec_k = k
             return self.engine.submit(made)
         except ValidationError as error:
