@@ -188,7 +188,8 @@ class AsyncEngine:
         held = sum(stream.num_places for stream in self.streams.values()) + num_places
         beyond_running = held - self.engine.config.max_num_seqs
         waiting = self._stats.waiting
-        behind_waiting = waiting + len(self._submissions) + num_places if waiting else 0
+        pending = sum(request.params.n for request in self._submissions)
+        behind_waiting = waiting + pending + num_places if waiting else 0
         return max(0, beyond_running, behind_waiting)
 
     def submit(self, request: Request) -> RequestStream:
@@ -239,9 +240,13 @@ class AsyncEngine:
                     outputs, stats = [], self._stats
                 self._deliver(outputs, fault)
                 # Streams whose request the engine no longer knows (lost mid-step,
-                # or never submitted) end with the fault rather than never.
+                # or never submitted) end with the fault rather than never; a
+                # submission left behind by a failed submit goes with its
+                # stream, or it would run with no reader and block a retry.
                 for request_id in [r for r in self.streams if r not in self.engine.requests]:
                     self.streams.pop(request_id).fail(fault)
+                self._submissions = deque(
+                    r for r in self._submissions if r.request_id in self.streams)
             else:
                 self._deliver(outputs, None)
             self._stats = stats

@@ -132,3 +132,70 @@ async def test_samples_hold_their_running_places_from_admission(tmp_path):
     async_engine.submit(request("one", 1))
     assert async_engine.num_queued == 2
     await async_engine.stop(timeout=1)
+
+
+@pytest.mark.asyncio
+async def test_a_fault_while_submitting_leaves_no_request_behind(tmp_path):
+    """The engine refuses the second of three submissions. Every request in
+    flight fails with the fault, none of them lingers in the engine or the
+    submissions, and a client retrying the same ids gets complete answers."""
+    from specpage.async_engine import AsyncEngine, EngineFaultError
+    from specpage.engine import Engine, EngineConfig
+    from specpage.models.loader import load_model
+    from specpage.request import Request, SamplingParams
+    from tests.models_util import tiny_checkpoint
+
+    tiny_checkpoint(tmp_path)
+    engine = Engine(load_model(tmp_path), None, None, EngineConfig(block_size=4, num_blocks=64))
+    submit = engine.submit
+
+    def refuse_r1(request):
+        if request.request_id == "r1":
+            raise RuntimeError("no room for r1")
+        submit(request)
+
+    engine.submit = refuse_r1
+    async_engine = AsyncEngine(engine)
+
+    def request(i, max_tokens):
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        return Request(f"r{i}", (1, 2, 3), params)
+
+    streams = [async_engine.submit(request(i, 100)) for i in range(3)]  # before any step
+    async_engine.start()
+    for stream in streams:
+        with pytest.raises(EngineFaultError, match="no room for r1"):
+            async for _ in stream.events():
+                pass
+    assert not async_engine._submissions
+    engine.submit = submit
+    for i in range(3):
+        events = [e async for e in async_engine.submit(request(i, 4)).events()]
+        assert events[-1].finish_reasons == ["length"]
+    assert not engine.requests and not async_engine.streams
+    await async_engine.stop(timeout=1)
+
+
+@pytest.mark.asyncio
+async def test_submissions_behind_waiting_sequences_count_each_sample(tmp_path):
+    """While a sequence waits for blocks, a pending request of two samples
+    adds two queued places, not one."""
+    from specpage.async_engine import AsyncEngine
+    from specpage.engine import Engine, EngineConfig
+    from specpage.models.loader import load_model
+    from specpage.request import Request, SamplingParams
+    from tests.models_util import tiny_checkpoint
+
+    tiny_checkpoint(tmp_path)
+    engine = Engine(load_model(tmp_path), None, None,
+                    EngineConfig(block_size=4, num_blocks=6, max_num_seqs=8))
+    async_engine = AsyncEngine(engine)  # not started: steps run by hand
+    long_prompt = tuple(range(1, 17))  # 4 of the 6 blocks: two cannot run at once
+    for name in ("first", "second"):
+        async_engine.submit(Request(name, long_prompt, SamplingParams(max_tokens=4)))
+    async_engine._stats = await asyncio.to_thread(lambda: async_engine._step()[1])
+    assert (async_engine._stats.running, async_engine._stats.waiting) == (1, 1)
+    assert async_engine.num_queued == 1
+    async_engine.submit(Request("pair", (1, 2, 3), SamplingParams(max_tokens=4, n=2)))
+    assert async_engine.num_queued == 3  # the waiting sequence and both samples
+    await async_engine.stop(timeout=1)
