@@ -180,8 +180,15 @@ class Engine:
         params: SamplingParams,
         priority: int = 0,
         deadline: float | None = None,
+        *,
+        prompt_field: str = "prompt",
+        arrival: float | None = None,
     ) -> Request:
-        """Validate and tokenize; touches no engine state, so any thread may call it."""
+        """Validate and tokenize; touches no engine state, so any thread may call it.
+
+        prompt_field names the prompt in errors (a front end's own field);
+        arrival (time.monotonic()) is when the caller received the request,
+        now if None, so queue and end-to-end times include tokenizing."""
         params.validate(self.config.stop_limits)
         if params.n > self.config.max_num_seqs:
             raise ValidationError("n", f"{params.n} samples exceed max_num_seqs "
@@ -191,12 +198,13 @@ class Engine:
         if unknown is not None:  # it could never be sampled
             raise ValidationError("stop_token_ids",
                                   f"token id {unknown} outside 0..{vocab_size - 1}")
-        prompt_ids = self._tokenize(prompt)
-        validate_prompt(prompt_ids, vocab_size, self.max_context)
+        prompt_ids = self._tokenize(prompt, prompt_field)
+        validate_prompt(prompt_ids, vocab_size, self.max_context, prompt_field)
         self._check_fits(len(prompt_ids), params)
         if params.stop and self.tokenizer is None:
             raise ValidationError("stop", "stop strings need a tokenizer")
-        return Request(request_id, tuple(prompt_ids), params, priority, deadline)
+        return Request(request_id, tuple(prompt_ids), params, priority, deadline,
+                       arrival=time.monotonic() if arrival is None else arrival)
 
     def submit(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -387,10 +395,11 @@ class Engine:
         request.sequences.append(seq)
         return seq
 
-    def _tokenize(self, prompt: str | Seq[int]) -> list[int]:
+    def _tokenize(self, prompt: str | Seq[int], prompt_field: str) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValidationError("prompt", "text prompts need a tokenizer; send token ids")
+                raise ValidationError(prompt_field,
+                                      "text prompts need a tokenizer; send token ids")
             return list(self.tokenizer.encode(prompt, add_special_tokens=False))
         return list(prompt)
 

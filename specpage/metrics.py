@@ -100,7 +100,7 @@ class Metrics:
         self.waiting = Gauge("requests_waiting", "Requests waiting", namespace=ns, registry=r)
         self.running = Gauge("requests_running", "Requests running", namespace=ns, registry=r)
         self.ttft = Histogram(
-            "time_to_first_token_seconds", "Arrival to first token",
+            "time_to_first_token_seconds", "Arrival (the start of the call) to first token",
             ["model_name"], namespace=ns, registry=r, buckets=LATENCY_BUCKETS,
         ).labels(**model)  # fmt: skip
         self.itl = Histogram(
@@ -109,11 +109,12 @@ class Metrics:
             ["model_name"], namespace=ns, registry=r, buckets=LATENCY_BUCKETS,
         ).labels(**model)  # fmt: skip
         self.e2e = Histogram(
-            "e2e_request_latency_seconds", "Arrival at the engine to the request's last token",
+            "e2e_request_latency_seconds",
+            "Arrival (the start of the call) to the request's last token",
             ["model_name"], namespace=ns, registry=r, buckets=LATENCY_BUCKETS,
         ).labels(**model)  # fmt: skip
         self.queue_time = Histogram(
-            "request_queue_time_seconds", "Arrival at the engine to first scheduled",
+            "request_queue_time_seconds", "Arrival (the start of the call) to first scheduled",
             ["model_name"], namespace=ns, registry=r, buckets=LATENCY_BUCKETS,
         ).labels(**model)  # fmt: skip
         self.generation_tokens = Counter(

@@ -207,13 +207,17 @@ class Request:
         return bool(self.sequences) and all(s.finished for s in self.sequences)
 
 
-def validate_prompt(token_ids: abc.Sequence[int], vocab_size: int, max_context: int) -> None:
+def validate_prompt(
+    token_ids: abc.Sequence[int], vocab_size: int, max_context: int, field_name: str = "prompt"
+) -> None:
+    """field_name is what the caller called the prompt (the gRPC API's
+    `text` or `token_ids`), so the error names a field it has."""
     if not token_ids:
-        raise ValidationError("prompt", "must not be empty")
+        raise ValidationError(field_name, "must not be empty")
     if len(token_ids) >= max_context:
         raise ValidationError(
-            "prompt", f"{len(token_ids)} tokens do not fit the model's context of {max_context}"
+            field_name, f"{len(token_ids)} tokens do not fit the model's context of {max_context}"
         )
     bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
     if bad is not None:
-        raise ValidationError("prompt_token_ids", f"token id {bad} outside 0..{vocab_size - 1}")
+        raise ValidationError(field_name, f"token id {bad} outside 0..{vocab_size - 1}")

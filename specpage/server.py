@@ -119,11 +119,12 @@ class GenerationService(pb_grpc.GenerationServicer):
     async def Generate(  # noqa: N802 (the gRPC method name)
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateEvent]:
+        arrival = time.monotonic()  # queue, end-to-end and first-token times count from here
         request_id = await _checked_id(request.request_id or uuid.uuid4().hex, context)
         await context.send_initial_metadata((("request-id", request_id),))
-        stream = await self._admit(request, request_id, context)
+        stream = await self._admit(request, request_id, context, arrival)
         self.in_flight += 1
-        start = time.monotonic()
+        start = arrival
         try:
             async for event in stream.events():
                 if isinstance(event, Chunk):
@@ -152,7 +153,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             self.in_flight -= 1
 
     async def _admit(self, request: pb.GenerateRequest, request_id: str,
-                     context: grpc.aio.ServicerContext) -> Any:
+                     context: grpc.aio.ServicerContext, arrival: float) -> Any:
         if self._engine is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the models are loading")
         if self.engine.draining:
@@ -165,7 +166,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             # A call cancelled while its prompt waits for a thread drops it from
             # the queue; one already tokenizing runs to its end on its thread.
             made = await asyncio.get_running_loop().run_in_executor(
-                self._preparing, self._make_request, request, request_id, deadline)
+                self._preparing, self._make_request, request, request_id, deadline, arrival)
             made.spec_k = k
             return self.engine.submit(made)
         except ValidationError as error:
@@ -177,17 +178,18 @@ class GenerationService(pb_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
 
     def _make_request(self, request: pb.GenerateRequest, request_id: str,
-                      deadline: float | None) -> Request:
+                      deadline: float | None, arrival: float) -> Request:
         """All the work that grows with the request; runs off the event loop."""
         salt = request.cache_salt.encode()
         if len(salt) > MAX_CACHE_SALT_BYTES:
             raise ValidationError("cache_salt", f"{len(salt)} bytes exceed the limit of "
                                   f"{MAX_CACHE_SALT_BYTES}")
+        prompt_field = "token_ids" if request.token_ids else "text"
         made = self.engine.engine.make_request(
             request_id, self._prompt(request), sampling_params(request.sampling),
-            request.priority, deadline)
+            request.priority, deadline, prompt_field=prompt_field, arrival=arrival)
         if len(made.prompt_token_ids) > self.max_prompt_tokens:
-            raise ValidationError("prompt", f"{len(made.prompt_token_ids)} tokens exceed "
+            raise ValidationError(prompt_field, f"{len(made.prompt_token_ids)} tokens exceed "
                                   f"the limit of {self.max_prompt_tokens}")
         made.cache_salt = salt
         return made
@@ -196,6 +198,8 @@ class GenerationService(pb_grpc.GenerationServicer):
         """The prompt, refused by its size before any per-token work."""
         if request.text and request.token_ids:
             raise ValidationError("prompt", "give text or token_ids, not both")
+        if not (request.text or request.token_ids or request.chat):
+            raise ValidationError("prompt", "give text or token_ids")
         if len(request.token_ids) > self.max_prompt_tokens:
             raise ValidationError("token_ids", f"{len(request.token_ids)} tokens exceed the "
                                   f"limit of {self.max_prompt_tokens}")

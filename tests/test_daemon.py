@@ -172,7 +172,7 @@ async def test_64_concurrent_streams_with_cancels_and_deadlines(daemon):
         (dict(top_p=1.5), "INVALID_ARGUMENT", "top_p"),
         (dict(max_tokens=0), "INVALID_ARGUMENT", "max_tokens"),
         (dict(prompt=list(range(1, 150))), "INVALID_ARGUMENT", "exceed the limit of 100"),
-        (dict(prompt=[]), "INVALID_ARGUMENT", "prompt"),
+        (dict(prompt=[]), "INVALID_ARGUMENT", "prompt: give text or token_ids"),
         (dict(prompt=[5, 999]), "INVALID_ARGUMENT", "token id 999"),
         (dict(prompt="text"), "INVALID_ARGUMENT", "tokenizer"),
         (dict(prompt=list(range(1, 200)) * 400), "RESOURCE_EXHAUSTED", "larger than max"),

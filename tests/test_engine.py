@@ -210,7 +210,7 @@ def test_invalid_parameters_name_the_field(models, params, field):
 
 def test_bad_prompts_name_the_field(models):
     eng = engine(models)
-    for prompt, field in (([], "prompt"), ([1] * 600, "prompt"), ([5, 211], "prompt_token_ids"),
+    for prompt, field in (([], "prompt"), ([1] * 600, "prompt"), ([5, 211], "prompt"),
                           ("text", "prompt")):
         with pytest.raises(ValidationError) as error:
             eng.add_request("bad", prompt, GREEDY)

@@ -12,6 +12,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -22,7 +23,7 @@ from specpage.config import Config
 from specpage.daemon import server_info
 from specpage.engine import Engine, EngineConfig
 from specpage.models.loader import load_model
-from specpage.request import SamplingParams
+from specpage.request import Request, SamplingParams
 from specpage.server import GenerationService
 from specpage.v1 import generation_pb2_grpc as pb_grpc
 from tests.models_util import tiny_checkpoint
@@ -240,6 +241,30 @@ async def test_an_engine_fault_that_cuts_one_of_two_samples_is_internal(target, 
         assert completion.finish_reasons == ["stop", "length"]
     assert engine.pool.stats().in_use == 0
     engine.pool.check_integrity()
+
+
+@pytest.mark.asyncio
+async def test_a_request_arrives_when_its_call_starts_not_after_tokenizing(target):
+    """Queue and end-to-end times count from the start of the Generate call:
+    the request's arrival is stamped before its prompt is prepared."""
+    async with serving(target) as served, Client(served.address, max_retries=0) as client:
+        engine = served.engine
+        make_request = engine.make_request
+        prepared: list[tuple[float, Request]] = []
+
+        def recorded(*args: Any, **options: Any) -> Request:
+            entered = time.monotonic()
+            made = make_request(*args, **options)
+            prepared.append((entered, made))
+            return made
+
+        engine.make_request = recorded  # type: ignore[method-assign]
+        called = time.monotonic()
+        completion = await client.complete(PROMPT, max_tokens=2, temperature=0.0)
+    assert completion.finish_reason == "length"
+    [(entered, made)] = prepared
+    assert called <= made.arrival < entered
+    assert made.timings.arrival == made.arrival
 
 
 @pytest.mark.asyncio

@@ -135,7 +135,8 @@ BAD_FIELDS = [
     (dict(spec=-1), {}, "spec"),
     (dict(spec=2**31 - 1), {}, "spec"),
     (dict(chat=True), {}, "chat"),  # the template wraps text; the prompt is token ids
-    (dict(token_ids=[5, VOCAB]), {}, "prompt_token_ids"),
+    (dict(token_ids=[5, VOCAB]), {}, "token_ids"),
+    (dict(token_ids=[5] * MAX_CONTEXT), {}, "token_ids"),  # beyond the model's context
     (dict(cache_salt="s" * (MAX_CACHE_SALT_BYTES + 1)), {}, "cache_salt"),
     (dict(cache_salt="\u00e9" * (MAX_CACHE_SALT_BYTES // 2 + 1)), {}, "cache_salt"),  # bytes
 ]
@@ -300,7 +301,7 @@ async def test_tokenizing_a_large_prompt_leaves_the_event_loop_serving(daemon, c
         stop.set()
         await asyncio.gather(*tasks)
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert error.details().startswith("prompt: ")
+    assert error.details().startswith("text: ")
     assert error.details().endswith(f"tokens do not fit the model's context of {MAX_CONTEXT}")
     assert int(error.details().split()[1]) > MAX_PROMPT_TOKENS
     window = refused - sent
