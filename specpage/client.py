@@ -12,7 +12,8 @@
 Leaving the ``async for`` early or cancelling the task cancels the call, and
 the server aborts the request. Calls that fail before any event with
 UNAVAILABLE or RESOURCE_EXHAUSTED are retried with backoff (honouring the
-server's ``retry-after-ms``); nothing else is retried.
+server's ``retry-after-ms``); nothing else is retried. A request that
+`complete` sees cut short raises `IncompleteError`, which keeps what arrived.
 """
 
 from __future__ import annotations
@@ -52,6 +53,19 @@ class Final:
     finish_reasons: list[str]  # every sample's, by index
     usage: Usage
     timings: Durations
+
+
+class IncompleteError(grpc.aio.AioRpcError):
+    """The call ended with an error status (a timeout, an engine fault, ...).
+
+    ``completion`` holds what arrived before it: every sample's tokens, text,
+    log-probabilities and the finish reasons of the samples that ended.
+    Usage and timings come only with a Final event, so they stay unset."""
+
+    def __init__(self, error: grpc.aio.AioRpcError, completion: Completion) -> None:
+        super().__init__(error.code(), error.initial_metadata(), error.trailing_metadata(),
+                         error.details(), error.debug_error_string())
+        self.completion = completion
 
 
 def generate_request(prompt: str | Sequence[int], request_id: str = "", chat: bool = False,
@@ -126,16 +140,20 @@ class Client:
         chat: wrap a text prompt in the model's chat template, as one user
         message (the daemon refuses it if the model has none); False sends
         the text as it is. Token-id prompts are never wrapped.
-        options: as for `generate`. A request cut short raises its status."""
+        options: as for `generate`. A request cut short raises its status
+        as an `IncompleteError` holding the samples as far as they came."""
         completion = Completion(options.get("request_id", ""))
-        async for event in self.generate(prompt, chat=chat, **options):
-            if isinstance(event, Chunk):
-                completion.add(event.index, event.token_ids, event.text, event.logprobs,
-                               event.finish_reason)
-            else:
-                for index, reason in enumerate(event.finish_reasons):
-                    completion.sample(index).finish_reason = reason
-                completion.usage, completion.timings = event.usage, event.timings
+        try:
+            async for event in self.generate(prompt, chat=chat, **options):
+                if isinstance(event, Chunk):
+                    completion.add(event.index, event.token_ids, event.text, event.logprobs,
+                                   event.finish_reason)
+                else:
+                    for index, reason in enumerate(event.finish_reasons):
+                        completion.sample(index).finish_reason = reason
+                    completion.usage, completion.timings = event.usage, event.timings
+        except grpc.aio.AioRpcError as error:
+            raise IncompleteError(error, completion) from error
         return completion
 
     async def abort(self, request_id: str) -> bool:

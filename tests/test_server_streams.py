@@ -18,7 +18,7 @@ import grpc
 import pytest
 
 from specpage.async_engine import AsyncEngine
-from specpage.client import Chunk, Client, Final
+from specpage.client import Chunk, Client, Final, IncompleteError
 from specpage.config import Config
 from specpage.daemon import server_info
 from specpage.engine import Engine, EngineConfig
@@ -190,10 +190,18 @@ async def test_a_timeout_that_cuts_one_of_two_samples_is_deadline_exceeded(targe
         assert finals == []  # a Final event means OK
         assert tokens == {0: two_samples[0][:1], 1: two_samples[1][:1]}
         assert reasons == {0: "stop", 1: "timeout"}
-        with pytest.raises(grpc.aio.AioRpcError) as raised:
+        # complete() raises the same status, with both samples as far as they came
+        with pytest.raises(IncompleteError) as raised:
             await client.complete(PROMPT, request_id="cut", timeout_s=2.0,
                                   **sampling(two_samples, 400))
         assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "finish reasons by sample: stop, timeout" in raised.value.details()
+        partial = raised.value.completion
+        assert partial.request_id == "cut"
+        assert [s.token_ids for s in partial.samples] == [two_samples[0][:1],
+                                                          two_samples[1][:1]]
+        assert partial.finish_reasons == ["stop", "timeout"]
+        assert partial.timings is None
     assert engine.pool.stats().in_use == 0
 
 
