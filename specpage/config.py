@@ -58,6 +58,10 @@ class EngineSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                      "max_stop_strings", "max_stop_chars", "max_stop_token_ids"):
             _require(getattr(self, name) > 0, f"engine.{name} must be > 0", getattr(self, name))
         _require(self.spec_k >= 0, "engine.spec_k must be >= 0", self.spec_k)
+        # a decoding sequence may need two positions plus k in one step
+        _require(self.max_step_tokens >= self.spec_k + 2,
+                 f"engine.max_step_tokens must be >= spec_k + 2 ({self.spec_k + 2})",
+                 self.max_step_tokens)
 
     @property
     def stop_limits(self) -> StopLimits:

@@ -4,7 +4,9 @@ Every port is bound before the models load, so a taken port fails in seconds.
 A start-up failure (port, TLS file, model path or name, incompatible draft)
 ends the process with exit status 1 and one JSON log line at level error whose
 ``error`` says what to fix: every line the daemon writes to stderr is JSON, so
-log shippers parse that one like the others, and no traceback follows it.
+log shippers parse that one like the others, and no traceback follows it. Any
+other exception while starting is a bug: it too ends the process with status
+1, and its line keeps the traceback.
 
 Health is NOT_SERVING until the models are loaded and again while draining.
 systemd hears STATUS= lines while loading, READY=1 once the models are loaded,
@@ -25,12 +27,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from specpage import systemd
 from specpage.async_engine import AsyncEngine
-from specpage.config import Config, read_bearer_token
+from specpage.config import Config, ConfigError, read_bearer_token
 from specpage.engine import Engine, EngineConfig, EngineStats, RequestOutput
 from specpage.llm import load_tokenizer, resolve_model
 from specpage.metrics import Metrics, MetricsServer
 from specpage.models.config import ModelLoadError
-from specpage.models.loader import load_model
+from specpage.models.loader import LoadedModel, load_model
 from specpage.reflection import enable_reflection
 from specpage.server import BearerTokenInterceptor, GenerationService, wait_idle
 from specpage.startup import StartupError, check_port_free, tls_credentials
@@ -43,7 +45,7 @@ VERSION = "0.1.0"
 EXIT_STARTUP_FAILED = 1
 # What a start-up failure may raise that its message explains; anything else is a bug
 # and keeps its traceback.
-STARTUP_ERRORS = (StartupError, ModelLoadError, ValueError, OSError)
+STARTUP_ERRORS = (StartupError, ModelLoadError, ConfigError)
 
 
 def build_engine(config: Config) -> Engine:
@@ -51,18 +53,29 @@ def build_engine(config: Config) -> Engine:
     m, e = config.model, config.engine
     systemd.status(f"loading target {m.target}")
     log.info("loading target", extra={"model": m.target})
-    target = load_model(resolve_model(m.target), m.dtype, m.device)
+    target = load_named(m.target, m.dtype, m.device)
     draft = None
     if m.draft:
         systemd.status(f"loading draft {m.draft}")
         log.info("loading draft", extra={"model": m.draft})
-        draft = load_model(resolve_model(m.draft), m.dtype, m.device)
+        draft = load_named(m.draft, m.dtype, m.device)
     engine_config = EngineConfig(
         block_size=e.block_size, num_blocks=e.num_blocks, max_num_seqs=e.max_num_seqs,
         max_step_tokens=e.max_step_tokens, max_context=e.max_context, spec_k=e.spec_k,
         adaptive_k=e.adaptive_k, stop_limits=e.stop_limits,
     )
     return Engine(target, draft, load_tokenizer(target.folder), engine_config)
+
+
+def load_named(name: str, dtype: str | None, device: str) -> LoadedModel:
+    """A model by name or path; a file it cannot read (a packaged model
+    missing, no permission) is a start-up failure that names the file."""
+    try:
+        return load_model(resolve_model(name), dtype, device)
+    except OSError as error:
+        file = f" {error.filename}" if error.filename else ""
+        raise StartupError(f"model {name}: cannot read{file}: "
+                           f"{error.strerror or error}") from None
 
 
 def server_info(config: Config, engine: AsyncEngine) -> pb.ServerInfo:
@@ -202,7 +215,10 @@ def start_metrics(metrics: Metrics, host: str, port: int) -> MetricsServer:
 
 
 def startup_failed(error: BaseException) -> int:
-    log.error("start-up failed", extra={"error": str(error)})
+    """One error line; a known failure says what to fix, a bug keeps its traceback."""
+    known = isinstance(error, STARTUP_ERRORS)
+    log.error("start-up failed", extra={"error": str(error)},
+              exc_info=None if known else error)
     systemd.status(f"start-up failed: {error}")
     return EXIT_STARTUP_FAILED
 
@@ -213,11 +229,11 @@ async def serve(config: Config) -> int:
     metrics = Metrics(model_name=config.model.target)
     try:
         listeners = await listen(config, metrics)
-    except STARTUP_ERRORS as error:
+    except Exception as error:  # noqa: BLE001 (every start-up failure ends in one line)
         return startup_failed(error)
     try:
         built = await asyncio.to_thread(build_engine, config)
-    except STARTUP_ERRORS as error:
+    except Exception as error:  # noqa: BLE001
         await listeners.close()
         return startup_failed(error)
     service, port = listeners.service, listeners.port

@@ -146,6 +146,8 @@ def test_override_errors_name_the_key(overrides: dict[str, object], message: str
         ({"engine.block_size": 0}, "engine.block_size must be > 0, got 0"),
         ({"engine.num_blocks": -4}, "engine.num_blocks must be > 0, got -4"),
         ({"engine.spec_k": -1}, "engine.spec_k must be >= 0, got -1"),
+        ({"engine.spec_k": 8, "engine.max_step_tokens": 9},
+         "engine.max_step_tokens must be >= spec_k + 2 (10), got 9"),
         ({"model.target": ""}, "model.target must not be empty"),
         ({"model.draft": "/d", "model.device": ""}, "model.device must not be empty"),
         ({"server.tls_cert": "/c.pem"}, "tls_cert and server.tls_key go together"),

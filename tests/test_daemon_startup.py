@@ -127,3 +127,35 @@ def test_bad_tls_files(
                                              f'tls_key = "{key}"')
     assert failure["error"].startswith(message.format(cert=cert, key=key))
     assert failure["msgs"] == ["starting", "start-up failed"]
+
+
+@pytest.mark.asyncio
+async def test_a_bug_while_starting_exits_1_and_keeps_its_traceback(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An exception no start-up failure explains (here a ValueError out of
+    building the engine) still ends serve with status 1 and one error line,
+    and that line carries the traceback."""
+    import logging
+
+    from specpage import daemon
+    from specpage.config import Config, ServerSection
+
+    def broken(config: Config) -> None:
+        raise ValueError("a bug in building the engine")
+
+    monkeypatch.setattr(daemon, "build_engine", broken)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("specpage.daemon")
+    logger.addHandler(handler)
+    try:
+        status = await daemon.serve(Config(server=ServerSection(host="127.0.0.1", port=0)))
+    finally:
+        logger.removeHandler(handler)
+    assert status == 1
+    [error] = [r for r in records if r.levelno >= logging.ERROR]
+    assert error.getMessage() == "start-up failed"
+    assert error.error == "a bug in building the engine"  # type: ignore[attr-defined]
+    assert error.exc_info is not None and error.exc_info[0] is ValueError
