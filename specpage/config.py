@@ -32,7 +32,7 @@ class ConfigError(ValueError):
 class ModelSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     target: str = "smollm2-135m"  # HF folder, .gguf file or a known model name
     draft: str | None = None  # None: no speculation
-    dtype: str | None = None  # None: the checkpoint's
+    dtype: str | None = None  # None: fp32 on CPU, bf16 on CUDA (loader.default_dtype)
     device: str = "cpu"
 
     def __post_init__(self) -> None:

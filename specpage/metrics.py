@@ -4,9 +4,12 @@ Never the global registry: tests (and, one day, several engines in one process)
 make as many ``Metrics`` as they like without name clashes.
 
 The request-level metrics carry a ``model_name`` label (the configured target),
-as vLLM's do, so dashboards built for vLLM (``vllm:generation_tokens_total``,
-``vllm:e2e_request_latency_seconds``, ...) find the same series here under the
-``specpage_`` prefix.
+as vLLM's do. Six of them follow vLLM's names under the ``specpage_`` prefix
+(time to first token, inter-token latency, end-to-end latency, queue time,
+generation and prompt tokens: ``vllm:e2e_request_latency_seconds`` is
+``specpage_e2e_request_latency_seconds``), so a vLLM dashboard's latency and
+throughput panels need only the prefix changed; the rest (requests, KV blocks,
+speculation, preemptions) have names of their own.
 """
 
 from __future__ import annotations

@@ -209,8 +209,10 @@ class SpecPolicy:
             # A seeded sampled request's samples depend on k; choose it from
             # the request's own history and the priors only, so its output is
             # the same whatever else runs and however long forwards take.
-            # (Greedy tokens do not depend on k, seed or none: a greedy
-            # request is priced like any other.)
+            # (A greedy token is the target's argmax at its position, seed
+            # or none; k changes only which forward computes it, so a greedy
+            # request is priced like any other. On CPU the forward's shape
+            # changes its floating-point sums, and a near-tie can flip.)
             acceptance = shared = shrunk(seq.accepted, seq.tested, PRIOR_ACCEPTANCE, SEQ_WEIGHT)
             batch, seconds = 1, self._prior_seconds
         elif batch in self._seconds:
