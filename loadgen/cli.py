@@ -15,8 +15,6 @@ from loadgen import commands
 from loadgen.client import TargetError
 from loadgen.errors import UsageError
 
-DEFAULT_TARGET = "127.0.0.1:50051"
-
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="loadgen", description=__doc__)
@@ -44,13 +42,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_run_flags(parser: argparse.ArgumentParser) -> None:
     target = parser.add_argument_group("target")
-    target.add_argument("--target", default=DEFAULT_TARGET, help="HOST:PORT")
-    target.add_argument("--tls", action="store_true", help="TLS with the system's roots")
-    target.add_argument("--tls-ca", help="PEM file of roots to trust (implies --tls)")
+    target.add_argument("--api", choices=("grpc", "openai"), default="grpc",
+                        help="specpage's gRPC Generate (default), or an OpenAI-compatible "
+                             "HTTP server's streamed /v1/completions and /v1/chat/completions")
+    target.add_argument("--target", help="grpc: HOST:PORT (default 127.0.0.1:50051); "
+                                         "openai: the base URL, http://HOST:PORT")
+    target.add_argument("--model", help="openai: the model to ask for (default: the first "
+                                        "that GET /v1/models lists)")
+    target.add_argument("--tls", action="store_true",
+                        help="grpc: TLS with the system's roots (openai: an https:// URL)")
+    target.add_argument("--tls-ca", help="PEM file of roots to trust (grpc: implies --tls)")
     target.add_argument("--token", help="bearer token, sent as `authorization: Bearer ...`")
     target.add_argument("--token-file", help="file holding the bearer token")
     target.add_argument("--health-timeout", default="30s",
-                        help="wait this long for health SERVING; 0 skips the check")
+                        help="wait this long for health SERVING (openai: GET /health 200); "
+                             "0 skips the check")
     bounds = parser.add_argument_group("bounds")
     bounds.add_argument("--requests", type=int, help="measured requests per run")
     bounds.add_argument("--duration", help="length of the measured schedule (e.g. 60s)")
@@ -67,7 +73,8 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
     measure.add_argument("--slo", help="e.g. ttft=2000ms,tpot=200ms,e2e=10s")
     measure.add_argument("--max-inflight", type=int, default=1024,
                          help="client cap on open requests; waiting for it counts as latency")
-    measure.add_argument("--request-timeout", default="300s", help="gRPC deadline per request")
+    measure.add_argument("--request-timeout", default="300s",
+                         help="a request's deadline, from sending to the stream's end")
     measure.add_argument("--out", default="loadgen-results", help="folder for results")
     measure.add_argument("--no-progress", action="store_true", help="no live display")
     measure.add_argument("--no-selfcheck", action="store_true", help="skip the client self-check")

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import secrets
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from loadgen.backend import RequestOptions, TargetError, TargetOptions, new_record
 from loadgen.record import RequestRecord
 from loadgen.workload import RequestSpec
 from specpage.v1 import generation_pb2 as pb
@@ -20,51 +18,6 @@ from specpage.v1 import generation_pb2_grpc as pb_grpc
 SPEC_MODES = {"auto": pb.SPEC_AUTO, "off": pb.SPEC_OFF, "on": pb.SPEC_ON}
 HEALTH_SERVICE = "specpage.v1.Generation"
 HEALTH_POLL_S = 0.2
-# 64 random bits: two runs never land in one prefix-cache namespace by chance.
-CACHE_SALT_BYTES = 8
-
-
-class TargetError(RuntimeError):
-    """The target cannot be reached or is not serving."""
-
-
-@dataclass(frozen=True)
-class TargetOptions:
-    address: str = "127.0.0.1:50051"
-    tls: bool = False
-    tls_ca_pem: bytes | None = field(default=None, repr=False)  # None with tls: system roots
-    token: str | None = field(default=None, repr=False)
-    request_timeout_s: float = 300.0
-
-
-@dataclass(frozen=True)
-class RequestOptions:
-    temperature: float | None = None  # None: the server's default
-    spec: str = "auto"
-    chat: bool = False
-    ignore_eos: bool = True  # so output lengths are what the workload asked for
-    # A seeded request is sampled (and speculated) differently from the unseeded ones
-    # clients send, so seeds go out only when asked for.
-    request_seeds: bool = False
-    # Off: each run gets its own cache_salt, so it starts with a cold prefix cache
-    # instead of the blocks an earlier run (or sweep point) left with the same prompts.
-    share_prefix_cache: bool = False
-    cache_salt: str = ""  # this run's prefix-cache namespace; "" is the shared one
-
-    def for_new_run(self) -> RequestOptions:
-        """These options with the next run's cache namespace: a fresh one unless shared."""
-        if self.share_prefix_cache:
-            return dataclasses.replace(self, cache_salt="")
-        salt = f"loadgen-{secrets.token_hex(CACHE_SALT_BYTES)}"
-        return dataclasses.replace(self, cache_salt=salt)
-
-    def policy(self) -> dict[str, Any]:
-        """The choices that shape what the server does with each request, for the report."""
-        return {
-            "prefix_cache": "shared" if self.share_prefix_cache else "fresh per run",
-            "cache_salt": self.cache_salt,
-            "request_seeds": self.request_seeds,
-        }
 
 
 def build_request(
@@ -92,11 +45,7 @@ def build_request(
 
 
 class Client:
-    """Streams requests to one target and fills in their records.
-
-    `options` is replaced between runs (each run has its own cache namespace),
-    never while one is in flight.
-    """
+    """Streams requests to one target over gRPC and fills in their records (a Backend)."""
 
     def __init__(self, target: TargetOptions, options: RequestOptions, run_tag: str) -> None:
         self.target = target
@@ -110,14 +59,15 @@ class Client:
     async def close(self) -> None:
         await self._channel.close()
 
+    async def connect(self, health_timeout_s: float) -> None:
+        if health_timeout_s > 0:
+            await self.wait_healthy(health_timeout_s)
+
+    def describe(self) -> dict[str, Any]:
+        return {"api": "grpc", "address": self.target.address}
+
     def new_record(self, spec: RequestSpec) -> RequestRecord:
-        prompt = spec.prompt
-        return RequestRecord(
-            index=spec.index, warmup=spec.warmup, request_id=f"lg-{self.run_tag}-{spec.index}",
-            prompt_len=len(prompt.split()) if isinstance(prompt, str) else len(prompt),
-            max_tokens=spec.max_tokens, prefix_id=spec.prefix_id,
-            cancel_after_s=spec.cancel_after_s,
-        )
+        return new_record(spec, self.run_tag)
 
     async def wait_healthy(self, timeout_s: float) -> None:
         """Poll grpc.health.v1 until SERVING; a target without the health service passes."""

@@ -15,10 +15,12 @@ from rich.console import Console
 
 from loadgen import plots
 from loadgen.arrivals import arrival_offsets
+from loadgen.backend import Backend
 from loadgen.client import Client
 from loadgen.clock import RunClock
 from loadgen.errors import UsageError
 from loadgen.metrics import Summary, summarize
+from loadgen.openai_client import OpenAIClient
 from loadgen.options import RunSettings, output_folder, run_settings, workload
 from loadgen.progress import live_progress, progress_wanted
 from loadgen.record import RequestRecord
@@ -45,7 +47,7 @@ async def run(args: argparse.Namespace) -> int:
     settings = run_settings(args)
     client = _client(settings)
     try:
-        await _wait_healthy(client, settings)  # before the self-check: fail fast
+        await client.connect(settings.health_timeout_s)  # before the self-check: fail fast
         check = await _maybe_selfcheck(settings, args.no_selfcheck)
         records = await drive(client, settings, _describe(settings), not args.no_progress)
     finally:
@@ -53,7 +55,7 @@ async def run(args: argparse.Namespace) -> int:
     summary = summarize(records, settings.slo)
     warnings = _warnings(settings, check, summary)
     report = _report("run", settings, check, warnings) | {
-        "policy": settings.request.policy(),
+        "target": client.describe(), "policy": settings.request.policy(),
         "summary": summary.to_dict(), "records": [r.to_dict() for r in records],
     }
     write_json(settings.out / "report.json", report)
@@ -95,7 +97,7 @@ async def sweep(args: argparse.Namespace) -> int:
         return passed
 
     try:
-        await _wait_healthy(client, settings)
+        await client.connect(settings.health_timeout_s)
         check = await _maybe_selfcheck(settings, args.no_selfcheck)
         plan = SweepPlan(args.start_rate, args.bisect_steps, args.max_steps)
         knee = await find_knee(plan, passes)
@@ -104,7 +106,7 @@ async def sweep(args: argparse.Namespace) -> int:
     warnings = [w for rate, _, s, _ in points for w in _warnings(settings, check, s, rate)]
     policy = settings.request.policy() | {"cache_salt": ""}  # each point has its own
     report = _report("sweep", settings, check, warnings) | {
-        "policy": policy,
+        "target": client.describe(), "policy": policy,
         "sweep": {"target_attainment": target, "knee_rate": knee.rate,
                   "failed_rate": knee.failed_rate},
         "points": [{"rate": rate, "passed": passed, "cache_salt": salt,
@@ -162,7 +164,7 @@ async def selfcheck(args: argparse.Namespace) -> int:
 
 
 async def drive(
-    client: Client, settings: RunSettings, title: str, progress: bool
+    client: Backend, settings: RunSettings, title: str, progress: bool
 ) -> list[RequestRecord]:
     """One run's requests through the client; returns their records."""
     load, bounds, work = settings.load, settings.bounds, settings.workload
@@ -222,13 +224,14 @@ def _selfcheck_line(check: SelfCheck) -> str:
             "chunks per request)")
 
 
-def _client(settings: RunSettings) -> Client:
-    return Client(settings.target, settings.request, secrets.token_hex(3))
-
-
-async def _wait_healthy(client: Client, settings: RunSettings) -> None:
-    if settings.health_timeout_s > 0:
-        await client.wait_healthy(settings.health_timeout_s)
+def _client(settings: RunSettings) -> Backend:
+    run_tag = secrets.token_hex(3)
+    if settings.target.api == "grpc":
+        return Client(settings.target, settings.request, run_tag)
+    # One connection per request that may be in flight, so none waits for the pool.
+    load = settings.load
+    connections = load.concurrency if load.concurrency is not None else settings.max_inflight
+    return OpenAIClient(settings.target, settings.request, run_tag, connections)
 
 
 def _warnings(

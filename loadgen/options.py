@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loadgen.client import RequestOptions, TargetOptions
+from loadgen.backend import RequestOptions, TargetOptions
 from loadgen.errors import UsageError
 from loadgen.lengths import parse_lengths
 from loadgen.prompts import PromptSource, SharedPrefixes, TokenPrompts, read_text_prompts
@@ -20,6 +20,8 @@ from loadgen.units import parse_seconds
 from loadgen.workload import CancelPolicy, Workload
 
 SECRET_FLAGS = ("token",)  # never written to a report
+DEFAULT_GRPC_TARGET = "127.0.0.1:50051"
+URL_SCHEMES = ("http://", "https://")
 
 
 @dataclass(frozen=True)
@@ -92,12 +94,36 @@ def target_options(args: argparse.Namespace) -> TargetOptions:
         token = _read(args.token_file, "--token-file").decode("utf-8", "replace").strip()
         if not token:
             raise UsageError(f"--token-file: {args.token_file} is empty")
-    if ":" not in args.target:
-        raise UsageError(f"--target must be HOST:PORT, got {args.target!r}")
     ca = _read(args.tls_ca, "--tls-ca") if args.tls_ca is not None else None
     timeout = _duration(args.request_timeout, "--request-timeout")
     assert timeout is not None
-    return TargetOptions(args.target, args.tls or ca is not None, ca, token, timeout)
+    if args.api == "openai":
+        return _openai_target(args, ca, token, timeout)
+    if args.model is not None:
+        raise UsageError("--model names the model of an OpenAI-compatible server: "
+                         "add --api openai (the gRPC daemon serves the model it loaded)")
+    address = args.target or DEFAULT_GRPC_TARGET
+    if ":" not in address or address.startswith(URL_SCHEMES):
+        raise UsageError(f"--target must be HOST:PORT, got {address!r}"
+                         + (" (a URL is for --api openai)" if "//" in address else ""))
+    return TargetOptions(address, args.tls or ca is not None, ca, token, timeout)
+
+
+def _openai_target(
+    args: argparse.Namespace, ca: bytes | None, token: str | None, timeout: float
+) -> TargetOptions:
+    url = args.target
+    if url is None or not url.startswith(URL_SCHEMES):
+        raise UsageError(f"--api openai needs --target http://HOST:PORT (or https://), "
+                         f"got {url!r}")
+    tls = url.startswith("https://")
+    if (args.tls or ca is not None) and not tls:
+        raise UsageError(f"--tls and --tls-ca need an https:// --target, got {url!r}")
+    if args.spec != "auto":
+        raise UsageError("--spec on|off is a field of specpage's gRPC request; "
+                         "the OpenAI API has none: drop it or use --api grpc")
+    return TargetOptions(url.rstrip("/"), tls, ca, token, timeout, api="openai",
+                         model=args.model or None)
 
 
 def workload(args: argparse.Namespace) -> Workload:

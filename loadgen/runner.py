@@ -19,7 +19,7 @@ import asyncio
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from loadgen.client import Client
+from loadgen.backend import Backend
 from loadgen.clock import RunClock
 from loadgen.record import RequestRecord
 from loadgen.workload import RequestSpec
@@ -53,7 +53,7 @@ class RunCounters:
 
 
 async def run_open_loop(
-    client: Client, specs: list[RequestSpec], clock: RunClock, counters: RunCounters,
+    client: Backend, specs: list[RequestSpec], clock: RunClock, counters: RunCounters,
     max_inflight: int,
 ) -> list[RequestRecord]:
     """Send each spec at clock time spec.offset_s; returns one record per spec."""
@@ -74,7 +74,7 @@ async def run_open_loop(
 
 
 async def run_closed_loop(
-    client: Client, specs: Iterator[RequestSpec], clock: RunClock, counters: RunCounters,
+    client: Backend, specs: Iterator[RequestSpec], clock: RunClock, counters: RunCounters,
     concurrency: int, duration_s: float | None = None,
 ) -> list[RequestRecord]:
     """`concurrency` workers, each sending its next request as soon as its last one ends."""
@@ -100,7 +100,7 @@ async def run_closed_loop(
 
 
 async def _issue(
-    client: Client, spec: RequestSpec, record: RequestRecord,
+    client: Backend, spec: RequestSpec, record: RequestRecord,
     run: tuple[RunClock, RunCounters], slots: asyncio.Semaphore | None,
 ) -> None:
     clock, counters = run

@@ -14,7 +14,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from loadgen.client import Client, RequestOptions, TargetOptions
+from loadgen.backend import RequestOptions, TargetOptions
+from loadgen.client import Client
 from loadgen.clock import RunClock
 from loadgen.metrics import summarize
 from loadgen.null_server import start_null_server

@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 
 from loadgen.arrivals import arrival_offsets
-from loadgen.client import Client, RequestOptions, TargetOptions
+from loadgen.backend import RequestOptions, TargetOptions
+from loadgen.client import Client
 from loadgen.clock import RunClock
 from loadgen.lengths import parse_lengths
 from loadgen.metrics import summarize
