@@ -8,12 +8,12 @@ from collections.abc import Sequence
 
 import grpc
 
-from specpage.commands import config, generate, info, kv_plan, models, serve
+from specpage.commands import chat, config, generate, info, kv_plan, models, serve
 from specpage.models.config import ModelLoadError
 
 COMMANDS = {
-    "config": config, "generate": generate, "info": info, "kv-plan": kv_plan, "models": models,
-    "serve": serve,
+    "chat": chat, "config": config, "generate": generate, "info": info, "kv-plan": kv_plan,
+    "models": models, "serve": serve,
 }
 
 
