@@ -211,6 +211,11 @@ def _render_sweep(
 async def _maybe_selfcheck(settings: RunSettings, disabled: bool) -> SelfCheck | None:
     if disabled:
         return None
+    if settings.target.api != "grpc":
+        # Its null target is a gRPC server: a figure for the gRPC client would say
+        # nothing about the HTTP one.
+        print("self-check: skipped, it measures the gRPC client only", file=sys.stderr)
+        return None
     check = await run_selfcheck(settings.workload)
     print(_selfcheck_line(check), file=sys.stderr)
     return check
