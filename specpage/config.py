@@ -81,6 +81,8 @@ class ServerSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     bearer_token_file: str | None = None  # e.g. a systemd credential, %d/bearer-token
     metrics_port: int | None = None  # None: no metrics endpoint
     metrics_host: str = "127.0.0.1"
+    http_port: int | None = None  # the OpenAI-compatible HTTP API; None: off
+    http_host: str = "127.0.0.1"
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -91,6 +93,11 @@ class ServerSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             _require(
                 port == 0 or port != self.port, "server.metrics_port must differ from port", port
             )
+        if self.http_port is not None:
+            port = self.http_port
+            _require(0 <= port <= 65535, "server.http_port must be in 0..65535", port)
+            _require(port == 0 or port not in (self.port, self.metrics_port),
+                     "server.http_port must differ from port and metrics_port", port)
         for name in ("max_queue", "max_message_bytes", "max_prompt_tokens"):
             _require(getattr(self, name) > 0, f"server.{name} must be > 0", getattr(self, name))
         _require(self.drain_grace_s >= 0, "server.drain_grace_s must be >= 0", self.drain_grace_s)
@@ -105,12 +112,16 @@ class ServerSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         _require(self.bearer_token != "", "server.bearer_token must not be empty", "")
         if self.bearer_token is not None and self.bearer_token_file is not None:
             raise ConfigError("set server.bearer_token or server.bearer_token_file, not both")
-        if not is_loopback(self.host) and not self.tls and not self.has_token:
-            raise ConfigError(
-                f"server.host {self.host!r} is not a loopback address: anything reachable "
-                "from other machines needs TLS (tls_cert, tls_key) or a bearer token "
-                "(bearer_token or bearer_token_file); the default binds 127.0.0.1 only"
-            )
+        hosts = [("host", self.host)]
+        if self.http_port is not None:
+            hosts.append(("http_host", self.http_host))
+        for name, host in hosts:
+            if not is_loopback(host) and not self.tls and not self.has_token:
+                raise ConfigError(
+                    f"server.{name} {host!r} is not a loopback address: anything reachable "
+                    "from other machines needs TLS (tls_cert, tls_key) or a bearer token "
+                    "(bearer_token or bearer_token_file); the default binds 127.0.0.1 only"
+                )
 
     @property
     def tls(self) -> bool:

@@ -29,12 +29,14 @@ from specpage import systemd
 from specpage.async_engine import AsyncEngine
 from specpage.config import Config, ConfigError, read_bearer_token
 from specpage.engine import Engine, EngineConfig, EngineStats, RequestOutput
+from specpage.frontend import Frontend
 from specpage.llm import load_tokenizer, resolve_model
 from specpage.metrics import Metrics, MetricsServer
 from specpage.models.config import ModelLoadError
 from specpage.models.loader import LoadedModel, load_model
+from specpage.openai_api.listener import HTTPListener, start_http
 from specpage.reflection import enable_reflection
-from specpage.server import BearerTokenInterceptor, GenerationService, wait_idle
+from specpage.server import BearerTokenInterceptor, GenerationService
 from specpage.startup import StartupError, check_port_free, tls_credentials
 from specpage.v1 import generation_pb2 as pb
 from specpage.v1 import generation_pb2_grpc as pb_grpc
@@ -153,9 +155,16 @@ class Listeners:
     health: health.aio.HealthServicer
     service: GenerationService
     metrics_server: MetricsServer | None
+    http: HTTPListener | None  # the OpenAI-compatible API, when server.http_port is set
+
+    @property
+    def frontend(self) -> Frontend:
+        return self.service.frontend
 
     async def close(self) -> None:
         await self.server.stop(None)
+        if self.http is not None:
+            await self.http.stop()
         if self.metrics_server is not None:
             self.metrics_server.close()
 
@@ -177,23 +186,29 @@ async def listen(config: Config, metrics: Metrics) -> Listeners:
                  # half the connections; a taken port must be an error instead.
                  ("grpc.so_reuseport", 0)],
     )
-    service = GenerationService(lambda engine: server_info(config, engine), s.max_prompt_tokens,
-                                on_first_token=metrics.observe_ttft)
+    frontend = Frontend(s.max_prompt_tokens, on_first_token=metrics.observe_ttft)
+    service = GenerationService(lambda engine: server_info(config, engine), frontend)
     pb_grpc.add_GenerationServicer_to_server(service, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     enable_reflection((SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name),
                       server)
+    metrics_server = None
     try:
         port = bind_grpc(server, s.host, s.port, credentials)
-        metrics_server = None
         if s.metrics_port is not None:
             metrics_server = start_metrics(metrics, s.metrics_host, s.metrics_port)
+        # /health answers 503 while the models load, as gRPC health does
+        http = start_http(config, frontend, metrics if s.metrics_port is not None else None,
+                          token)
     except StartupError:
         await server.stop(None)  # give back what was bound, on the loop that owns it
+        if metrics_server is not None:
+            metrics_server.close()
         raise
     await server.start()  # health answers NOT_SERVING while the models load
-    log.info("listening", extra={"address": f"{s.host}:{port}"})
-    return Listeners(server, port, health_servicer, service, metrics_server)
+    log.info("listening", extra={"address": f"{s.host}:{port}",
+                                 "http": None if http is None else f"{s.http_host}:{http.port}"})
+    return Listeners(server, port, health_servicer, service, metrics_server, http)
 
 
 def bind_grpc(server: grpc.aio.Server, host: str, port: int,
@@ -262,13 +277,16 @@ async def serve(config: Config) -> int:
         await stop.wait()
     finally:
         systemd.stopping()
-        log.info("draining", extra={"grace_s": s.drain_grace_s, "in_flight": service.in_flight})
+        frontend = listeners.frontend
+        log.info("draining", extra={"grace_s": s.drain_grace_s, "in_flight": frontend.in_flight})
         engine.draining = True
         await listeners.health.enter_graceful_shutdown()
-        await wait_idle(service, s.drain_grace_s)
+        await frontend.wait_idle(s.drain_grace_s)  # gRPC calls and HTTP requests alike
         await engine.stop()  # aborts what is left
-        service.close()
+        frontend.close()
         await listeners.server.stop(grace=1.0)
+        if listeners.http is not None:
+            await listeners.http.stop()
         if watchdog is not None:
             watchdog.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -20,40 +18,27 @@ from specpage.async_engine import (
     EngineFaultError,
     Final,
     QueueFullError,
+    RequestStream,
 )
 from specpage.completion import Durations
-from specpage.request import Request, SamplingParams, ValidationError
+from specpage.frontend import MAX_CACHE_SALT_BYTES as MAX_CACHE_SALT_BYTES
+from specpage.frontend import MAX_REQUEST_ID_LENGTH as MAX_REQUEST_ID_LENGTH
+from specpage.frontend import PREPARE_CONCURRENCY as PREPARE_CONCURRENCY
+from specpage.frontend import PROMPT_BYTES_PER_TOKEN as PROMPT_BYTES_PER_TOKEN
+from specpage.frontend import (
+    Frontend,
+    LoadingError,
+    Prompt,
+    Submission,
+    TextPrompt,
+    TokenPrompt,
+    check_request_id,
+)
+from specpage.request import SamplingParams, ValidationError
 from specpage.v1 import generation_pb2 as pb
 from specpage.v1 import generation_pb2_grpc as pb_grpc
 
 log = logging.getLogger("specpage.server")
-# Request ids are echoed as gRPC metadata, whose values must be printable
-# ASCII; 128 characters hold a UUID or a W3C trace id with room to spare.
-MAX_REQUEST_ID_LENGTH = 128
-# A text prompt of more bytes than max_prompt_tokens x this cannot fit and is
-# refused before it is tokenized. SmolLM2's longest token is 81 bytes; common
-# byte-level BPE vocabularies stay under 128 too, so no prompt that fits is refused.
-PROMPT_BYTES_PER_TOKEN = 128
-# Requests tokenized at once, off the event loop, by threads of their own. Fast
-# tokenizers release the GIL while they encode, so each one takes a core from
-# the engine's step thread. A pool this size bounds them however calls end: a
-# cancelled call cannot stop the thread tokenizing its prompt, only free its
-# place in a queue, so a semaphore around shared threads would let a client that
-# cancels at once keep any number of them busy.
-PREPARE_CONCURRENCY = 2
-# The salt goes into the hash of every prefix-cache block key, on the engine's
-# step thread: a tenant id is short, and a long salt would slow every stream.
-MAX_CACHE_SALT_BYTES = 256
-
-
-def check_request_id(request_id: str) -> None:
-    if len(request_id) > MAX_REQUEST_ID_LENGTH:
-        raise ValidationError("request_id", f"{len(request_id)} characters exceed the limit "
-                              f"of {MAX_REQUEST_ID_LENGTH}")
-    bad = next((c for c in request_id if not " " <= c <= "~"), None)
-    if bad is not None:
-        raise ValidationError("request_id", f"character U+{ord(bad):04X} is not printable "
-                              "ASCII (0x20-0x7E)")
 
 
 def spec_k(mode: int, k_max: int) -> int | None:
@@ -87,34 +72,24 @@ def sampling_params(message: pb.SamplingParameters) -> SamplingParams:
 
 
 class GenerationService(pb_grpc.GenerationServicer):
-    """Answers UNAVAILABLE until an engine is attached (models loading)."""
+    """Answers UNAVAILABLE until an engine is attached (models loading).
 
-    def __init__(
-        self,
-        info: Callable[[AsyncEngine], pb.ServerInfo],
-        max_prompt_tokens: int,
-        on_first_token: Callable[[float], None] = lambda s: None,
-    ) -> None:
-        self._engine: AsyncEngine | None = None
+    Proto messages in and out, errors as status codes; what a request goes
+    through on its way to the engine is the `Frontend`'s, shared with HTTP."""
+
+    def __init__(self, info: Callable[[AsyncEngine], pb.ServerInfo], frontend: Frontend) -> None:
         self.info = info
-        self.max_prompt_tokens = max_prompt_tokens
-        self.max_prompt_bytes = max_prompt_tokens * PROMPT_BYTES_PER_TOKEN
-        self.on_first_token = on_first_token
-        self.in_flight = 0
-        self._preparing = ThreadPoolExecutor(PREPARE_CONCURRENCY,
-                                             thread_name_prefix="specpage-prepare")
+        self.frontend = frontend
 
     def attach(self, engine: AsyncEngine) -> None:
-        self._engine = engine
+        self.frontend.attach(engine)
 
     def close(self) -> None:
-        """Drop the prompts still queued for tokenizing (their calls have ended)."""
-        self._preparing.shutdown(wait=False, cancel_futures=True)
+        self.frontend.close()
 
     @property
     def engine(self) -> AsyncEngine:
-        assert self._engine is not None
-        return self._engine
+        return self.frontend.engine
 
     async def Generate(  # noqa: N802 (the gRPC method name)
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -123,117 +98,61 @@ class GenerationService(pb_grpc.GenerationServicer):
         request_id = await _checked_id(request.request_id or uuid.uuid4().hex, context)
         await context.send_initial_metadata((("request-id", request_id),))
         stream = await self._admit(request, request_id, context, arrival)
-        self.in_flight += 1
         start = arrival
-        try:
-            async for event in stream.events():
-                if isinstance(event, Chunk):
-                    if start and event.token_ids:
-                        self.on_first_token(time.monotonic() - start)
-                        start = 0.0
-                    yield pb.GenerateEvent(chunk=_chunk(event))
-                else:
-                    # Every sample's chunks, each with its finish reason, are
-                    # sent by now; a request cut short ends with its status
-                    # instead of a Final event.
-                    code = _status(event.finish_reasons)
-                    if code is not grpc.StatusCode.OK:
-                        await context.abort(code, _cut_short(request_id, event.finish_reasons))
-                    yield pb.GenerateEvent(final=_final(event))
-        except EngineFaultError as error:
-            await context.abort(grpc.StatusCode.INTERNAL, str(error))
-        except DrainingError as error:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
-        finally:
-            # A cancelled call, a passed deadline or a vanished client all
-            # end here: the engine frees the blocks at its next step. Only
-            # this call's own stream: the id may already be reused.
-            if self.engine.streams.get(request_id) is stream:
-                self.engine.abort(request_id)
-            self.in_flight -= 1
+        # A cancelled call, a passed deadline or a vanished client all leave
+        # this block: the engine frees the blocks at its next step.
+        async with self.frontend.running(stream):
+            try:
+                async for event in stream.events():
+                    if isinstance(event, Chunk):
+                        if start and event.token_ids:
+                            self.frontend.on_first_token(time.monotonic() - start)
+                            start = 0.0
+                        yield pb.GenerateEvent(chunk=_chunk(event))
+                    else:
+                        # Every sample's chunks, each with its finish reason, are
+                        # sent by now; a request cut short ends with its status
+                        # instead of a Final event.
+                        code = _status(event.finish_reasons)
+                        if code is not grpc.StatusCode.OK:
+                            await context.abort(code, _cut_short(request_id,
+                                                                 event.finish_reasons))
+                        yield pb.GenerateEvent(final=_final(event))
+            except EngineFaultError as error:
+                await context.abort(grpc.StatusCode.INTERNAL, str(error))
+            except DrainingError as error:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
 
     async def _admit(self, request: pb.GenerateRequest, request_id: str,
-                     context: grpc.aio.ServicerContext, arrival: float) -> Any:
-        if self._engine is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the models are loading")
-        if self.engine.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is draining")
+                     context: grpc.aio.ServicerContext, arrival: float) -> RequestStream:
         try:
-            k = spec_k(request.spec, self.engine.engine.policy.k_max)
-            deadline = _deadline(request, context)
-            # Tokenizing and templating take seconds for megabytes of text: the
-            # event loop must keep answering health checks and streams meanwhile.
-            # A call cancelled while its prompt waits for a thread drops it from
-            # the queue; one already tokenizing runs to its end on its thread.
-            made = await asyncio.get_running_loop().run_in_executor(
-                self._preparing, self._make_request, request, request_id, deadline, arrival)
-            made.spec_k = k
-            return self.engine.submit(made)
+            self.frontend.check_open()
+            submission = Submission(
+                request_id, _prompt(request), sampling_params(request.sampling), arrival,
+                priority=request.priority, deadline=_deadline(request, context),
+                cache_salt=request.cache_salt,
+                spec_k=spec_k(request.spec, self.engine.engine.policy.k_max))
+            return await self.frontend.admit(submission)
         except ValidationError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         except QueueFullError as error:
             context.set_trailing_metadata((("retry-after-ms", str(error.retry_after_ms)),))
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
-        except DrainingError as error:
+        except (LoadingError, DrainingError) as error:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
-
-    def _make_request(self, request: pb.GenerateRequest, request_id: str,
-                      deadline: float | None, arrival: float) -> Request:
-        """All the work that grows with the request; runs off the event loop."""
-        salt = request.cache_salt.encode()
-        if len(salt) > MAX_CACHE_SALT_BYTES:
-            raise ValidationError("cache_salt", f"{len(salt)} bytes exceed the limit of "
-                                  f"{MAX_CACHE_SALT_BYTES}")
-        prompt_field = "token_ids" if request.token_ids else "text"
-        made = self.engine.engine.make_request(
-            request_id, self._prompt(request), sampling_params(request.sampling),
-            request.priority, deadline, prompt_field=prompt_field, arrival=arrival)
-        if len(made.prompt_token_ids) > self.max_prompt_tokens:
-            raise ValidationError(prompt_field, f"{len(made.prompt_token_ids)} tokens exceed "
-                                  f"the limit of {self.max_prompt_tokens}")
-        made.cache_salt = salt
-        return made
-
-    def _prompt(self, request: pb.GenerateRequest) -> str | list[int]:
-        """The prompt, refused by its size before any per-token work."""
-        if request.text and request.token_ids:
-            raise ValidationError("prompt", "give text or token_ids, not both")
-        if not (request.text or request.token_ids or request.chat):
-            raise ValidationError("prompt", "give text or token_ids")
-        if len(request.token_ids) > self.max_prompt_tokens:
-            raise ValidationError("token_ids", f"{len(request.token_ids)} tokens exceed the "
-                                  f"limit of {self.max_prompt_tokens}")
-        if request.token_ids:
-            if request.chat:
-                raise ValidationError("chat", "the chat template wraps text, not token_ids")
-            return list(request.token_ids)
-        size = len(request.text.encode())
-        if size > self.max_prompt_bytes:
-            raise ValidationError("text", f"{size} bytes exceed the limit of "
-                                  f"{self.max_prompt_bytes} ({self.max_prompt_tokens} tokens)")
-        prompt: str | list[int]
-        if request.chat:
-            tokenizer = self.engine.engine.tokenizer
-            if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-                raise ValidationError("chat", "the model has no chat template")
-            from specpage.llm import chat_prompt
-
-            prompt = chat_prompt(tokenizer, request.text)
-        else:
-            prompt = request.text
-        return prompt
+        raise AssertionError("context.abort raises")
 
     async def Abort(  # noqa: N802
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
     ) -> pb.AbortResponse:
         request_id = await _checked_id(request.request_id, context)
-        found = self._engine is not None and self.engine.abort(request_id)
+        found = self.frontend.ready and self.engine.abort(request_id)
         return pb.AbortResponse(found=found)
 
     async def GetServerInfo(  # noqa: N802
         self, request: pb.ServerInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.ServerInfo:
-        if self._engine is None:
+        if not self.frontend.ready:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the models are loading")
         return self.info(self.engine)
 
@@ -245,6 +164,19 @@ async def _checked_id(request_id: str, context: grpc.aio.ServicerContext) -> str
     except ValidationError as error:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
     return request_id
+
+
+def _prompt(request: pb.GenerateRequest) -> Prompt:
+    """Which prompt the message carries; sizing and tokenizing are the Frontend's."""
+    if request.text and request.token_ids:
+        raise ValidationError("prompt", "give text or token_ids, not both")
+    if not (request.text or request.token_ids or request.chat):
+        raise ValidationError("prompt", "give text or token_ids")
+    if request.token_ids:
+        if request.chat:
+            raise ValidationError("chat", "the chat template wraps text, not token_ids")
+        return TokenPrompt(request.token_ids, "token_ids")
+    return TextPrompt(request.text, "text", chat=request.chat)
 
 
 def _deadline(request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> float | None:
@@ -329,11 +261,3 @@ def _deny(method: str) -> grpc.RpcMethodHandler:
     if method.endswith("/Generate"):
         return grpc.unary_stream_rpc_method_handler(stream)
     return grpc.unary_unary_rpc_method_handler(unary)
-
-
-async def wait_idle(service: GenerationService, grace: float) -> bool:
-    """Wait until no call is in flight, at most grace seconds."""
-    end = time.monotonic() + grace
-    while service.in_flight and time.monotonic() < end:
-        await asyncio.sleep(0.05)
-    return service.in_flight == 0

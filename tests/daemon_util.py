@@ -30,12 +30,17 @@ def tiny_pair(folder: Path) -> tuple[Path, Path]:
 
 
 class Daemon:
-    """`python -m specpage serve` in a subprocess; stopped with SIGTERM."""
+    """`python -m specpage serve` in a subprocess; stopped with SIGTERM.
+    http=True serves the OpenAI-compatible API too, at http_url."""
 
     def __init__(self, folder: Path, engine: str = "", server: str = "",
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, http: bool = False) -> None:
         target, draft = tiny_pair(folder / "models")
         self.port = free_port()
+        self.http_port = free_port() if http else None
+        if self.http_port is not None:
+            server += f"\nhttp_port = {self.http_port}\n"
+        self.http_url = f"http://127.0.0.1:{self.http_port}"
         self.config = folder / f"specpage-{self.port}.toml"
         self.config.write_text(
             f'[model]\ntarget = "{target}"\ndraft = "{draft}"\n'

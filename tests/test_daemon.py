@@ -286,6 +286,7 @@ async def test_final_event_type(daemon):
 async def test_an_engine_fault_is_internal_and_the_daemon_keeps_serving(tmp_path):
     """In-process server so the fault can be injected into the engine."""
     from specpage.async_engine import AsyncEngine
+    from specpage.frontend import Frontend
     from specpage.server import GenerationService
     from specpage.v1 import generation_pb2_grpc as pb_grpc
 
@@ -293,7 +294,7 @@ async def test_an_engine_fault_is_internal_and_the_daemon_keeps_serving(tmp_path
     engine = Engine(load_model(target), load_model(draft), None,
                     EngineConfig(block_size=4, num_blocks=256, spec_k=2))
     async_engine = AsyncEngine(engine)
-    service = GenerationService(lambda e: None, max_prompt_tokens=100)
+    service = GenerationService(lambda e: None, Frontend(max_prompt_tokens=100))
     service.attach(async_engine)
     server = grpc.aio.server()
     pb_grpc.add_GenerationServicer_to_server(service, server)

@@ -17,8 +17,9 @@ from specpage.client import Client
 from specpage.config import Config
 from specpage.daemon import server_info
 from specpage.engine import Engine, EngineConfig
+from specpage.frontend import PREPARE_CONCURRENCY, Frontend
 from specpage.models.loader import load_model
-from specpage.server import PREPARE_CONCURRENCY, GenerationService
+from specpage.server import GenerationService
 from specpage.v1 import generation_pb2_grpc as pb_grpc
 from tests.models_util import tiny_checkpoint
 
@@ -28,16 +29,16 @@ RELEASE_TIMEOUT_S = 60.0  # a prepare that is never released fails the test
 
 
 class BlockingPrepare:
-    """Wraps the service's prepare step: each one blocks until released and
+    """Wraps the front end's prepare step: each one blocks until released and
     the most running at once is counted."""
 
-    def __init__(self, service: GenerationService) -> None:
+    def __init__(self, frontend: Frontend) -> None:
         self.release = threading.Event()
         self.started = threading.Semaphore(0)
         self.running = 0
         self.most = 0
         self._lock = threading.Lock()
-        prepare = service._make_request
+        prepare = frontend._make_request
 
         def blocking(*args: object) -> object:
             with self._lock:
@@ -51,7 +52,7 @@ class BlockingPrepare:
                 with self._lock:
                     self.running -= 1
 
-        service._make_request = blocking  # type: ignore[method-assign]
+        frontend._make_request = blocking  # type: ignore[method-assign]
 
 
 @pytest.mark.asyncio
@@ -60,9 +61,9 @@ async def test_calls_cancelled_while_tokenizing_cannot_start_more_tokenizers(tmp
     engine = Engine(load_model(tmp_path / "target"), None, None,
                     EngineConfig(block_size=4, num_blocks=64, max_num_seqs=4))
     async_engine = AsyncEngine(engine)
-    service = GenerationService(lambda e: server_info(Config(), e), max_prompt_tokens=100)
+    service = GenerationService(lambda e: server_info(Config(), e), Frontend(max_prompt_tokens=100))
     service.attach(async_engine)
-    prepare = BlockingPrepare(service)
+    prepare = BlockingPrepare(service.frontend)
     server = grpc.aio.server()
     pb_grpc.add_GenerationServicer_to_server(service, server)
     port = server.add_insecure_port("127.0.0.1:0")

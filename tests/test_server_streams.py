@@ -22,6 +22,7 @@ from specpage.client import Chunk, Client, Final, IncompleteError
 from specpage.config import Config
 from specpage.daemon import server_info
 from specpage.engine import Engine, EngineConfig
+from specpage.frontend import Frontend
 from specpage.models.loader import load_model
 from specpage.request import Request, SamplingParams
 from specpage.server import GenerationService
@@ -115,7 +116,7 @@ class Served:
 async def serving(target: Path, max_num_seqs: int = 4, max_queue: int = 8) -> AsyncIterator[Served]:
     engine = Engine(load_model(target), None, None, engine_config(max_num_seqs))
     async_engine = AsyncEngine(engine, max_queue)
-    service = GenerationService(lambda e: server_info(Config(), e), max_prompt_tokens=100)
+    service = GenerationService(lambda e: server_info(Config(), e), Frontend(max_prompt_tokens=100))
     service.attach(async_engine)
     server = grpc.aio.server()
     pb_grpc.add_GenerationServicer_to_server(service, server)

@@ -14,7 +14,8 @@ from specpage.config import load_config, parse_override
 from specpage.logging_setup import configure_logging
 
 # flag -> dotted config key
-SHORTCUTS = {"host": "server.host", "port": "server.port", "target": "model.target",
+SHORTCUTS = {"host": "server.host", "port": "server.port", "http_port": "server.http_port",
+             "target": "model.target",
              "draft": "model.draft", "spec_k": "engine.spec_k"}
 
 
@@ -25,6 +26,8 @@ def add_parser(sub: Any, name: str) -> None:
                         metavar="SECTION.KEY=VALUE", help="override one key (repeatable)")
     parser.add_argument("--host", help="bind address (default 127.0.0.1)")
     parser.add_argument("--port", help="gRPC port (default 50051; 0: any free port)")
+    parser.add_argument("--http-port", help="OpenAI-compatible HTTP API port (default off; "
+                        "0: any free port)")
     parser.add_argument("--target", help="target model: HF folder, .gguf or a known name")
     parser.add_argument("--draft", help="draft model (empty: no speculation)")
     parser.add_argument("--spec-k", help="largest k (0: no speculation)")
