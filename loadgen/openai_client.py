@@ -220,17 +220,24 @@ async def _read_events(
             raise StreamError("INTERNAL", _message(data.encode()))
         usage = chunk.get("usage")
         for choice in chunk.get("choices") or ():
-            if choice.get("index", 0) != 0:
+            if choice.get("index", 0) != 0 or _announces_role(choice, chat):
                 continue
-            text = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+            # A chunk brings tokens even without text: a server without a tokenizer, or
+            # one holding back part of a character, streams them with empty text.
             if usage:  # vLLM's continuous_usage_stats: the count so far, as gRPC's num_tokens
                 record.add_chunk(now, int(usage.get("completion_tokens") or 0))
-            elif text:  # otherwise each chunk with text is a token until the usage says more
+            else:  # otherwise each chunk is a token until the usage says more
                 record.add_chunk(now, record.num_tokens + 1)
             record.finish_reason = choice.get("finish_reason") or record.finish_reason
         if usage and not chunk.get("choices"):
             _record_usage(record, usage)
     raise StreamError("INTERNAL", f"stream ended without data: {DONE}")
+
+
+def _announces_role(choice: dict[str, Any], chat: bool) -> bool:
+    """The chat stream's opening chunk names the role and carries no token."""
+    delta = choice.get("delta") or {}
+    return chat and "role" in delta and not delta.get("content")
 
 
 def _record_usage(record: RequestRecord, usage: dict[str, Any]) -> None:

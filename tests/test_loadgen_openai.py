@@ -235,6 +235,16 @@ async def test_chat_role_chunk_is_no_token_and_continuous_usage_counts_each_chun
 
 
 @pytest.mark.asyncio
+async def test_chunks_without_text_still_bring_tokens():
+    # A server without a tokenizer streams its tokens with empty text (chat: empty delta).
+    pieces = sse(chat_chunk({"role": "assistant", "content": ""}), chat_chunk({}),
+                 chat_chunk({}, "length"), usage_chunk(3, 4), "[DONE]")
+    replay = ReplayServer({0: Reply(pieces, gap_s=0.02)})
+    [record], _ = await run_specs(replay, [spec(0, prompt="hi")], RequestOptions(chat=True))
+    assert [count for _, count in record.chunks] == [2, 4] and record.num_tokens == 4
+
+
+@pytest.mark.asyncio
 async def test_one_token_in_two_text_chunks_keeps_one_chunk():
     pieces = sse(completion_chunk("a"), completion_chunk("!", "length"),
                  usage_chunk(3, 1), "[DONE]")
@@ -315,3 +325,4 @@ async def test_health_waits_for_200_and_names_what_it_last_saw():
         await client.close()
         server.should_exit = True
         await task
+
