@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import math
 import time
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
@@ -195,7 +196,11 @@ async def test_latencies_from_multi_token_chunks():
         gaps = np.diff(times)
         assert rec.itl_s() == pytest.approx([gaps[0] / 3] * 3 + [gaps[1] / 2] * 2 + [gaps[2]])
         assert all(near(gap, 0.02, 0.008 + late) for gap in gaps)
-    summary = summarize(records, parse_slo("ttft=100ms,tpot=50ms,e2e=1s"))
+    # SLOs the scripted timings meet with room to spare, widened by the loop's
+    # lateness, which may have added to any of them (as to the bounds above)
+    slack_ms = math.ceil(1000 * late)
+    summary = summarize(records, parse_slo(
+        f"ttft={100 + slack_ms}ms,tpot={50 + slack_ms}ms,e2e={1000 + slack_ms}ms"))
     assert summary.slo_attainment == 1.0 and summary.slo_met == 3
     assert summary.latency["itl_s"].count == 18
     assert summary.latency["itl_s"].mean == pytest.approx(summary.latency["tpot_s"].mean)
