@@ -3,6 +3,7 @@ tiny model with SmolLM2's tokenizer and chat template."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -13,6 +14,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from specpage.models.fetch import ensure_model
+from tests.daemon_util import Daemon
 from tests.models_util import tiny_checkpoint
 
 VOCAB = 49152  # SmolLM2's, whose tokenizer the tiny model shares
@@ -71,3 +73,31 @@ def test_end_of_input_leaves_with_status_0_and_a_system_message_opens_each_promp
     [prompt] = PROMPT_BLOCK.findall(done.stderr)
     assert prompt == rendered(model, [{"role": "system", "content": "Answer briefly."},
                                       {"role": "user", "content": "hi"}])
+
+
+def test_with_a_daemon_the_http_front_renders_the_same_conversation(model, tmp_path):
+    # The daemon's models are this tiny model (the target) and a one-layer draft, with
+    # the same tokenizer; greedy replies are the target's, as in-process.
+    models = tmp_path / "models"
+    shutil.copytree(model, models / "target")
+    tiny_checkpoint(models / "draft", seed=1, num_hidden_layers=1, vocab_size=VOCAB)
+    for file in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(model / file, models / "draft" / file)
+    daemon = Daemon(tmp_path, http=True)
+    try:
+        daemon.wait_serving()
+        typed = "hello there\nwhat did I say?\n/exit\n"
+        remote = chat(model, typed, "--url", daemon.http_url)
+    finally:
+        assert daemon.stop() == 0, daemon.log.read_text()
+    local = chat(model, typed)
+    assert remote.returncode == local.returncode == 0, remote.stderr
+    assert remote.stdout == local.stdout and remote.stdout.count("> ") == 3
+    first, second = PROMPT_BLOCK.findall(remote.stderr)  # the messages sent, as JSON
+    reply = remote.stdout.split("> ")[1].removesuffix("\n")
+    assert json.loads(second) == [
+        {"role": "user", "content": "hello there"},
+        {"role": "assistant", "content": reply},
+        {"role": "user", "content": "what did I say?"},
+    ]
+    assert json.loads(first) == [{"role": "user", "content": "hello there"}]

@@ -14,6 +14,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import uvicorn
@@ -23,10 +24,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from loadgen.backend import RequestOptions, TargetError, TargetOptions
+from loadgen.cli import main
 from loadgen.openai_client import OpenAIClient, build_body
 from loadgen.record import RequestRecord
 from loadgen.sse import event_data
 from loadgen.workload import RequestSpec
+from tests.daemon_util import Daemon
 
 MODEL = "replayed-model"
 CONNECTIONS = 8
@@ -326,3 +329,55 @@ async def test_health_waits_for_200_and_names_what_it_last_saw():
         server.should_exit = True
         await task
 
+
+# ---------------------------------------------------------------- a real daemon
+
+DAEMON_REQUESTS = 8
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    process = Daemon(tmp_path_factory.mktemp("loadgen-openai"), http=True)
+    process.wait_serving()
+    yield process
+    assert process.stop() == 0, process.log.read_text()
+
+
+def loadgen_run(out: Path, *target: str) -> dict:
+    code = main([
+        "run", *target, "--no-progress", "--no-selfcheck", "--no-plots", "--rate", "4",
+        "--requests", str(DAEMON_REQUESTS), "--warmup", "1", "--prompt-len", "uniform:4,24",
+        "--output-len", "uniform:4,12", "--vocab-size", "211", "--temperature", "0",
+        "--slo", "ttft=5s,tpot=1s", "--seed", "3", "--out", str(out),
+    ])
+    assert code == 0
+    return json.loads((out / "report.json").read_text())
+
+
+def test_a_run_over_http_counts_every_request_and_the_same_tokens_as_over_grpc(
+    daemon, tmp_path
+):
+    http = loadgen_run(tmp_path / "http", "--api", "openai", "--target", daemon.http_url)
+    counts = http["summary"]["counts"]
+    assert (counts["measured"], counts["sent"], counts["completed"]) == (DAEMON_REQUESTS,) * 3
+    assert counts["errors"] == counts["cancelled"] == counts["unsent"] == 0
+    assert http["target"] == {
+        "api": "openai", "address": daemon.http_url,
+        "model": str(daemon.config.parent / "models" / "target"),
+        "endpoints": {"/v1/completions": DAEMON_REQUESTS + 1},
+    }
+    records = http["records"]
+    for record in records:
+        # ignore_eos: exactly the asked length, counted by the server's usage
+        assert record["num_tokens"] == record["max_tokens"] == record["completion_tokens"]
+        assert record["prompt_tokens"] == record["prompt_len"]
+        assert record["chunks"][-1][1] == record["num_tokens"]
+    assert http["summary"]["latency"]["ttft_s"]["count"] == DAEMON_REQUESTS
+    assert http["summary"]["latency"]["tpot_s"]["count"] == DAEMON_REQUESTS
+
+    grpc_run = loadgen_run(tmp_path / "grpc", "--target", daemon.address)
+    assert grpc_run["target"] == {"api": "grpc", "address": daemon.address}
+    tokens = [(r["prompt_tokens"], r["completion_tokens"], r["cached_tokens"])
+              for r in records]
+    assert tokens == [(r["prompt_tokens"], r["completion_tokens"], r["cached_tokens"])
+                      for r in grpc_run["records"]]
