@@ -8,9 +8,10 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -40,6 +41,65 @@ def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1) -> f
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+# Rounds of a comparison: one slow spell of a shared 2-core machine can move a
+# single run by ±10%, so every system runs several times in rotated order.
+ROUNDS_FULL = 3
+ROUNDS_QUICK = 2
+
+Job = TypeVar("Job")
+
+
+def rounds(quick: bool, full: int = ROUNDS_FULL) -> int:
+    return ROUNDS_QUICK if quick else max(ROUNDS_FULL, full)
+
+
+@dataclass(frozen=True)
+class Spread:
+    """One system's figures over the rounds of a comparison."""
+
+    median: float
+    low: float
+    high: float
+    runs: tuple[float, ...]
+
+    @classmethod
+    def of(cls, runs: list[float]) -> Spread:
+        return cls(statistics.median(runs), min(runs), max(runs), tuple(runs))
+
+    def as_json(self) -> dict[str, Any]:
+        return {"median": self.median, "min": self.low, "max": self.high, "runs": list(self.runs)}
+
+
+def rotated(systems: Mapping[str, Callable[[Job], float]], job: Job, warmup: Job,
+            count: int) -> dict[str, Spread]:
+    """Each system's figure for `job` over `count` rounds. Every system first runs
+    the same `warmup` job untimed; round r then starts at the r-th system, so
+    that no system always runs first (after a pause) or last (after the others
+    warmed the caches)."""
+    for run in systems.values():
+        run(warmup)
+    names = list(systems)
+    figures: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(count):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            figures[name].append(systems[name](job))
+            print(f"round {r}: {name} {figures[name][-1]:.2f}", file=sys.stderr, flush=True)
+    return {name: Spread.of(values) for name, values in figures.items()}
+
+
+def compare(ours: Spread, theirs: Spread, higher_is_better: bool = True) -> dict[str, Any]:
+    """ours against theirs: the ratio of medians (above 1 means ours is better)
+    and a verdict. When the two min–max spreads overlap the rounds cannot tell
+    the systems apart, and the verdict is "level" whatever the ratio."""
+    ratio = ours.median / theirs.median if higher_is_better else theirs.median / ours.median
+    if ours.low <= theirs.high and theirs.low <= ours.high:
+        verdict = "level"
+    else:
+        verdict = "better" if ratio > 1 else "worse"
+    return {"ratio": ratio, "verdict": verdict}
 
 
 def copy_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:

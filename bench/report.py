@@ -7,6 +7,7 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -53,41 +54,62 @@ def model_runner(r: dict) -> list[str]:
     return rows
 
 
+def spread(s: dict, digits: int = 1) -> str:
+    """A median with its min–max over the rounds."""
+    return f"{fmt(s['median'], digits)} ({fmt(s['min'], digits)}–{fmt(s['max'], digits)})"
+
+
+def verdict(c: dict) -> str:
+    """A ratio of medians; "level" when the rounds' spreads overlap."""
+    return f"**{fmt(c['ratio'])}×**" + (", level (spreads overlap)"
+                                        if c["verdict"] == "level" else f", {c['verdict']}")
+
+
 def engine(r: dict) -> list[str]:
-    t = r["throughput_tok_s"]
-    rows = [f"| {r['requests']} concurrent requests, mixed lengths, greedy: specpage, target "
-            f"alone | {fmt(t['specpage'], 1)} tok/s | |"]
+    t, vs = r["tok_s"], r["specpage_vs"]
+    rows = [f"| {r['requests']} concurrent requests, mixed lengths, greedy, median (min–max) of "
+            f"{r['rounds']} rotated rounds: specpage, target alone | {spread(t['specpage'])} "
+            f"tok/s | |"]
     if "specpage_with_draft" in t:
         rows.append(f"| the same, specpage with the default draft (adaptive k) | "
-                    f"{fmt(t['specpage_with_draft'], 1)} tok/s | |")
+                    f"{spread(t['specpage_with_draft'])} tok/s | against the target alone: "
+                    f"{verdict(r['specpage_with_draft_vs_specpage'])} |")
     peers = {"hf_static_batch": "HF `generate`, static left-padded batch",
-             "hf_continuous_batching": "HF `generate_batch` (continuous batching)",
-             "vllm_cpu": "vLLM CPU (eager, both cores)"}
+             "hf_continuous_batching": "HF continuous batching, per-request lengths"}
+    peers.update({name: f"vLLM CPU, {name.removeprefix('vllm_').replace('_', ', ')}"
+                  for name in t if name.startswith("vllm_")})
     for key, name in peers.items():
-        if key in t:
-            rows.append(f"| {name} | {fmt(t[key], 1)} tok/s | specpage is "
-                        f"**{fmt(r['specpage_vs_' + key])}×** |")
-    if "vllm_cpu" not in t:
-        rows.append(f"| vLLM CPU | not measured | {r.get('vllm', {}).get('error', '?')} |")
+        best = " (vLLM's best here)" if key == r.get("vllm_best") else ""
+        rows.append(f"| {name}{best} | {spread(t[key])} tok/s | specpage is "
+                    f"{verdict(vs[key])} |")
+    for key, why in r.get("vllm_errors", {}).items():
+        rows.append(f"| vLLM CPU {key} | not measured | {why[:300]} |")
+    for key, same in r.get("outputs_vs_vllm", {}).items():
+        rows.append(f"| greedy outputs against {key} | {same['exact']} of {same['requests']} "
+                    f"identical | {same['first_32']} share their first 32 tokens |")
     return rows
 
 
 def speculation(r: dict) -> list[str]:
     ms = r["ms_per_token"]
-    off = ms["off"]
+    off = ms["off"]["median"]
     names = {"off": "specpage, target alone (speculation off)",
              "adaptive": "specpage, default pair, adaptive k",
              "fixed_k4": "specpage, default pair, k = 4",
              "useless_draft_adaptive": "specpage, random-weight draft, adaptive k (the guard)",
              "hf_generate": "HF `generate`, target alone",
              "hf_assisted": "HF assisted generation, same draft",
-             "vllm_alone": "vLLM CPU, target alone",
+             "vllm_alone": f"vLLM CPU, target alone ({r.get('vllm_best', '?')})",
              "vllm_with_draft": "vLLM CPU, same draft (k = 4)"}
-    rows = [f"| {names[key]} | {fmt(ms[key], 1)} ms/token | "
-            f"{fmt(off / ms[key])}× the target alone |" for key in names if key in ms]
-    for key, result in r.get("vllm", {}).items():
-        if "error" in result:
-            rows.append(f"| {names['vllm_' + key]} | not measured | {result['error'][:300]} |")
+    rows = [f"| {names[key]} | {spread(ms[key])} ms/token | "
+            f"{fmt(off / ms[key]['median'])}× the target alone |" for key in names if key in ms]
+    for key, why in r.get("vllm_errors", {}).items():
+        rows.append(f"| vLLM CPU {key} | not measured | {why[:300]} |")
+    for key, name in (("adaptive_vs_off", "adaptive k"), ("useless_draft_vs_off", "the guard"),
+                      ("adaptive_vs_vllm_alone", "adaptive k against vLLM alone")):
+        if key in r:
+            rows.append(f"| {name}, speed ratio | {verdict(r[key])} | median of "
+                        f"{r['rounds']} rotated rounds |")
     rows.append(f"| per-token acceptance at k = 4, held-out prompts | "
                 f"{fmt(r['per_token_acceptance_k4'])} | accepted / drafted "
                 f"{fmt(r['accepted_over_drafted_k4'])} |")
@@ -95,13 +117,13 @@ def speculation(r: dict) -> list[str]:
 
 
 def adaptive(r: dict) -> list[str]:
-    t = r["tok_s_median"]
+    t = r["tok_s"]
     rows = [f"| {r['requests']} concurrent requests, mixed lengths, greedy, speculation off | "
-            f"{fmt(t['off'], 1)} tok/s | median of {r['rounds']} rotated rounds |"]
+            f"{spread(t['off'])} tok/s | median (min–max) of {r['rounds']} rotated rounds |"]
     for key, name in (("default_draft", "default draft"), ("useless_draft", "random-weight draft")):
-        rows.append(f"| the same, {name}, adaptive k | {fmt(t[key], 1)} tok/s | "
-                    f"**{fmt(r[key + '_vs_off'])}×** speculation off; "
-                    f"{fmt(r['drafted_per_output_token'][key])} proposals per output token |")
+        rows.append(f"| the same, {name}, adaptive k | {spread(t[key])} tok/s | "
+                    f"against speculation off: {verdict(r[key + '_vs_off'])}; "
+                    f"{fmt(r['drafted_per_output_token'][key], 3)} proposals per output token |")
     return rows
 
 
@@ -142,6 +164,13 @@ def overhead(r: dict) -> list[str]:
     return rows
 
 
+def rows(render: Callable[[dict], list[str]], result: dict) -> list[str]:
+    try:
+        return render(result)
+    except (KeyError, TypeError):  # written by an older version of the script
+        return ["| result in an older format: rerun this benchmark | | |"]
+
+
 SECTIONS = {"block_pool": block_pool, "model_runner": model_runner, "engine": engine,
             "speculation": speculation, "adaptive": adaptive, "memory": memory,
             "overhead": overhead}
@@ -167,7 +196,8 @@ def main() -> None:
             "%Y-%m-%d", time.localtime(path.stat().st_mtime))
         form = "short form (--quick)" if result.get("quick") else "full run"
         lines += [f"## {name}", "", f"{form}, {when}", "",
-                  "| case | specpage | peer and ratio |", "|---|---|---|", *render(result), ""]
+                  "| case | specpage | peer and ratio |", "|---|---|---|", *rows(render, result),
+                  ""]
     gpu = RESULTS / "kernels_gpu.json"
     if gpu.is_file():
         lines += ["## kernels_gpu", "", "```", gpu.read_text().strip(), "```", ""]

@@ -11,8 +11,12 @@ one run:
 - the guard: adaptive k with a useless draft (the draft's architecture with
   random weights) against speculation off; it must cost at most 5%.
 
-Variants run prompt by prompt in turn, so a slow spell of the machine
-touches them all alike. Outputs end at EOS or max tokens.
+Every variant first runs the first prompt untimed (the same warm-up for
+all), then all variants run every prompt in rotated order for several rounds
+(bench/common.py): medians and min–max spreads of ms per token count, and a
+ratio whose spreads overlap is "level". Outputs end at EOS or max tokens.
+vLLM's configurations are tried as in bench/engine.py, the fastest counting
+as "vLLM alone".
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +34,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import finish, machine, parse_args  # noqa: E402
+from bench.common import compare, finish, machine, parse_args, rotated, rounds  # noqa: E402
 from bench.prompts import chat_prompts  # noqa: E402
-from bench.vllm_cpu import run_job  # noqa: E402
+from bench.vllm_cpu import VllmPeer, modes, start_peers  # noqa: E402
 from specpage.engine import EngineConfig  # noqa: E402
 from specpage.llm import LLM, chat_prompt  # noqa: E402
 from specpage.models.fetch import ensure_model  # noqa: E402
@@ -50,55 +56,62 @@ def useless_draft(draft: Path, out: Path) -> Path:
     return out
 
 
+WARMUP_TOKENS = 4  # each variant's untimed first run: one prompt, this many tokens
+
+
+@dataclass(frozen=True)
+class Prompts:
+    prompts: list[list[int]]
+    max_tokens: int
+
+
 class Timed:
-    """One engine configuration, timed over the prompts it has run."""
+    """One specpage configuration: ms per output token over the prompts, one
+    at a time; keeps the outputs of its last run."""
 
     def __init__(self, llm: LLM) -> None:
-        self.llm, self.seconds, self.tokens, self.outputs = llm, 0.0, 0, []
+        self.llm = llm
+        self.outputs: list[list[int]] = []
 
-    def run(self, prompt: list[int], max_tokens: int) -> None:
-        params = SamplingParams(max_tokens=max_tokens, temperature=0)
-        start = time.perf_counter()
-        out = self.llm.generate([prompt], params)[0].samples[0].token_ids
-        self.seconds += time.perf_counter() - start
-        self.tokens += len(out)
-        self.outputs.append(out)
-
-    @property
-    def ms_per_token(self) -> float:
-        return self.seconds / max(1, self.tokens) * 1e3
+    def __call__(self, job: Prompts) -> float:
+        params = SamplingParams(max_tokens=job.max_tokens, temperature=0)
+        outputs, seconds = [], 0.0
+        for prompt in job.prompts:
+            start = time.perf_counter()
+            outputs.append(self.llm.generate([prompt], params)[0].samples[0].token_ids)
+            seconds += time.perf_counter() - start
+        self.outputs = outputs
+        return seconds / max(1, sum(map(len, outputs))) * 1e3
 
 
 class TimedHF:
     def __init__(self, model: Any, assistant: Any = None) -> None:
         self.model, self.assistant = model, assistant
-        self.seconds, self.tokens = 0.0, 0
 
-    def run(self, prompt: list[int], max_tokens: int) -> None:
-        ids = torch.tensor([prompt])
-        kwargs = {"attention_mask": torch.ones_like(ids), "max_new_tokens": max_tokens,
-                  "do_sample": False, "pad_token_id": 2}
-        if self.assistant is not None:
-            kwargs["assistant_model"] = self.assistant
-        start = time.perf_counter()
-        with torch.inference_mode():
-            out = self.model.generate(ids, **kwargs)
-        self.seconds += time.perf_counter() - start
-        self.tokens += out.shape[1] - ids.shape[1]
-
-    @property
-    def ms_per_token(self) -> float:
-        return self.seconds / max(1, self.tokens) * 1e3
+    def __call__(self, job: Prompts) -> float:
+        seconds, tokens = 0.0, 0
+        for prompt in job.prompts:
+            ids = torch.tensor([prompt])
+            kwargs = {"attention_mask": torch.ones_like(ids), "max_new_tokens": job.max_tokens,
+                      "do_sample": False, "pad_token_id": 2}
+            if self.assistant is not None:
+                kwargs["assistant_model"] = self.assistant
+            start = time.perf_counter()
+            with torch.inference_mode():
+                out = self.model.generate(ids, **kwargs)
+            seconds += time.perf_counter() - start
+            tokens += out.shape[1] - ids.shape[1]
+        return seconds / max(1, tokens) * 1e3
 
 
-def vllm_single(target: Path, draft: Path | None, prompts: list[list[int]],
-                max_tokens: int, threads: int) -> dict[str, Any]:
-    """ms per output token over the prompts, one at a time, in one vLLM process."""
-    job = {"kind": "single", "model": str(target), "prompts": prompts, "tokens": max_tokens,
-           "draft": str(draft) if draft else None, "k": 4}
-    result = run_job(job, threads)
-    result.pop("outputs", None)
-    return result
+class TimedVllm:
+    def __init__(self, peer: VllmPeer) -> None:
+        self.peer = peer
+
+    def __call__(self, job: Prompts) -> float:
+        outputs, seconds = self.peer.generate(job.prompts, [job.max_tokens] * len(job.prompts),
+                                              ignore_eos=False, one_at_a_time=True)
+        return seconds / max(1, sum(map(len, outputs))) * 1e3
 
 
 def main() -> None:
@@ -110,6 +123,8 @@ def main() -> None:
     target = ensure_model("smollm2-135m")
     count, max_tokens = (2, 24) if args.quick else (8, 128)
     config = {"num_blocks": 512, "max_num_seqs": 4}
+    peers: dict[str, VllmPeer] = {}
+    vllm_errors: dict[str, str] = {}
     with tempfile.TemporaryDirectory() as tmp:
         useless = useless_draft(args.draft, Path(tmp) / "useless")
         engines = {
@@ -122,52 +137,71 @@ def main() -> None:
                 spec_k=6, adaptive_k=True, **config))),
         }
         tokenizer = engines["off"].llm.tokenizer
-        prompts = [chat_prompt(tokenizer, text) for text in chat_prompts(count)]
+        prompts = Prompts([chat_prompt(tokenizer, text) for text in chat_prompts(count)],
+                          max_tokens)
         hf_target = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
         hf_draft = AutoModelForCausalLM.from_pretrained(args.draft, dtype=torch.float32).eval()
-        hf = {"hf_generate": TimedHF(hf_target), "hf_assisted": TimedHF(hf_target, hf_draft)}
-        for timed in [*engines.values(), *hf.values()]:  # warm-up
-            timed.run(prompts[0], 4)
-            timed.seconds, timed.tokens = 0.0, 0
-            if isinstance(timed, Timed):
-                timed.outputs = []
-        for prompt in prompts:
-            for timed in [*engines.values(), *hf.values()]:
-                timed.run(prompt, max_tokens)
+        systems: dict[str, Callable[[Prompts], float]] = {
+            **engines, "hf_generate": TimedHF(hf_target),
+            "hf_assisted": TimedHF(hf_target, hf_draft)}
+        if not args.no_vllm:
+            configs = {name: {"model": str(target), **mode}
+                       for name, mode in modes(args.quick).items()}
+            configs["vllm_with_draft"] = {"model": str(target), "dtype": "float32", "eager": True,
+                                          "draft": str(args.draft), "k": 4}
+            peers, vllm_errors = start_peers(configs, args.threads)
+            systems.update({name: TimedVllm(peer) for name, peer in peers.items()})
+        try:
+            spreads = rotated(systems, prompts, Prompts(prompts.prompts[:1], WARMUP_TOKENS),
+                              rounds(args.quick))
+        finally:
+            for peer in peers.values():
+                peer.close()
     off = engines["off"]
+    off_tokens = sum(map(len, off.outputs))
+    count_rounds = rounds(args.quick)
     stats = {name: e.llm.engine.stats() for name, e in engines.items()}
-    vllm = {}
-    if not args.no_vllm:
-        vllm = {"alone": vllm_single(target, None, prompts, max_tokens, args.threads),
-                "with_draft": vllm_single(target, args.draft, prompts, max_tokens, args.threads)}
-    ms = {name: e.ms_per_token for name, e in engines.items()}
-    ms.update({name: h.ms_per_token for name, h in hf.items()})
-    for name, result in vllm.items():
-        if "ms_per_token" in result:
-            ms[f"vllm_{name}"] = result["ms_per_token"]
+    alone = [name for name in peers if name != "vllm_with_draft"]
+    if alone:
+        spreads["vllm_alone"] = min((spreads[name] for name in alone), key=lambda s: s.median)
+    ms = {name: spread.as_json() for name, spread in spreads.items()}
+
+    def vs_off(name: str) -> dict[str, Any]:
+        return compare(spreads[name], spreads["off"], higher_is_better=False)
+
     result = {
         "bench": "speculation",
         "model": "SmolLM2-135M-Instruct fp32 + draft models/smollm2-draft, greedy, batch 1",
-        "prompts": count, "max_tokens": max_tokens,
-        "output_tokens": off.tokens,
+        "prompts": count, "max_tokens": max_tokens, "rounds": count_rounds,
+        "output_tokens": off_tokens,
         "ms_per_token": ms,
         "per_token_acceptance_k4": stats["fixed_k4"].per_token_acceptance,
         "accepted_over_drafted_k4": stats["fixed_k4"].acceptance,
         "per_token_acceptance_adaptive": stats["adaptive"].per_token_acceptance,
-        "adaptive_mean_k": stats["adaptive"].drafted_tokens / max(1, off.tokens),
-        "speedup_adaptive": off.ms_per_token / engines["adaptive"].ms_per_token,
-        "speedup_fixed_k4": off.ms_per_token / engines["fixed_k4"].ms_per_token,
-        "useless_draft_slowdown": engines["useless_draft_adaptive"].ms_per_token / off.ms_per_token,
+        "adaptive_mean_k": stats["adaptive"].drafted_tokens
+        / max(1, off_tokens * count_rounds + WARMUP_TOKENS),
+        # ratios: above 1 means the first named is faster
+        "adaptive_vs_off": vs_off("adaptive"),
+        "fixed_k4_vs_off": vs_off("fixed_k4"),
+        "useless_draft_vs_off": vs_off("useless_draft_adaptive"),
         "same_tokens_as_off": {name: sum(a == b for a, b in zip(e.outputs, off.outputs,
                                                                  strict=True)) / count
                                for name, e in engines.items() if name != "off"},
-        "specpage_spec_vs_hf_assisted": hf["hf_assisted"].ms_per_token
-        / engines["adaptive"].ms_per_token,
-        "specpage_off_vs_hf": hf["hf_generate"].ms_per_token / off.ms_per_token,
-        "vllm": vllm,
-        "machine": machine(),
+        "adaptive_vs_hf_assisted": compare(spreads["adaptive"], spreads["hf_assisted"],
+                                           higher_is_better=False),
+        "off_vs_hf_generate": compare(spreads["off"], spreads["hf_generate"],
+                                      higher_is_better=False),
     }
-    finish("speculation", result)
+    if alone:
+        result["vllm_best"] = min(alone, key=lambda name: spreads[name].median)
+        result["adaptive_vs_vllm_alone"] = compare(spreads["adaptive"], spreads["vllm_alone"],
+                                                   higher_is_better=False)
+        result["off_vs_vllm_alone"] = compare(spreads["off"], spreads["vllm_alone"],
+                                              higher_is_better=False)
+    result["vllm_startup_s"] = {name: p.ready["startup_s"] for name, p in peers.items()}
+    if vllm_errors or args.no_vllm:
+        result["vllm_errors"] = vllm_errors or {"all": "skipped (--no-vllm)"}
+    finish("speculation", {**result, "machine": machine()})
 
 
 if __name__ == "__main__":
