@@ -1,6 +1,9 @@
 """The paged model runner against HF transformers on SmolLM2-135M fp32, same
 inputs, one run: prefill tokens/s and decode step time at batch 1, 8 and 32,
-with the memory-bandwidth floor of a batch-1 decode step.
+with the memory-bandwidth floor of a batch-1 decode step. Each case runs both
+in rotated order over several rounds after the same warm-up call
+(bench/common.py); a round's figure is the median of a few calls, and a
+speed-up whose spreads overlap is "level".
 
 The floor: a decode step must read every weight once, so it takes at least
 weight bytes / read bandwidth, with the read bandwidth taken as the memory
@@ -11,41 +14,68 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import copy_bandwidth, finish, machine, median_seconds  # noqa: E402
+from bench.common import (  # noqa: E402
+    compare,
+    copy_bandwidth,
+    finish,
+    machine,
+    median_seconds,
+    rotated,
+    rounds,
+)
 from specpage.model_runner import ModelRunner, SeqSpan  # noqa: E402
 from specpage.models.fetch import ensure_model  # noqa: E402
 from specpage.models.loader import load_model  # noqa: E402
 
 BLOCK_SIZE = 16
+CALLS = 3  # calls per round; a round's figure is their median
+ROUNDS = 5  # rounds of a full run: its cases take milliseconds each
 
 
-def ours_decode(runner: ModelRunner, batch: int, context: int) -> float:
+def per_call(fn: Callable[[], object]) -> Callable[[None], float]:
+    """A system for bench.common.rotated: the median seconds of CALLS calls."""
+    return lambda _: median_seconds(fn, repeats=CALLS, warmup=0)
+
+
+def ours_vs_hf(ours: Callable[[], object], hf: Callable[[], object],
+               quick: bool) -> dict[str, Any]:
+    spreads = rotated({"ours": per_call(ours), "hf": per_call(hf)}, None, None,
+                      rounds(quick, full=ROUNDS))
+    return {"ours_s": spreads["ours"].median, "hf_s": spreads["hf"].median,
+            "ours": spreads["ours"].as_json(), "hf": spreads["hf"].as_json(),
+            **compare(spreads["ours"], spreads["hf"], higher_is_better=False)}
+
+
+def ours_decode(runner: ModelRunner, batch: int, context: int) -> Callable[[], object]:
     blocks = -(-(context + 1) // BLOCK_SIZE)
     tables = [list(range(i * blocks, (i + 1) * blocks)) for i in range(batch)]
     prompts = [[(7 * i + j) % 40000 + 100 for j in range(context)] for i in range(batch)]
     runner.forward([SeqSpan(p, 0, t, 1) for p, t in zip(prompts, tables, strict=True)])
     spans = [SeqSpan([5], context, t, 1) for t in tables]
-    return median_seconds(lambda: runner.forward(spans), repeats=5)
+    return lambda: runner.forward(spans)
 
 
-def hf_decode(hf: torch.nn.Module, batch: int, context: int) -> float:
+def hf_decode(hf: torch.nn.Module, batch: int, context: int) -> Callable[[], object]:
     ids = torch.tensor([[(7 * i + j) % 40000 + 100 for j in range(context)] for i in range(batch)])
     with torch.inference_mode():
         out = hf(ids, use_cache=True)
-        cache = getattr(out, "cache", None) or out.past_key_values
-        step = torch.full((batch, 1), 5)
+    cache = getattr(out, "cache", None) or out.past_key_values
+    step = torch.full((batch, 1), 5)
 
-        def one_step() -> None:
+    def one_step() -> None:
+        with torch.inference_mode():
             hf(step, cache=cache, use_cache=True)
-            cache.crop(-1)  # the same context length on every repeat
+        cache.crop(-1)  # the same context length on every repeat
 
-        return median_seconds(one_step, repeats=5)
+    return one_step
 
 
 def main() -> None:
@@ -70,19 +100,26 @@ def main() -> None:
     blocks = -(-prefill_len // BLOCK_SIZE)
     spans = [SeqSpan(p, 0, list(range(i * blocks, (i + 1) * blocks)), 1)
              for i, p in enumerate(prompts)]
-    ours_prefill = median_seconds(lambda: runner.forward(spans), repeats=3)
-    with torch.inference_mode():
-        ids = torch.tensor(prompts)
-        hf_prefill = median_seconds(lambda: hf(ids, use_cache=True), repeats=3)
+    ids = torch.tensor(prompts)
+
+    def hf_prefill_call() -> None:
+        with torch.inference_mode():
+            hf(ids, use_cache=True)
+
+    prefill = ours_vs_hf(lambda: runner.forward(spans), hf_prefill_call, args.quick)
+    ours_prefill, hf_prefill = prefill["ours_s"], prefill["hf_s"]
     tokens = prefill_len * prefill_batch
 
     rows = []
     for batch in batches:
-        ours, theirs = ours_decode(runner, batch, context), hf_decode(hf, batch, context)
+        case = ours_vs_hf(ours_decode(runner, batch, context), hf_decode(hf, batch, context),
+                          args.quick)
+        ours, theirs = case["ours_s"], case["hf_s"]
         rows.append({"batch": batch, "ours_ms": ours * 1e3, "hf_ms": theirs * 1e3,
-                     "speedup": theirs / ours})
+                     "speedup": case["ratio"], "verdict": case["verdict"],
+                     "ours_s": case["ours"], "hf_s": case["hf"]})
         print(f"decode batch {batch:>2}: ours {ours * 1e3:7.2f} ms, HF {theirs * 1e3:7.2f} ms, "
-              f"{theirs / ours:.2f}x", file=sys.stderr)
+              f"{case['ratio']:.2f}x ({case['verdict']})", file=sys.stderr)
 
     weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
     bandwidth = copy_bandwidth()
@@ -91,7 +128,10 @@ def main() -> None:
         "bench": "model_runner",
         "model": "SmolLM2-135M-Instruct fp32",
         "prefill": {"tokens": tokens, "ours_tok_s": tokens / ours_prefill,
-                    "hf_tok_s": tokens / hf_prefill, "speedup": hf_prefill / ours_prefill},
+                    "hf_tok_s": tokens / hf_prefill, "speedup": prefill["ratio"],
+                    "verdict": prefill["verdict"], "ours_s": prefill["ours"],
+                    "hf_s": prefill["hf"]},
+        "rounds": rounds(args.quick, full=ROUNDS),
         "decode_context": context,
         "decode": rows,
         "copy_bandwidth_gb_s": bandwidth / 1e9,

@@ -42,13 +42,16 @@ def block_pool(r: dict) -> list[str]:
 
 
 def model_runner(r: dict) -> list[str]:
-    rows = [f"| prefill, {r['prefill']['tokens']} tokens | {fmt(r['prefill']['ours_tok_s'], 0)} "
-            f"tok/s | HF {fmt(r['prefill']['hf_tok_s'], 0)} tok/s: "
-            f"**{fmt(r['prefill']['speedup'])}×** |"]
+    def level(case: dict) -> str:  # results from before the rounds carry no verdict
+        return ", level (spreads overlap)" if case.get("verdict") == "level" else ""
+
+    p = r["prefill"]
+    rows = [f"| prefill, {p['tokens']} tokens | {fmt(p['ours_tok_s'], 0)} "
+            f"tok/s | HF {fmt(p['hf_tok_s'], 0)} tok/s: **{fmt(p['speedup'])}×**{level(p)} |"]
     for d in r["decode"]:
         rows.append(f"| decode step, batch {d['batch']}, context {r['decode_context']} | "
                     f"{fmt(d['ours_ms'], 1)} ms | HF {fmt(d['hf_ms'], 1)} ms: "
-                    f"**{fmt(d['speedup'])}×** |")
+                    f"**{fmt(d['speedup'])}×**{level(d)} |")
     rows.append(f"| batch-1 decode floor (weights / copy traffic) | {fmt(r['batch1_floor_ms'], 1)}"
                 f" ms | measured step is {fmt(r['batch1_over_floor'], 1)}× the floor |")
     return rows
