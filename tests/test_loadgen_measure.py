@@ -219,10 +219,13 @@ def stalling_server() -> ScriptedGeneration:
 
 @pytest.mark.asyncio
 async def test_open_loop_exposes_queueing_behind_a_stall():
-    servicer, clock = stalling_server(), RunClock(0.02)
+    servicer = stalling_server()
     async with AsyncExitStack() as stack:
         watch = await stack.enter_async_context(LoopWatch())
         client = await start(servicer, stack)
+        # the schedule starts once the server is up: starting it takes a busy
+        # machine a few hundred ms, which would count as the first send's lag
+        clock = RunClock(0.02)
         records = await open_loop(client, rate=10.0, count=8, clock=clock)
     late = watch.late_s
     # Served one at a time: request i starts at max(its arrival, previous finish).
