@@ -61,7 +61,7 @@ SPECPAGE = ROOT / ".venv" / "bin" / "specpage"
 MODEL = "smollm2-135m"  # served under this name by every system
 STREAMS = 32  # the concurrent workload: 32 users at once, as in PEERS.md's figures
 OUTPUT_TOKENS = {False: 128, True: 64}  # by --quick
-SINGLE_REQUESTS = {False: 8, True: 3}  # single-stream requests per run, by --quick
+SINGLE_REQUESTS = {False: 6, True: 3}  # single-stream requests per run, by --quick
 WARMUP_TOKENS = 16  # enough to run every step shape once (prefill, decode, verify)
 WARMUP_SINGLE = 2
 STARTUP_TIMEOUT_S = 900.0  # vLLM compiling on 2 busy cores took minutes
@@ -272,6 +272,19 @@ def ratios(ours: dict[str, Spread], theirs: dict[str, Spread]) -> dict[str, Any]
             for metric in METRICS}
 
 
+def print_table(table: dict[str, dict[str, dict[str, dict[str, Any]]]]) -> None:
+    """The figures a person reads: medians with [min–max] over the rounds."""
+    units = {"tok_s": ("tok/s", 1.0), "ttft_p50_s": ("ms", 1e3), "ttft_p99_s": ("ms", 1e3),
+             "tpot_p50_s": ("ms", 1e3)}
+    for name, jobs in table.items():
+        for job, metrics in jobs.items():
+            cells = [f"{metric[:-2] if metric != 'tok_s' else metric} "
+                     f"{m['median'] * units[metric][1]:.1f} "
+                     f"[{m['min'] * units[metric][1]:.1f}–{m['max'] * units[metric][1]:.1f}] "
+                     f"{units[metric][0]}" for metric, m in metrics.items()]
+            print(f"{name:20} {job:10} " + "  ".join(cells))
+
+
 def main() -> None:
     args = parse_args(__doc__, vllm=True)
     started = time.perf_counter()
@@ -308,6 +321,7 @@ def main() -> None:
     table_startup = {name: Spread.of([f["server"]["startup_s"] for f in r]).as_json()
                      for name, r in runs.items()}
     result.update(systems=table, startup_s=table_startup)
+    print_table(table)
     peers = [name for name in runs if name.startswith("vllm_")]
     if peers:
         best = max(peers, key=lambda n: spreads(runs[n], "streams32")["tok_s"].median)
