@@ -140,6 +140,10 @@ def test_override_errors_name_the_key(overrides: dict[str, object], message: str
         ({"server.port": 70000}, "server.port must be in 0..65535, got 70000"),
         ({"server.metrics_port": -1}, "server.metrics_port must be in 0..65535, got -1"),
         ({"server.metrics_port": 50051}, "server.metrics_port must differ from port"),
+        ({"server.http_port": 65536}, "server.http_port must be in 0..65535, got 65536"),
+        ({"server.http_port": 50051}, "server.http_port must differ from port and metrics_port"),
+        ({"server.http_port": 9100, "server.metrics_port": 9100},
+         "server.http_port must differ from port and metrics_port"),
         ({"server.max_queue": 0}, "server.max_queue must be > 0, got 0"),
         ({"server.drain_grace_s": -1}, "server.drain_grace_s must be >= 0"),
         ({"server.log_level": "loud"}, "server.log_level must be one of"),
@@ -171,6 +175,14 @@ def test_non_local_bind_needs_tls_or_token(host: str) -> None:
         ServerSection(host=host)
     assert ServerSection(host=host, tls_cert="/c.pem", tls_key="/k.pem").tls
     assert ServerSection(host=host, bearer_token="secret").has_token
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3"])
+def test_a_non_local_http_front_needs_tls_or_token(host: str) -> None:
+    with pytest.raises(ConfigError, match="http_host.*not a loopback address.*needs TLS"):
+        load_config(None, env={}, overrides={"server.http_port": 8000, "server.http_host": host})
+    assert ServerSection(http_port=8000, http_host=host, bearer_token="secret").has_token
+    assert ServerSection(http_host=host).http_port is None  # off: its host binds nothing
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.53", "::1", "[::1]", "localhost"])
