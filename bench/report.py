@@ -167,6 +167,39 @@ def overhead(r: dict) -> list[str]:
     return rows
 
 
+def ms(seconds: dict) -> dict:
+    """A spread of seconds in milliseconds."""
+    return {key: 1000 * seconds[key] for key in ("median", "min", "max")}
+
+
+def serving(r: dict) -> list[str]:
+    """Servers through one client (loadgen's OpenAI backend), one at a time."""
+    names = {"specpage": "specpage, default pair (adaptive k)",
+             "specpage_no_draft": "specpage, target alone"}
+    names.update({key: f"vLLM CPU OpenAI server, {key.removeprefix('vllm_').replace('_', ', ')}"
+                  for key in r["systems"] if key.startswith("vllm_")})
+    workloads = {"streams32": "32 concurrent streams", "single": "single stream"}
+    rows = []
+    for key, name in names.items():
+        if key not in r["systems"]:
+            continue
+        best = " (vLLM's best here)" if key == r.get("vllm_best") else ""
+        for load, label in workloads.items():
+            m = r["systems"][key][load]
+            rows.append(f"| {name}{best}, {label}, {r['output_tokens']} tokens each | "
+                        f"{spread(m['tok_s'])} tok/s; TTFT p50 {spread(ms(m['ttft_p50_s']), 0)}"
+                        f" ms; TPOT p50 {spread(ms(m['tpot_p50_s']))} ms | |")
+    for key, name in (("specpage_vs_vllm", "specpage, default pair"),
+                      ("specpage_no_draft_vs_vllm", "specpage, target alone")):
+        for load, label in workloads.items():
+            c = r["ratios"][key][load]
+            rows.append(f"| {name} against vLLM's best, {label} | | tok/s "
+                        f"{verdict(c['tok_s'])}; TPOT {verdict(c['tpot_p50_s'])} |")
+    for key, why in r.get("errors", {}).items():
+        rows.append(f"| {key} | not measured | {str(why)[:300]} |")
+    return rows
+
+
 def rows(render: Callable[[dict], list[str]], result: dict) -> list[str]:
     try:
         return render(result)
@@ -176,7 +209,7 @@ def rows(render: Callable[[dict], list[str]], result: dict) -> list[str]:
 
 SECTIONS = {"block_pool": block_pool, "model_runner": model_runner, "engine": engine,
             "speculation": speculation, "adaptive": adaptive, "memory": memory,
-            "overhead": overhead}
+            "overhead": overhead, "serving": serving}
 
 
 def main() -> None:
