@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -87,3 +88,11 @@ class Daemon:
             raise
         finally:
             self._log_file.close()
+
+
+def http_daemon(models: Path) -> Iterator[Daemon]:
+    """A daemon with its HTTP front and metrics on, for a module's fixture."""
+    process = Daemon(models, http=True, server=f"metrics_port = {free_port()}")
+    process.wait_serving()
+    yield process
+    assert process.stop() == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import torch
@@ -16,6 +17,7 @@ from transformers import (
 
 from specpage.block_pool import BlockPool
 from specpage.model_runner import SeqSpan
+from specpage.models.fetch import ensure_model
 
 FAMILIES = {
     "llama": (LlamaConfig, LlamaForCausalLM),
@@ -44,6 +46,20 @@ def tiny_checkpoint(
                 param.normal_(0, 0.1)
     model.save_pretrained(folder, **({"max_shard_size": "60KB"} if shard else {}))
     return model
+
+
+SMOLLM2_VOCAB = 49152  # the vocabulary of SmolLM2's tokenizer
+
+
+def tokenizer_pair(folder: Path) -> None:
+    """Tiny target and draft with SmolLM2's tokenizer and chat template, where
+    Daemon looks for its models (it keeps a pair it finds)."""
+    smollm2 = ensure_model("smollm2-135m")
+    for name, seed, layers in (("target", 0, 2), ("draft", 1, 1)):
+        tiny_checkpoint(folder / name, seed=seed, num_hidden_layers=layers,
+                        vocab_size=SMOLLM2_VOCAB)
+        for file in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+            shutil.copy(smollm2 / file, folder / name / file)
 
 
 def greedy_through_pool(runner, prompts, max_new, chunk, block_size):

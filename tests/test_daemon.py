@@ -285,22 +285,11 @@ async def test_final_event_type(daemon):
 
 async def test_an_engine_fault_is_internal_and_the_daemon_keeps_serving(tmp_path):
     """In-process server so the fault can be injected into the engine."""
-    from specpage.async_engine import AsyncEngine
-    from specpage.frontend import Frontend
-    from specpage.server import GenerationService
-    from specpage.v1 import generation_pb2_grpc as pb_grpc
+    from tests.inprocess_util import serving_engine
 
     target, draft = tiny_pair(tmp_path)
     engine = Engine(load_model(target), load_model(draft), None,
                     EngineConfig(block_size=4, num_blocks=256, spec_k=2))
-    async_engine = AsyncEngine(engine)
-    service = GenerationService(lambda e: None, Frontend(max_prompt_tokens=100))
-    service.attach(async_engine)
-    server = grpc.aio.server()
-    pb_grpc.add_GenerationServicer_to_server(service, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    async_engine.start()
     verify = engine.verifier.verify
     faults = []
 
@@ -311,19 +300,15 @@ async def test_an_engine_fault_is_internal_and_the_daemon_keeps_serving(tmp_path
         return verify(scheduled, proposal)
 
     engine.verifier.verify = faulty
-    try:
-        async with Client(f"127.0.0.1:{port}", max_retries=0) as client:
-            with pytest.raises(grpc.aio.AioRpcError) as error:
-                await client.complete(prompt(1), request_id="doomed", **GREEDY)
-            assert error.value.code() == grpc.StatusCode.INTERNAL
-            assert "injected fault" in error.value.details()
-            completion = await client.complete(prompt(2), **GREEDY)
-            assert completion.finish_reason == "length"
-        assert engine.pool.stats().in_use == 0
-        engine.pool.check_integrity()
-    finally:
-        await async_engine.stop()
-        await server.stop(None)
+    async with serving_engine(engine) as served, Client(served.address, max_retries=0) as client:
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await client.complete(prompt(1), request_id="doomed", **GREEDY)
+        assert error.value.code() == grpc.StatusCode.INTERNAL
+        assert "injected fault" in error.value.details()
+        completion = await client.complete(prompt(2), **GREEDY)
+        assert completion.finish_reason == "length"
+    assert engine.pool.stats().in_use == 0
+    engine.pool.check_integrity()
 
 
 async def test_client_retries_when_the_queue_is_full(tmp_path):

@@ -6,7 +6,7 @@ status and an error object naming the parameter while other streams go on."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +22,8 @@ from specpage.frontend import ChatPrompt, Frontend, Submission
 from specpage.llm import load_tokenizer
 from specpage.models.loader import load_model
 from specpage.request import SamplingParams
-from tests.daemon_util import Daemon, free_port
-from tests.test_server_validation import tokenizer_pair
+from tests.daemon_util import Daemon, http_daemon
+from tests.models_util import tokenizer_pair
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 PROMPT = [5, 6, 7, 8]
@@ -46,11 +46,8 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def daemon(models: Path) -> Any:
-    process = Daemon(models, http=True, server=f"metrics_port = {free_port()}")
-    process.wait_serving()
-    yield process
-    assert process.stop() == 0
+def daemon(models: Path) -> Iterator[Daemon]:
+    yield from http_daemon(models)
 
 
 def sdk(daemon: Daemon, **options: Any) -> openai.AsyncOpenAI:

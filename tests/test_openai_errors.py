@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +16,9 @@ import httpx
 import pytest
 
 from specpage.client import Client
-from tests.daemon_util import Daemon, free_port
+from tests.daemon_util import Daemon, http_daemon
+from tests.models_util import tokenizer_pair
 from tests.test_openai_api import NO_EOS, TIMEOUT_S, sse
-from tests.test_server_validation import tokenizer_pair
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
@@ -32,11 +33,8 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def daemon(models: Path) -> Any:
-    process = Daemon(models, http=True, server=f"metrics_port = {free_port()}")
-    process.wait_serving()
-    yield process
-    assert process.stop() == 0
+def daemon(models: Path) -> Iterator[Daemon]:
+    yield from http_daemon(models)
 
 
 async def pool_idle(daemon: Daemon) -> None:

@@ -9,18 +9,13 @@ import asyncio
 import threading
 from pathlib import Path
 
-import grpc
 import pytest
 
-from specpage.async_engine import AsyncEngine
 from specpage.client import Client
-from specpage.config import Config
-from specpage.daemon import server_info
 from specpage.engine import Engine, EngineConfig
 from specpage.frontend import PREPARE_CONCURRENCY, Frontend
 from specpage.models.loader import load_model
-from specpage.server import GenerationService
-from specpage.v1 import generation_pb2_grpc as pb_grpc
+from tests.inprocess_util import serving_engine
 from tests.models_util import tiny_checkpoint
 
 CALLS = PREPARE_CONCURRENCY + 4
@@ -60,36 +55,30 @@ async def test_calls_cancelled_while_tokenizing_cannot_start_more_tokenizers(tmp
     tiny_checkpoint(tmp_path / "target")
     engine = Engine(load_model(tmp_path / "target"), None, None,
                     EngineConfig(block_size=4, num_blocks=64, max_num_seqs=4))
-    async_engine = AsyncEngine(engine)
-    service = GenerationService(lambda e: server_info(Config(), e), Frontend(max_prompt_tokens=100))
-    service.attach(async_engine)
-    prepare = BlockingPrepare(service.frontend)
-    server = grpc.aio.server()
-    pb_grpc.add_GenerationServicer_to_server(service, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    async_engine.start()
-    try:
-        async with Client(f"127.0.0.1:{port}", max_retries=0) as client:
-            for i in range(CALLS):
-                call = asyncio.create_task(client.complete([1, 2, 3], max_tokens=2,
-                                                           request_id=f"r{i}"))
-                # cancelled once its prompt is being prepared, or after a while
-                # if none of the pool's threads is free to take it
-                await asyncio.to_thread(prepare.started.acquire, True, STARTED_WAIT_S)
-                call.cancel()
-                with pytest.raises(asyncio.CancelledError):
-                    await call
-            assert prepare.most == PREPARE_CONCURRENCY
+    async with serving_engine(engine) as served:
+        prepare = BlockingPrepare(served.service.frontend)
+        try:
+            await cancel_while_preparing(served.address, prepare)
+        finally:
             prepare.release.set()
-            while prepare.running:
-                await asyncio.sleep(0.01)
-            # the daemon still serves
-            completion = await client.complete([1, 2, 3], max_tokens=2, temperature=0.0)
-            assert len(completion.token_ids) == 2
+
+
+async def cancel_while_preparing(address: str, prepare: BlockingPrepare) -> None:
+    async with Client(address, max_retries=0) as client:
+        for i in range(CALLS):
+            call = asyncio.create_task(client.complete([1, 2, 3], max_tokens=2,
+                                                       request_id=f"r{i}"))
+            # cancelled once its prompt is being prepared, or after a while
+            # if none of the pool's threads is free to take it
+            await asyncio.to_thread(prepare.started.acquire, True, STARTED_WAIT_S)
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call
         assert prepare.most == PREPARE_CONCURRENCY
-    finally:
         prepare.release.set()
-        service.close()
-        await async_engine.stop()
-        await server.stop(None)
+        while prepare.running:
+            await asyncio.sleep(0.01)
+        # the daemon still serves
+        completion = await client.complete([1, 2, 3], max_tokens=2, temperature=0.0)
+        assert len(completion.token_ids) == 2
+    assert prepare.most == PREPARE_CONCURRENCY

@@ -10,23 +10,17 @@ import contextlib
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 
-from specpage.async_engine import AsyncEngine
 from specpage.client import Chunk, Client, Final, IncompleteError
-from specpage.config import Config
-from specpage.daemon import server_info
 from specpage.engine import Engine, EngineConfig
-from specpage.frontend import Frontend
 from specpage.models.loader import load_model
 from specpage.request import Request, SamplingParams
-from specpage.server import GenerationService
-from specpage.v1 import generation_pb2_grpc as pb_grpc
+from tests.inprocess_util import Served, serving_engine
 from tests.models_util import tiny_checkpoint
 
 PROMPT = [5, 17, 33, 2, 101, 7, 88]
@@ -105,29 +99,11 @@ class Gate:
             await asyncio.sleep(0)
 
 
-@dataclass
-class Served:
-    engine: Engine
-    async_engine: AsyncEngine
-    address: str
-
-
 @contextlib.asynccontextmanager
 async def serving(target: Path, max_num_seqs: int = 4, max_queue: int = 8) -> AsyncIterator[Served]:
     engine = Engine(load_model(target), None, None, engine_config(max_num_seqs))
-    async_engine = AsyncEngine(engine, max_queue)
-    service = GenerationService(lambda e: server_info(Config(), e), Frontend(max_prompt_tokens=100))
-    service.attach(async_engine)
-    server = grpc.aio.server()
-    pb_grpc.add_GenerationServicer_to_server(service, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    async_engine.start()
-    try:
-        yield Served(engine, async_engine, f"127.0.0.1:{port}")
-    finally:
-        await async_engine.stop()
-        await server.stop(None)
+    async with serving_engine(engine, max_queue) as served:
+        yield served
 
 
 async def collect(client: Client, request_id: str, **options: object) -> tuple[

@@ -8,39 +8,26 @@ import asyncio
 import contextlib
 import math
 import random
-import shutil
 import time
-from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specpage.client import Chunk, Client, generate_request
-from specpage.models.fetch import ensure_model
 from specpage.server import MAX_CACHE_SALT_BYTES, MAX_REQUEST_ID_LENGTH, PROMPT_BYTES_PER_TOKEN
 from specpage.v1 import generation_pb2 as pb
 from tests.daemon_util import Daemon
-from tests.models_util import tiny_checkpoint
+from tests.loop_watch import TICK_S, LoopWatch
+from tests.models_util import SMOLLM2_VOCAB, tokenizer_pair
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
-VOCAB = 49152  # SmolLM2's, whose tokenizer the tiny models share
+VOCAB = SMOLLM2_VOCAB  # the tiny models share SmolLM2's tokenizer
 MAX_PROMPT_TOKENS = 8000
 MAX_PROMPT_BYTES = MAX_PROMPT_TOKENS * PROMPT_BYTES_PER_TOKEN
 MAX_CONTEXT = 512  # the tiny models' max_position_embeddings
 PROMPT = [5, 6, 7, 8]
 GREEDY = dict(max_tokens=3, temperature=0.0, ignore_eos=True)
-TICK_S = 0.005
-
-
-def tokenizer_pair(folder: Path) -> None:
-    """Tiny target and draft with SmolLM2's tokenizer and chat template, where
-    Daemon looks for its models (it keeps a pair it finds)."""
-    smollm2 = ensure_model("smollm2-135m")
-    for name, seed, layers in (("target", 0, 2), ("draft", 1, 1)):
-        tiny_checkpoint(folder / name, seed=seed, num_hidden_layers=layers, vocab_size=VOCAB)
-        for file in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-            shutil.copy(smollm2 / file, folder / name / file)
 
 
 @pytest.fixture(scope="module")
@@ -220,31 +207,6 @@ async def test_token_ids_over_the_limit_are_refused_by_their_count_first(daemon)
             assert error.details() == (f"token_ids: {MAX_PROMPT_TOKENS + 1} tokens exceed the "
                                        f"limit of {MAX_PROMPT_TOKENS}")
         await still_serves(client)
-
-
-class LoopWatch:
-    """How late this process's event loop was while a test ran (as in
-    test_loadgen_measure): the sum of every tick's lateness beyond a millisecond
-    is the most that pauses of this process can have added to any interval."""
-
-    def __init__(self) -> None:
-        self.late_s = 0.0
-        self._task: asyncio.Task | None = None
-
-    async def _tick(self) -> None:
-        while True:
-            before = time.perf_counter()
-            await asyncio.sleep(TICK_S)
-            self.late_s += max(0.0, time.perf_counter() - before - TICK_S - 0.001)
-
-    async def __aenter__(self) -> LoopWatch:
-        self._task = asyncio.create_task(self._tick())
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self._task is not None
-        self._task.cancel()
-        await asyncio.gather(self._task, return_exceptions=True)
 
 
 def words_text(size: int) -> str:
