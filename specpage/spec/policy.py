@@ -98,6 +98,7 @@ class CostCurve:
         self._logs = [math.log(max(x, 1e-9)) for x in self._xs]
         # per point, the latest ratios of observed to measured seconds
         self._ratios: list[deque[float]] = [deque(maxlen=WINDOW) for _ in self._xs]
+        self._least: list[float | None] = [None] * len(self._xs)  # min of each window
         self._corrected = list(self._ys)
         self.observations = 0
 
@@ -118,13 +119,16 @@ class CostCurve:
 
     def observe(self, items: int, seconds: float) -> None:
         self.observations += 1
-        self._ratios[self._nearest(items)].append(seconds / max(self.base(items), 1e-12))
-        run = [(log, min(r))
-               for log, r in zip(self._logs, self._ratios, strict=True) if r]
+        nearest = self._nearest(items)
+        self._ratios[nearest].append(seconds / max(self.base(items), 1e-12))
+        self._least[nearest] = min(self._ratios[nearest])  # the one window that changed
+        run = [(log, least)
+               for log, least in zip(self._logs, self._least, strict=True) if least is not None]
         floor = 0.0
         for i, (log, measured) in enumerate(zip(self._logs, self._ys, strict=True)):
-            if self._ratios[i]:
-                scale = min(self._ratios[i])
+            least = self._least[i]
+            if least is not None:
+                scale = least
             else:
                 scale = min(1.0, min(run, key=lambda point: abs(point[0] - log))[1])
             floor = max(floor, measured * scale)
