@@ -217,7 +217,7 @@ class AsyncEngine:
 
     def _retry_after_ms(self) -> int:
         # Roughly the time for the queue ahead to start: a few steps per request.
-        return max(100, min(10_000, 50 * self.num_queued // max(1, self._stats.running or 1)))
+        return max(100, min(10_000, 50 * self.num_queued // max(1, self._stats.running)))
 
     # ------------------------------------------------------------------ the loop
 

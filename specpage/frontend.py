@@ -20,7 +20,7 @@ from typing import Any
 import msgspec
 from jinja2 import TemplateError
 
-from specpage.async_engine import AsyncEngine, DrainingError, RequestStream
+from specpage.async_engine import AsyncEngine, Chunk, DrainingError, Final, RequestStream
 from specpage.request import Request, SamplingParams, ValidationError
 
 # Request ids are echoed as gRPC metadata and HTTP headers, whose values must be
@@ -145,7 +145,6 @@ class Frontend:
         # the queue; one already tokenizing runs to its end on its thread.
         made = await asyncio.get_running_loop().run_in_executor(
             self._preparing, self._make_request, submission)
-        made.spec_k = submission.spec_k
         return self.engine.submit(made)
 
     @contextlib.asynccontextmanager
@@ -161,6 +160,17 @@ class Frontend:
             if self.engine.streams.get(stream.request_id) is stream:
                 self.engine.abort(stream.request_id)
             self.in_flight -= 1
+
+    async def events(self, stream: RequestStream,
+                     arrival: float) -> AsyncIterator[Chunk | Final]:
+        """The stream's events; the first chunk with tokens times the first
+        token, for every front end alike."""
+        first = True
+        async for event in stream.events():
+            if first and isinstance(event, Chunk) and event.token_ids:
+                self.on_first_token(time.monotonic() - arrival)
+                first = False
+            yield event
 
     async def wait_idle(self, grace: float) -> bool:
         """Wait until no call is in flight, at most grace seconds."""
@@ -187,6 +197,7 @@ class Frontend:
             raise ValidationError(field, f"{len(made.prompt_token_ids)} tokens exceed "
                                   f"the limit of {self.max_prompt_tokens}")
         made.cache_salt = salt
+        made.spec_k = submission.spec_k
         return made
 
     def _prompt(self, prompt: Prompt) -> str | list[int]:
@@ -221,3 +232,13 @@ class Frontend:
         except TemplateError as error:  # e.g. a template that wants roles to alternate
             raise ValidationError(field, f"the chat template refused it: {error}") from None
         return list(encoded["input_ids"])
+
+
+# The finish reasons that mean a request was cut rather than completed, the
+# worst first: a fault beats a deadline. An abort is what its caller asked for.
+CUT_SHORT_REASONS = ("error", "timeout")
+
+
+def cut_short(finish_reasons: Sequence[str]) -> str | None:
+    """The worst reason a sample was cut short for, or None if all completed."""
+    return next((r for r in CUT_SHORT_REASONS if r in finish_reasons), None)

@@ -21,10 +21,6 @@ from specpage.async_engine import (
     RequestStream,
 )
 from specpage.completion import Durations
-from specpage.frontend import MAX_CACHE_SALT_BYTES as MAX_CACHE_SALT_BYTES
-from specpage.frontend import MAX_REQUEST_ID_LENGTH as MAX_REQUEST_ID_LENGTH
-from specpage.frontend import PREPARE_CONCURRENCY as PREPARE_CONCURRENCY
-from specpage.frontend import PROMPT_BYTES_PER_TOKEN as PROMPT_BYTES_PER_TOKEN
 from specpage.frontend import (
     Frontend,
     LoadingError,
@@ -33,6 +29,7 @@ from specpage.frontend import (
     TextPrompt,
     TokenPrompt,
     check_request_id,
+    cut_short,
 )
 from specpage.request import SamplingParams, ValidationError
 from specpage.v1 import generation_pb2 as pb
@@ -84,9 +81,6 @@ class GenerationService(pb_grpc.GenerationServicer):
     def attach(self, engine: AsyncEngine) -> None:
         self.frontend.attach(engine)
 
-    def close(self) -> None:
-        self.frontend.close()
-
     @property
     def engine(self) -> AsyncEngine:
         return self.frontend.engine
@@ -98,26 +92,23 @@ class GenerationService(pb_grpc.GenerationServicer):
         request_id = await _checked_id(request.request_id or uuid.uuid4().hex, context)
         await context.send_initial_metadata((("request-id", request_id),))
         stream = await self._admit(request, request_id, context, arrival)
-        start = arrival
         # A cancelled call, a passed deadline or a vanished client all leave
         # this block: the engine frees the blocks at its next step.
         async with self.frontend.running(stream):
             try:
-                async for event in stream.events():
+                async for event in self.frontend.events(stream, arrival):
                     if isinstance(event, Chunk):
-                        if start and event.token_ids:
-                            self.frontend.on_first_token(time.monotonic() - start)
-                            start = 0.0
                         yield pb.GenerateEvent(chunk=_chunk(event))
-                    else:
-                        # Every sample's chunks, each with its finish reason, are
-                        # sent by now; a request cut short ends with its status
-                        # instead of a Final event.
-                        code = _status(event.finish_reasons)
-                        if code is not grpc.StatusCode.OK:
-                            await context.abort(code, _cut_short(request_id,
-                                                                 event.finish_reasons))
-                        yield pb.GenerateEvent(final=_final(event))
+                        continue
+                    # Every sample's chunks, each with its finish reason, are
+                    # sent by now; a request cut short ends with its status
+                    # instead of a Final event.
+                    reason = cut_short(event.finish_reasons)
+                    if reason is not None:
+                        code, what = ENDING_STATUS[reason]
+                        await context.abort(code, f"request {request_id} {what}; finish "
+                                            f"reasons by sample: {', '.join(event.finish_reasons)}")
+                    yield pb.GenerateEvent(final=_final(event))
             except EngineFaultError as error:
                 await context.abort(grpc.StatusCode.INTERNAL, str(error))
             except DrainingError as error:
@@ -199,22 +190,10 @@ def _chunk(chunk: Chunk) -> pb.Chunk:
                     finish_reason=chunk.finish_reason or "")
 
 
-# A request ends with the status of its worst-ended sample: a fault beats a
-# deadline, which beats everything else (stop, length, and abort, which a
-# caller asked for and gets with OK and the Final event).
-ENDING_STATUS = {"error": grpc.StatusCode.INTERNAL, "timeout": grpc.StatusCode.DEADLINE_EXCEEDED}
-
-
-def _status(finish_reasons: list[str]) -> grpc.StatusCode:
-    for reason, code in ENDING_STATUS.items():
-        if reason in finish_reasons:
-            return code
-    return grpc.StatusCode.OK
-
-
-def _cut_short(request_id: str, finish_reasons: list[str]) -> str:
-    what = "failed" if "error" in finish_reasons else "passed its timeout"
-    return f"request {request_id} {what}; finish reasons by sample: {', '.join(finish_reasons)}"
+# A request cut short (see frontend.cut_short) ends with this status, after its
+# chunks; an abort, which a caller asked for, ends OK with the Final event.
+ENDING_STATUS = {"error": (grpc.StatusCode.INTERNAL, "failed"),
+                 "timeout": (grpc.StatusCode.DEADLINE_EXCEEDED, "passed its timeout")}
 
 
 def _final(final: Final) -> pb.Final:

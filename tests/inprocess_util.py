@@ -43,5 +43,5 @@ async def serving_engine(engine: Engine, max_queue: int = 8) -> AsyncIterator[Se
         yield Served(engine, async_engine, service, f"127.0.0.1:{port}")
     finally:
         await async_engine.stop()
-        service.close()
+        service.frontend.close()
         await server.stop(None)

@@ -38,24 +38,26 @@ from specpage.async_engine import (
 from specpage.frontend import (
     ChatPrompt,
     Frontend,
+    LoadingError,
     Prompt,
     Submission,
     TextPrompt,
     TokenPrompt,
     check_request_id,
+    cut_short,
 )
 from specpage.metrics import Metrics
 from specpage.openai_api import protocol
-from specpage.openai_api.errors import APIError, ErrorBody, api_error, invalid, unavailable
+from specpage.openai_api.errors import APIError, ErrorBody, api_error, invalid
 from specpage.openai_api.render import Renderer, Sample
 from specpage.request import ValidationError
 
 T = TypeVar("T")
 # Paths a load balancer probes without credentials, as gRPC health is open.
 OPEN_PATHS = frozenset({"/health"})
-# A finish reason that means the request was cut, not completed.
 # nginx's status for a client that went away before its response: logged, never seen.
 CLIENT_CLOSED_REQUEST = 499
+# What a request cut short (see frontend.cut_short) was cut by.
 CUT_SHORT = {"error": "the engine failed while generating", "timeout": "the request timed out"}
 
 
@@ -111,10 +113,10 @@ class OpenAIRoutes:
         return _json({"object": "list", "data": [card]})
 
     async def health(self, request: Request) -> Response:
-        if not self.frontend.ready:
-            return unavailable("the models are loading").response()
-        if self.frontend.engine.draining:
-            return unavailable("the server is draining").response()
+        try:
+            self.frontend.check_open()
+        except (LoadingError, DrainingError) as error:
+            return api_error(error).response()
         return Response(b"", 200)
 
     async def metrics_text(self, request: Request) -> Response:
@@ -160,11 +162,9 @@ class OpenAIRoutes:
 
     async def _collect(self, stream: RequestStream, samples: list[Sample],
                        arrival: float) -> Any:
-        first = True
         try:
-            async for event in stream.events():
+            async for event in self.frontend.events(stream, arrival):
                 if isinstance(event, Chunk):
-                    first = self._first_token(first, event, arrival)
                     samples[event.index].add(event)
                 else:
                     _check_complete(event.finish_reasons)
@@ -177,13 +177,11 @@ class OpenAIRoutes:
                       include_usage: bool) -> AsyncIterator[bytes]:
         # Runs as the response's body; a client that disconnects cancels it here.
         async with self.frontend.running(stream):
-            first = True
             try:
                 for opening in renderer.first_chunks(stream.num_samples):
                     yield _event(opening)
-                async for event in stream.events():
+                async for event in self.frontend.events(stream, arrival):
                     if isinstance(event, Chunk):
-                        first = self._first_token(first, event, arrival)
                         yield _event(renderer.chunk(event))
                         continue
                     _check_complete(event.finish_reasons)
@@ -193,20 +191,11 @@ class OpenAIRoutes:
             except (EngineFaultError, DrainingError, APIError) as error:
                 yield _event({"error": api_error(error).body})
 
-    def _first_token(self, first: bool, chunk: Chunk, arrival: float) -> bool:
-        if first and chunk.token_ids:
-            self.frontend.on_first_token(time.monotonic() - arrival)
-            return False
-        return first
-
     # ------------------------------------------------------------------ checks
 
     async def _body(self, request: Request) -> bytes:
         # Loading and draining first, so that clients retry whatever they sent.
-        if not self.frontend.ready:
-            raise unavailable("the models are loading")
-        if self.frontend.engine.draining:
-            raise unavailable("the server is draining")
+        self.frontend.check_open()
         return await request.body()
 
     def _check_model(self, model: str | None) -> None:
@@ -234,11 +223,10 @@ def _completion_prompt(prompt: str | list[int | str | list[int]]) -> Prompt:
 
 
 def _check_complete(finish_reasons: list[str]) -> None:
-    for reason, message in CUT_SHORT.items():
-        if reason in finish_reasons:
-            raise APIError(500, ErrorBody(f"{message}; finish reasons by sample: "
-                                          f"{', '.join(finish_reasons)}", "server_error",
-                                          None, reason))
+    reason = cut_short(finish_reasons)
+    if reason is not None:
+        raise APIError(500, ErrorBody(f"{CUT_SHORT[reason]}; finish reasons by sample: "
+                                      f"{', '.join(finish_reasons)}", "server_error", None, reason))
 
 
 def _event(body: Any) -> bytes:
@@ -302,7 +290,9 @@ def build_app(frontend: Frontend, served: Served, metrics: Metrics | None,
         paths.append(Route("/metrics", routes.metrics_text, methods=["GET"]))
     app = Starlette(routes=paths, exception_handlers={
         APIError: _api_error_response,
-        ValidationError: _validation_response,
+        ValidationError: _api_error_of,
+        LoadingError: _api_error_of,
+        DrainingError: _api_error_of,
         HTTPException: _http_error_response,
     })
     return BearerToken(app, token) if token else app
@@ -313,7 +303,7 @@ async def _api_error_response(request: Request, error: Exception) -> Response:
     return error.response()
 
 
-async def _validation_response(request: Request, error: Exception) -> Response:
+async def _api_error_of(request: Request, error: Exception) -> Response:
     return api_error(error).response()
 
 

@@ -110,23 +110,24 @@ T = TypeVar("T")
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
-def _empty(value: Any) -> bool:
+def _unset(value: Any) -> bool:
+    """0, empty or absent: the neutral value of most of these fields."""
     return not value
 
 
 # field -> (is the value one the engine honours?, what it may be), checked in order
 NEUTRAL: dict[str, tuple[Any, str]] = {
-    "frequency_penalty": (lambda v: not v, "0"),
-    "presence_penalty": (lambda v: not v, "0"),
+    "frequency_penalty": (_unset, "0"),
+    "presence_penalty": (_unset, "0"),
     "repetition_penalty": (lambda v: v is None or v == 1, "1"),
-    "min_p": (lambda v: not v, "0"),
-    "min_tokens": (lambda v: not v, "0"),
-    "logit_bias": (_empty, "empty"),
-    "top_logprobs": (lambda v: not v, "0 (the log-probability of the chosen token only)"),
+    "min_p": (_unset, "0"),
+    "min_tokens": (_unset, "0"),
+    "logit_bias": (_unset, "empty"),
+    "top_logprobs": (_unset, "0 (the log-probability of the chosen token only)"),
     "response_format": (lambda v: v is None or v == {"type": "text"}, '{"type": "text"}'),
-    "tools": (_empty, "empty (no tool calling)"),
+    "tools": (_unset, "empty (no tool calling)"),
     "tool_choice": (lambda v: v in (None, "none"), '"none"'),
-    "functions": (_empty, "empty (no tool calling)"),
+    "functions": (_unset, "empty (no tool calling)"),
     "function_call": (lambda v: v in (None, "none"), '"none"'),
     "modalities": (lambda v: v in (None, ["text"]), '["text"]'),
     "audio": (lambda v: v is None, "null (text only)"),
@@ -135,9 +136,9 @@ NEUTRAL: dict[str, tuple[Any, str]] = {
     "verbosity": (lambda v: v is None, "null"),
     "web_search_options": (lambda v: v is None, "null"),
     "service_tier": (lambda v: v in (None, "auto", "default"), '"auto" or "default"'),
-    "store": (lambda v: not v, "false (nothing is stored)"),
-    "echo": (lambda v: not v, "false"),
-    "suffix": (lambda v: not v, "empty"),
+    "store": (_unset, "false (nothing is stored)"),
+    "echo": (_unset, "false"),
+    "suffix": (_unset, "empty"),
 }
 
 
