@@ -21,6 +21,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 from specpage.engine import Engine, EngineStats, RequestOutput
 from specpage.request import Request, Timings, Usage, ValidationError
@@ -211,6 +212,23 @@ class AsyncEngine:
         self._aborts.append(request_id)
         self._work.set()
         return True
+
+    # What the front ends read of the engine; make_request touches no engine
+    # state, so their prepare threads may call it.
+    @property
+    def max_context(self) -> int:
+        return self.engine.max_context
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def k_max(self) -> int:
+        return self.engine.policy.k_max
+
+    def make_request(self, *args: Any, **kwargs: Any) -> Request:
+        return self.engine.make_request(*args, **kwargs)
 
     def stats(self) -> EngineStats:
         return self._stats

@@ -188,9 +188,9 @@ class Frontend:
         prompt, field = self._prompt(submission.prompt), submission.prompt.field
         params = submission.params
         if submission.max_tokens_to_context and not isinstance(prompt, str):
-            room = self.engine.engine.max_context - len(prompt)
+            room = self.engine.max_context - len(prompt)
             params = msgspec.structs.replace(params, max_tokens=max(1, room))
-        made = self.engine.engine.make_request(
+        made = self.engine.make_request(
             submission.request_id, prompt, params, submission.priority, submission.deadline,
             prompt_field=field, arrival=submission.arrival)
         if len(made.prompt_token_ids) > self.max_prompt_tokens:
@@ -223,7 +223,7 @@ class Frontend:
                                   f"{self.max_prompt_bytes} ({self.max_prompt_tokens} tokens)")
 
     def _chat_template(self, messages: Sequence[Mapping[str, Any]], field: str) -> list[int]:
-        tokenizer = self.engine.engine.tokenizer
+        tokenizer = self.engine.tokenizer
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise ValidationError(field, "the model has no chat template")
         try:

@@ -122,7 +122,7 @@ class GenerationService(pb_grpc.GenerationServicer):
                 request_id, _prompt(request), sampling_params(request.sampling), arrival,
                 priority=request.priority, deadline=_deadline(request, context),
                 cache_salt=request.cache_salt,
-                spec_k=spec_k(request.spec, self.engine.engine.policy.k_max))
+                spec_k=spec_k(request.spec, self.engine.k_max))
             return await self.frontend.admit(submission)
         except ValidationError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))

@@ -106,7 +106,7 @@ class OpenAIRoutes:
 
     async def models(self, request: Request) -> Response:
         served = self.served
-        max_context = self.frontend.engine.engine.max_context if self.frontend.ready else None
+        max_context = self.frontend.engine.max_context if self.frontend.ready else None
         card = {"id": served.model, "object": "model", "created": served.created,
                 "owned_by": "specpage", "max_model_len": max_context,
                 "metadata": {"draft": served.draft}}
@@ -140,7 +140,7 @@ class OpenAIRoutes:
             stream = await self.frontend.admit(submission)
         except Exception as error:  # noqa: BLE001 (api_error re-raises what it cannot map)
             raise api_error(error, renamed) from None
-        tokenizer = self.frontend.engine.engine.tokenizer
+        tokenizer = self.frontend.engine.tokenizer
         renderer = Renderer(
             chat=isinstance(body, protocol.ChatCompletionRequest), request_id=request_id,
             model=self.served.model, logprobs=submission.params.logprobs,
