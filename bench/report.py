@@ -195,6 +195,9 @@ def serving(r: dict) -> list[str]:
             c = r["ratios"][key][load]
             rows.append(f"| {name} against vLLM's best, {label} | | tok/s "
                         f"{verdict(c['tok_s'])}; TPOT {verdict(c['tpot_p50_s'])} |")
+    for key, same in r.get("outputs_vs_vllm", {}).items():
+        rows.append(f"| {names[key]}: greedy answers against vLLM's best | {same['exact']} of "
+                    f"{same['prompts']} identical | {same['first_half']} share their first half |")
     for key, why in r.get("errors", {}).items():
         rows.append(f"| {key} | not measured | {str(why)[:300]} |")
     return rows

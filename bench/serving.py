@@ -71,6 +71,8 @@ HEALTH_POLL_S = 0.5
 # What each workload reports; "tok_s" is aggregate output tokens per second.
 METRICS = ("tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s")
 HIGHER_IS_BETTER = {"tok_s": True, "ttft_p50_s": False, "ttft_p99_s": False, "tpot_p50_s": False}
+COMPARED_PROMPTS = 8  # greedy answers fetched from every server after its timed runs
+COMPARED_TOKENS = 32
 
 
 class BenchError(RuntimeError):
@@ -216,7 +218,7 @@ def drive(url: str, job: Workload, folder: Path) -> dict[str, float]:
             "cached_tokens": summary["cached_tokens"], "prompt_tokens": summary["prompt_tokens"]}
 
 
-Figures = dict[str, dict[str, float]]  # workload name -> metric -> value
+Figures = dict[str, Any]  # workload name -> metric -> value; "outputs": greedy answers
 
 
 def one_round(spec: ServerSpec, jobs: list[Workload], warmups: list[Workload]) -> Figures:
@@ -228,10 +230,34 @@ def one_round(spec: ServerSpec, jobs: list[Workload], warmups: list[Workload]) -
             for warmup in warmups:
                 drive(spec.url, warmup, folder)
             figures = {job.name: drive(spec.url, job, folder) for job in jobs}
+            figures["outputs"] = greedy_answers(spec.url, jobs[0].prompts[:COMPARED_PROMPTS])
         finally:
             server.stop()
     figures["server"] = {"startup_s": server.startup_s}
     return figures
+
+
+def greedy_answers(url: str, prompts: list[str]) -> list[str]:
+    """Each prompt's greedy answer (untimed), to compare the systems' outputs."""
+    answers = []
+    for prompt in prompts:
+        body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": prompt}],
+                           "max_tokens": COMPARED_TOKENS, "temperature": 0.0}).encode()
+        request = urllib.request.Request(f"{url}/v1/chat/completions", body,
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=RUN_TIMEOUT_S) as response:
+            answers.append(json.loads(response.read())["choices"][0]["message"]["content"])
+    return answers
+
+
+def same_outputs(ours: list[Figures], peer: list[Figures]) -> dict[str, int]:
+    """How many greedy answers of our first round equal the peer's, and share
+    their first half (in characters)."""
+    mine, theirs = ours[0]["outputs"], peer[0]["outputs"]
+    return {"prompts": len(mine),
+            "exact": sum(a == b for a, b in zip(mine, theirs, strict=True)),
+            "first_half": sum(a[: len(b) // 2] == b[: len(b) // 2]
+                              for a, b in zip(mine, theirs, strict=True))}
 
 
 def rotated_rounds(specs: dict[str, Callable[[], ServerSpec]], jobs: list[Workload],
@@ -330,6 +356,8 @@ def main() -> None:
             f"{ours}_vs_vllm": {job.name: ratios(spreads(runs[ours], job.name),
                                                  spreads(runs[best], job.name)) for job in jobs}
             for ours in ("specpage", "specpage_no_draft") if ours in runs}
+        result["outputs_vs_vllm"] = {ours: same_outputs(runs[ours], runs[best])
+                                     for ours in ("specpage", "specpage_no_draft") if ours in runs}
     result.update(load_average_end=os.getloadavg()[0], machine=machine(),
                   wall_s=time.perf_counter() - started)
     finish("serving", result)
