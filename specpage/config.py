@@ -17,16 +17,14 @@ from typing import Any
 
 import msgspec
 
-from specpage.request import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, StopLimits
+from specpage.config_error import ConfigError
+from specpage.config_error import require as _require
+from specpage.engine_config import EngineConfig
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 ENV_PREFIX = "SPECPAGE_"
 # Printed as a comment by dump_toml(show_secrets=False), so output can be shared.
 SECRET_KEYS = frozenset({("server", "bearer_token")})
-
-
-class ConfigError(ValueError):
-    """A config value is unknown, mistyped or inconsistent; the message says which."""
 
 
 class ModelSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -39,33 +37,6 @@ class ModelSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         # An empty name would surface much later as a puzzling model-loading error.
         for name in ("target", "draft", "dtype", "device"):
             _require(getattr(self, name) != "", f"model.{name} must not be empty", "")
-
-
-class EngineSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    block_size: int = 16
-    num_blocks: int = 4096
-    max_num_seqs: int = 64
-    max_step_tokens: int = 512
-    max_context: int = 2048
-    spec_k: int = 4  # 0: plain decoding through the same path
-    adaptive_k: bool = True
-    max_stop_strings: int = MAX_STOP_STRINGS  # per request; beyond, INVALID_ARGUMENT
-    max_stop_chars: int = MAX_STOP_CHARS  # all of a request's stop strings together
-    max_stop_token_ids: int = MAX_STOP_TOKEN_IDS
-
-    def __post_init__(self) -> None:
-        for name in ("block_size", "num_blocks", "max_num_seqs", "max_step_tokens", "max_context",
-                     "max_stop_strings", "max_stop_chars", "max_stop_token_ids"):
-            _require(getattr(self, name) > 0, f"engine.{name} must be > 0", getattr(self, name))
-        _require(self.spec_k >= 0, "engine.spec_k must be >= 0", self.spec_k)
-        # a decoding sequence may need two positions plus k in one step
-        _require(self.max_step_tokens >= self.spec_k + 2,
-                 f"engine.max_step_tokens must be >= spec_k + 2 ({self.spec_k + 2})",
-                 self.max_step_tokens)
-
-    @property
-    def stop_limits(self) -> StopLimits:
-        return StopLimits(self.max_stop_strings, self.max_stop_chars, self.max_stop_token_ids)
 
 
 class ServerSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -134,13 +105,13 @@ class ServerSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     model: ModelSection = msgspec.field(default_factory=ModelSection)
-    engine: EngineSection = msgspec.field(default_factory=EngineSection)
+    engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
     server: ServerSection = msgspec.field(default_factory=ServerSection)
 
 
 SECTIONS: dict[str, type[msgspec.Struct]] = {
     "model": ModelSection,
-    "engine": EngineSection,
+    "engine": EngineConfig,
     "server": ServerSection,
 }
 
@@ -307,8 +278,3 @@ def _toml_string(text: str) -> str:
         else:
             out.append(char)
     return '"' + "".join(out) + '"'
-
-
-def _require(ok: bool, message: str, value: object) -> None:
-    if not ok:
-        raise ConfigError(f"{message}, got {value!r}")

@@ -28,7 +28,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from specpage import systemd
 from specpage.async_engine import AsyncEngine
 from specpage.config import Config, ConfigError, read_bearer_token
-from specpage.engine import Engine, EngineConfig, EngineStats, RequestOutput
+from specpage.engine import Engine, EngineStats, RequestOutput
 from specpage.frontend import Frontend
 from specpage.llm import load_tokenizer, resolve_model
 from specpage.metrics import Metrics, MetricsServer
@@ -61,12 +61,7 @@ def build_engine(config: Config) -> Engine:
         systemd.status(f"loading draft {m.draft}")
         log.info("loading draft", extra={"model": m.draft})
         draft = load_named(m.draft, m.dtype, m.device)
-    engine_config = EngineConfig(
-        block_size=e.block_size, num_blocks=e.num_blocks, max_num_seqs=e.max_num_seqs,
-        max_step_tokens=e.max_step_tokens, max_context=e.max_context, spec_k=e.spec_k,
-        adaptive_k=e.adaptive_k, stop_limits=e.stop_limits,
-    )
-    return Engine(target, draft, load_tokenizer(target.folder), engine_config)
+    return Engine(target, draft, load_tokenizer(target.folder), e)
 
 
 def load_named(name: str, dtype: str | None, device: str) -> LoadedModel:

@@ -19,6 +19,7 @@ import msgspec
 
 from specpage.block_pool import BlockPool
 from specpage.detokenizer import IncrementalDetokenizer
+from specpage.engine_config import EngineConfig
 from specpage.model_runner import ModelRunner
 from specpage.models.loader import LoadedModel, check_draft_compatible, draft_vocabulary
 from specpage.request import (
@@ -26,7 +27,6 @@ from specpage.request import (
     Request,
     SamplingParams,
     Sequence,
-    StopLimits,
     Timings,
     Usage,
     ValidationError,
@@ -40,17 +40,6 @@ from specpage.spec.proposer import DraftProposer, Proposal
 from specpage.spec.verifier import Verdict, Verifier
 
 log = logging.getLogger("specpage.engine")
-
-
-class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    block_size: int = 16
-    num_blocks: int = 2048
-    max_num_seqs: int = 64
-    max_step_tokens: int = 512
-    max_context: int = 2048  # capped by both models' own limits
-    spec_k: int = 4  # proposals per step at most; 0 turns speculation off
-    adaptive_k: bool = True
-    stop_limits: StopLimits = msgspec.field(default_factory=StopLimits)
 
 
 class RequestOutput(msgspec.Struct):
@@ -99,11 +88,6 @@ class Engine:
     ) -> None:
         self.config = config or EngineConfig()
         c = self.config
-        if c.max_step_tokens < c.spec_k + 2:
-            raise ValueError(
-                f"max_step_tokens ({c.max_step_tokens}) must be at least spec_k + 2 "
-                f"({c.spec_k + 2}): a decoding sequence may need two positions plus k"
-            )
         if draft is not None:
             check_draft_compatible(target, draft)
             draft.model.restrict_output_vocab(draft_vocabulary(draft))
@@ -116,7 +100,8 @@ class Engine:
         spec_k = c.spec_k if draft is not None else 0
         self.policy = SpecPolicy(spec_k, adaptive=c.adaptive_k)
         self.scheduler = Scheduler(
-            SchedulerConfig(c.max_num_seqs, c.max_step_tokens, max_context=max_context),
+            SchedulerConfig(c.max_num_seqs, c.max_step_tokens, c.admission_watermark,
+                            max_context),
             self.pool,
             self.policy.choose_k,
         )
@@ -241,6 +226,11 @@ class Engine:
             self.num_aborts += 1
         request.aborted = True
         return True
+
+    @property
+    def k_max(self) -> int:
+        """Proposals per step at most (0 without a draft)."""
+        return self.policy.k_max
 
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.running or self.scheduler.waiting)

@@ -14,13 +14,13 @@ from specpage.commands import config as config_command
 from specpage.config import (
     Config,
     ConfigError,
-    EngineSection,
     ModelSection,
     ServerSection,
     dump_toml,
     load_config,
     read_bearer_token,
 )
+from specpage.engine_config import EngineConfig
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "systemd" / "specpage.toml.example"
 
@@ -152,6 +152,7 @@ def test_override_errors_name_the_key(overrides: dict[str, object], message: str
         ({"engine.spec_k": -1}, "engine.spec_k must be >= 0, got -1"),
         ({"engine.spec_k": 8, "engine.max_step_tokens": 9},
          "engine.max_step_tokens must be >= spec_k + 2 (10), got 9"),
+        ({"engine.admission_watermark": 1.0}, "engine.admission_watermark must be in [0, 1)"),
         ({"model.target": ""}, "model.target must not be empty"),
         ({"model.draft": "/d", "model.device": ""}, "model.device must not be empty"),
         ({"server.tls_cert": "/c.pem"}, "tls_cert and server.tls_key go together"),
@@ -207,7 +208,7 @@ def test_bearer_token_file(tmp_path: Path) -> None:
 def full_config() -> Config:
     return Config(
         model=ModelSection(target="/models/t", draft="/models/d", dtype="bf16", device="cuda:1"),
-        engine=EngineSection(block_size=32, num_blocks=100, spec_k=0, adaptive_k=False),
+        engine=EngineConfig(block_size=32, num_blocks=100, spec_k=0, adaptive_k=False),
         server=ServerSection(
             host="::",
             port=6000,
@@ -296,3 +297,13 @@ def test_config_command_without_print_only_checks(capsys: pytest.CaptureFixture[
         run_config_command(["--set", "server.port"], capsys)
     with pytest.raises(ConfigError, match="override: unknown key 'server.prot'"):
         run_config_command(["--set", "server.prot=1"], capsys)
+
+
+def test_every_engine_setting_is_one_field_of_the_engines_own_config() -> None:
+    """The [engine] section is the type Engine takes, so a scheduler knob
+    such as the admission watermark reaches it from any config layer."""
+    config = load_config(env={"SPECPAGE_ENGINE_ADMISSION_WATERMARK": "0.1"},
+                         overrides={"engine.max_num_seqs": 8})
+    assert type(config.engine) is EngineConfig
+    assert config.engine == EngineConfig(max_num_seqs=8, admission_watermark=0.1)
+    assert Config().engine == EngineConfig()

@@ -5,7 +5,8 @@ import grpc
 import pytest
 
 from specpage.client import Client
-from specpage.config import ConfigError, EngineSection, load_config
+from specpage.config import ConfigError, load_config
+from specpage.engine_config import EngineConfig
 from specpage.request import DEFAULT_STOP_LIMITS, SamplingParams, StopLimits, ValidationError
 from tests.daemon_util import Daemon
 
@@ -55,9 +56,9 @@ def test_the_config_sets_the_limits():
                          overrides={"engine.max_stop_token_ids": 3})
     assert config.engine.stop_limits == StopLimits(max_stop_strings=8, max_stop_chars=4096,
                                                    max_stop_token_ids=3)
-    assert EngineSection().stop_limits == StopLimits()
+    assert EngineConfig().stop_limits == StopLimits()
     with pytest.raises(ConfigError, match="engine.max_stop_chars must be > 0"):
-        EngineSection(max_stop_chars=0)
+        EngineConfig(max_stop_chars=0)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,47 @@
+"""The engine's settings: one type, one default per field.
+
+The daemon's ``[engine]`` config section decodes into it and ``Engine``
+takes it as it is, so a field added here is settable from the config
+file, the environment and ``--set`` at once. Pure Python; no torch.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from specpage.config_error import require
+from specpage.request import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, StopLimits
+
+# Fraction of the pool kept free when admitting a request while others run,
+# so running sequences can still grow by a step or two without preempting.
+ADMISSION_WATERMARK = 0.02
+
+
+class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    block_size: int = 16
+    num_blocks: int = 4096
+    max_num_seqs: int = 64
+    max_step_tokens: int = 512  # target positions per step: prefill chunks + verification
+    max_context: int = 2048  # capped by both models' own limits
+    spec_k: int = 4  # proposals per step at most; 0: plain decoding through the same path
+    adaptive_k: bool = True
+    admission_watermark: float = ADMISSION_WATERMARK
+    max_stop_strings: int = MAX_STOP_STRINGS  # per request; beyond, INVALID_ARGUMENT
+    max_stop_chars: int = MAX_STOP_CHARS  # all of a request's stop strings together
+    max_stop_token_ids: int = MAX_STOP_TOKEN_IDS
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "num_blocks", "max_num_seqs", "max_step_tokens", "max_context",
+                     "max_stop_strings", "max_stop_chars", "max_stop_token_ids"):
+            require(getattr(self, name) > 0, f"engine.{name} must be > 0", getattr(self, name))
+        require(self.spec_k >= 0, "engine.spec_k must be >= 0", self.spec_k)
+        # a decoding sequence may need two positions plus k in one step
+        require(self.max_step_tokens >= self.spec_k + 2,
+                f"engine.max_step_tokens must be >= spec_k + 2 ({self.spec_k + 2})",
+                self.max_step_tokens)
+        require(0 <= self.admission_watermark < 1,
+                "engine.admission_watermark must be in [0, 1)", self.admission_watermark)
+
+    @property
+    def stop_limits(self) -> StopLimits:
+        return StopLimits(self.max_stop_strings, self.max_stop_chars, self.max_stop_token_ids)
