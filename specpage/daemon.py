@@ -26,9 +26,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from specpage import systemd
-from specpage.async_engine import AsyncEngine
 from specpage.config import Config, ConfigError, read_bearer_token
 from specpage.engine import Engine, EngineStats, RequestOutput
+from specpage.engine.async_engine import AsyncEngine
 from specpage.frontend import Frontend
 from specpage.llm import load_tokenizer, resolve_model
 from specpage.metrics import Metrics, MetricsServer

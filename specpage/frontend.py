@@ -20,7 +20,7 @@ from typing import Any
 import msgspec
 from jinja2 import TemplateError
 
-from specpage.async_engine import AsyncEngine, Chunk, DrainingError, Final, RequestStream
+from specpage.engine.async_engine import AsyncEngine, Chunk, DrainingError, Final, RequestStream
 from specpage.request import Request, SamplingParams, ValidationError
 
 # Request ids are echoed as gRPC metadata and HTTP headers, whose values must be

@@ -11,7 +11,8 @@ from typing import Any
 
 import grpc
 
-from specpage.async_engine import (
+from specpage.completion import Durations
+from specpage.engine.async_engine import (
     AsyncEngine,
     Chunk,
     DrainingError,
@@ -20,7 +21,6 @@ from specpage.async_engine import (
     QueueFullError,
     RequestStream,
 )
-from specpage.completion import Durations
 from specpage.frontend import (
     Frontend,
     LoadingError,

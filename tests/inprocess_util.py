@@ -9,10 +9,10 @@ from dataclasses import dataclass
 
 import grpc
 
-from specpage.async_engine import AsyncEngine
 from specpage.config import Config
 from specpage.daemon import server_info
 from specpage.engine import Engine
+from specpage.engine.async_engine import AsyncEngine
 from specpage.frontend import Frontend
 from specpage.server import GenerationService
 from specpage.v1 import generation_pb2_grpc as pb_grpc

@@ -4,8 +4,8 @@ import asyncio
 
 import pytest
 
-from specpage.async_engine import Chunk, Final, RequestStream
 from specpage.engine import RequestOutput
+from specpage.engine.async_engine import Chunk, Final, RequestStream
 from specpage.request import Timings, Usage
 
 
@@ -51,8 +51,8 @@ async def test_chunks_pushed_during_a_yield_are_not_lost():
 @pytest.mark.asyncio
 async def test_stop_is_bounded_even_when_the_engine_never_answers(tmp_path):
     """A stream the engine never ends is failed at stop, not waited on forever."""
-    from specpage.async_engine import AsyncEngine, DrainingError
     from specpage.engine import Engine, EngineConfig
+    from specpage.engine.async_engine import AsyncEngine, DrainingError
     from specpage.models.loader import load_model
     from tests.models_util import tiny_checkpoint
 
@@ -73,8 +73,8 @@ async def test_the_queue_bound_counts_only_requests_that_must_wait(tmp_path):
     """With one running place and max_queue 2, three requests that arrive
     before any step are all admitted (one will run, two wait); a fourth is
     refused. Whether the engine has stepped in between must not matter."""
-    from specpage.async_engine import AsyncEngine, QueueFullError
     from specpage.engine import Engine, EngineConfig
+    from specpage.engine.async_engine import AsyncEngine, QueueFullError
     from specpage.models.loader import load_model
     from specpage.request import Request, SamplingParams
     from tests.models_util import tiny_checkpoint
@@ -105,8 +105,8 @@ async def test_the_queue_bound_counts_only_requests_that_must_wait(tmp_path):
 async def test_samples_hold_their_running_places_from_admission(tmp_path):
     """A request of n samples holds n running places (it forks into n) from
     the moment it is admitted, and gives one back as each sample ends."""
-    from specpage.async_engine import AsyncEngine, QueueFullError
     from specpage.engine import Engine, EngineConfig
+    from specpage.engine.async_engine import AsyncEngine, QueueFullError
     from specpage.models.loader import load_model
     from specpage.request import Request, SamplingParams
     from tests.models_util import tiny_checkpoint
@@ -139,8 +139,8 @@ async def test_a_fault_while_submitting_leaves_no_request_behind(tmp_path):
     """The engine refuses the second of three submissions. Every request in
     flight fails with the fault, none of them lingers in the engine or the
     submissions, and a client retrying the same ids gets complete answers."""
-    from specpage.async_engine import AsyncEngine, EngineFaultError
     from specpage.engine import Engine, EngineConfig
+    from specpage.engine.async_engine import AsyncEngine, EngineFaultError
     from specpage.models.loader import load_model
     from specpage.request import Request, SamplingParams
     from tests.models_util import tiny_checkpoint
@@ -180,8 +180,8 @@ async def test_a_fault_while_submitting_leaves_no_request_behind(tmp_path):
 async def test_submissions_behind_waiting_sequences_count_each_sample(tmp_path):
     """While a sequence waits for blocks, a pending request of two samples
     adds two queued places, not one."""
-    from specpage.async_engine import AsyncEngine
     from specpage.engine import Engine, EngineConfig
+    from specpage.engine.async_engine import AsyncEngine
     from specpage.models.loader import load_model
     from specpage.request import Request, SamplingParams
     from tests.models_util import tiny_checkpoint

@@ -15,9 +15,9 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from specpage.async_engine import AsyncEngine
 from specpage.client import Client
 from specpage.engine import Engine, EngineConfig
+from specpage.engine.async_engine import AsyncEngine
 from specpage.frontend import ChatPrompt, Frontend, Submission
 from specpage.llm import load_tokenizer
 from specpage.models.loader import load_model

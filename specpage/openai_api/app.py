@@ -29,7 +29,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from specpage.async_engine import (
+from specpage.engine.async_engine import (
     Chunk,
     DrainingError,
     EngineFaultError,

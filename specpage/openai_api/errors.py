@@ -9,7 +9,7 @@ import math
 import msgspec
 from starlette.responses import Response
 
-from specpage.async_engine import DrainingError, EngineFaultError, QueueFullError
+from specpage.engine.async_engine import DrainingError, EngineFaultError, QueueFullError
 from specpage.frontend import LoadingError
 from specpage.request import ValidationError
 

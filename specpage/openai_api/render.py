@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from specpage.async_engine import Chunk
+from specpage.engine.async_engine import Chunk
 from specpage.request import Usage
 
 Json = dict[str, Any]

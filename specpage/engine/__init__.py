@@ -1,0 +1,10 @@
+"""The engine: requests in, token deltas out, one step at a time.
+
+``Engine`` runs steps synchronously; ``AsyncEngine`` (engine.async_engine)
+runs them off the event loop and is all that the front ends use.
+"""
+
+from specpage.engine.engine import Engine, EngineStats, RequestOutput
+from specpage.engine_config import EngineConfig
+
+__all__ = ["Engine", "EngineConfig", "EngineStats", "RequestOutput"]
