@@ -47,11 +47,13 @@ def instrument(engine: Engine, spent: dict[str, float]) -> None:
 
         setattr(owner, name, wrapper)
 
-    timed(engine.scheduler, "schedule", "scheduler")
-    timed(engine, "_commit", "pool_commit_rollback")
-    timed(engine, "_emit", "emit")
-    timed(engine, "_propose", "draft_forwards")
-    timed(engine.verifier, "verify", "target_forward")
+    # the core's two sides of the step: the schedule into a batch, and
+    # applying the result (commit, rollback, outputs); then the models
+    timed(engine.core, "schedule", "core_schedule")
+    timed(engine.core, "apply", "core_apply")
+    if engine.executor.proposer is not None:
+        timed(engine.executor.proposer, "propose", "draft_forwards")
+    timed(engine.executor.verifier, "verify", "target_forward")
 
 
 def run(llm: LLM, prompts: list[list[int]], tokens: int) -> dict[str, Any]:
@@ -75,7 +77,7 @@ def run(llm: LLM, prompts: list[list[int]], tokens: int) -> dict[str, Any]:
             for part, seconds in spent.items():
                 shares[part].append(seconds / total)
             shares["scheduler_and_pool"].append(
-                (spent["scheduler"] + spent["pool_commit_rollback"]) / total)
+                (spent["core_schedule"] + spent["core_apply"]) / total)
     engine.pool.check_integrity()
     return {"decode_steps": steps,
             **{f"{part}_share" if part != "step_ms" else "step_ms": statistics.median(v)

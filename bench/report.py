@@ -161,8 +161,8 @@ def overhead(r: dict) -> list[str]:
             o = r[key]
             rows.append(f"| batch {r['batch']}, {name}: scheduler + pool per step | "
                         f"{fmt(100 * o['scheduler_and_pool_share'], 1)}% of a "
-                        f"{fmt(o['step_ms'], 0)} ms step | emission "
-                        f"{fmt(100 * o['emit_share'], 1)}%, target forward "
+                        f"{fmt(o['step_ms'], 0)} ms step | applying the result "
+                        f"{fmt(100 * o['core_apply_share'], 1)}%, target forward "
                         f"{fmt(100 * o['target_forward_share'], 1)}% |")
     return rows
 

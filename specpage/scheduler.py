@@ -17,21 +17,14 @@ from __future__ import annotations
 import bisect
 import heapq
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import NamedTuple
 
 from specpage.block_pool import BlockPool, Copy
+from specpage.core import ledger
+from specpage.engine_config import EngineConfig
 from specpage.request import FinishReason, Sequence, Status
 
 ChooseK = Callable[[Sequence, int], int]  # (sequence, running batch size) -> k
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_step_tokens: int = 512  # target positions per step: prefill chunks + verification
-    admission_watermark: float = 0.02  # fraction of blocks kept free when admitting
-    max_context: int = 2048  # positions both models can hold
 
 
 class ScheduledSeq(NamedTuple):
@@ -62,8 +55,10 @@ def _slots(seq: Sequence) -> int:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, pool: BlockPool, choose_k: ChooseK) -> None:
+    def __init__(self, config: EngineConfig, max_context: int, pool: BlockPool,
+                 choose_k: ChooseK) -> None:
         self.config = config
+        self.max_context = max_context  # positions both models can hold
         self.pool = pool
         self.choose_k = choose_k
         self.waiting: list[tuple[tuple[int, float, int], Sequence]] = []  # heap
@@ -91,7 +86,7 @@ class Scheduler:
             return
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
-            self.pool.free(seq.seq_id)
+            ledger.release(self.pool, seq)
         else:
             self.waiting = [(k, s) for k, s in self.waiting if s is not seq]
             heapq.heapify(self.waiting)
@@ -144,7 +139,7 @@ class Scheduler:
             return 0
         room = min(
             params.max_tokens - len(seq.output_token_ids) - 1,  # k + 1 tokens at most this step
-            self.config.max_context - seq.num_tokens,
+            self.max_context - seq.num_tokens,
         )
         return max(0, min(self.choose_k(seq, batch), room))
 
@@ -173,8 +168,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.pool.free(seq.seq_id)
-        seq.num_computed = seq.num_draft_computed = 0
+        ledger.release(self.pool, seq)
         self.num_preemptions += 1
         self.add(seq)
 
@@ -194,12 +188,10 @@ class Scheduler:
             reserve = keep_free if self.running else 0
             if -(-seq.num_tokens // size) > pool.num_available_blocks - reserve:
                 break
-            cached = pool.allocate_prompt(seq.seq_id, seq.token_ids, seq.request.cache_salt)
-            seq.num_computed = cached
+            cached = ledger.admit(pool, seq)
             num_new, k = self._span(seq, budget, batch)
             if num_new == 0 or not self._fits(seq, num_new + k):
-                pool.free(seq.seq_id)  # wait until the proposals fit too
-                seq.num_computed = 0
+                ledger.release(pool, seq)  # wait until the proposals fit too
                 break
             heapq.heappop(self.waiting)
             self.num_cached_tokens += cached

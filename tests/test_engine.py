@@ -268,8 +268,9 @@ def test_the_draft_catches_up_after_steps_without_speculation(models):
     hf = models[0]
     eng = engine(models, draft="self", spec_k=3, adaptive_k=True)
     forwards = []
-    runner_forward = eng.proposer.runner.forward
-    eng.proposer.runner.forward = lambda spans: forwards.append(spans) or runner_forward(spans)
+    runner = eng.executor.proposer.runner
+    runner_forward = runner.forward
+    runner.forward = lambda spans: forwards.append(spans) or runner_forward(spans)
     steps = iter([0] * 7 + [3, 0, 0, 3, 3, 0] * 20)
     eng.scheduler.choose_k = lambda seq, batch: next(steps)
     batch = prompts(2, seed=5)
@@ -286,7 +287,7 @@ def test_speculation_off_costs_no_draft_forward(models):
     eng = engine(models, draft="draft", spec_k=3)
     eng.scheduler.choose_k = lambda seq, batch: 0
     calls = []
-    eng.proposer.runner.forward = lambda spans: calls.append(spans)
+    eng.executor.proposer.runner.forward = lambda spans: calls.append(spans)
     drain(eng, {0: [("a", prompts(1)[0], GREEDY)]})
     assert calls == []
 
@@ -315,8 +316,9 @@ def test_a_restricted_draft_vocabulary_keeps_greedy_output_exact(tmp_path):
     eng = Engine(target, draft, None, EngineConfig(block_size=4, num_blocks=512, spec_k=3,
                                                    adaptive_k=False))
     proposed = []
-    propose = eng.proposer.propose
-    eng.proposer.propose = lambda scheduled: proposed.append(propose(scheduled)) or proposed[-1]
+    proposer = eng.executor.proposer
+    propose = proposer.propose
+    proposer.propose = lambda batch: proposed.append(propose(batch)) or proposed[-1]
     batch = prompts(4, seed=3)
     results = drain(eng, {0: [(str(i), p, GREEDY) for i, p in enumerate(batch)]})
     for i, p in enumerate(batch):
@@ -346,10 +348,13 @@ def test_forward_costs_reach_the_policy_without_prefill_steps(models):
     eng.add_request("a", prompts(1, lengths=(40,))[0], GREEDY)
     eng.step()  # the whole prompt
     assert eng.policy.target_cost.observations == 0
-    while not eng.proposer.last_costs:
+    results = []
+    execute = eng.executor.execute
+    eng.executor.execute = lambda batch: results.append(execute(batch)) or results[-1]
+    while not any(r.draft_costs for r in results):
         eng.step()
     # the first draft run catches up over the prompt, then proposes one position
-    assert [n for n, _ in eng.proposer.last_costs] == [41, 1]
+    assert [n for n, _ in results[-1].draft_costs] == [41, 1]
     while eng.has_unfinished():
         eng.step()
     assert eng.policy.target_cost.observations > 0

@@ -163,7 +163,7 @@ def test_a_second_engine_reads_the_costs_the_first_one_measured(models, monkeypa
     def no_measuring(*args, **kwargs):
         raise AssertionError("measured despite the cache")
 
-    monkeypatch.setattr("specpage.engine.engine.measure", no_measuring)
+    monkeypatch.setattr("specpage.engine.executor.measure", no_measuring)
     second = engine(models, draft=True)
     assert second.policy.calibrated
     assert second.policy.target_cost.points == first.policy.target_cost.points
@@ -194,7 +194,7 @@ def test_an_incomplete_measurement_is_not_cached_and_two_sizes_are_needed(models
     def one_size(runners, plan, budget=calibrate.BUDGET):
         return [calibrate.Measured({1: 0.01}) for _ in runners]
 
-    monkeypatch.setattr("specpage.engine.engine.measure", one_size)
+    monkeypatch.setattr("specpage.engine.executor.measure", one_size)
     eng = engine(models, draft=True)
     assert not eng.policy.calibrated  # no slope measured: the priors, corrected online
     assert not (cost_cache.cache_dir() / "costs").exists()

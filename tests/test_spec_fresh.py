@@ -94,7 +94,7 @@ def test_a_fresh_engine_speculates_with_an_exact_draft_despite_noisy_start_up_co
     monkeypatch.setenv("SPECPAGE_CACHE_DIR", str(tmp_path))  # measure, do not read a cache
     shares = {}
     for name, seed in (("unseeded", None), ("seeded", 7)):
-        monkeypatch.setattr("specpage.engine.engine.measure", perturbed(noise))  # the same noise
+        monkeypatch.setattr("specpage.engine.executor.measure", perturbed(noise))  # the same noise
         params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
                                 seed=seed)
         shares[name] = drafted_share(models, params)

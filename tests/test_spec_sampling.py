@@ -63,8 +63,8 @@ def sampled_joint(target, draft, params, proposed=None):
         block_size=4, num_blocks=2048, max_num_seqs=256, max_step_tokens=2048,
         spec_k=2, adaptive_k=False))
     if proposed is not None:
-        propose = engine.proposer.propose
-        engine.proposer.propose = lambda scheduled: record(propose(scheduled), proposed)
+        propose = engine.executor.proposer.propose
+        engine.executor.proposer.propose = lambda scheduled: record(propose(scheduled), proposed)
     for seed in range(RUNS):
         engine.add_request(str(seed), PROMPT, SamplingParams(
             max_tokens=4, temperature=params.temperature, top_k=params.top_k,

@@ -1,104 +1,85 @@
 """The target: one forward over every scheduled span (prefill chunks, and
 the newest tokens followed by their proposals), then acceptance.
 
-Only tokens whose KV both models hold are committed: when all k proposals
-are accepted the draft has not yet seen the last one, so it stays
-uncommitted and both models compute it again next step (one extra position
-in a forward that is bandwidth-bound anyway).
+It reports what it accepted and sampled; what of it is committed is the
+core's decision (core/ledger.py).
 """
 
 from __future__ import annotations
 
 import time
-from typing import NamedTuple
 
 import torch
 
-from specpage.block_pool import BlockPool
+from specpage.core.step import NOTHING, Cost, SeqResult, SeqWork
 from specpage.model_runner import ModelRunner, SeqSpan
-from specpage.request import Sequence
 from specpage.sampler import Purpose, sample, uniform
-from specpage.scheduler import ScheduledSeq
 from specpage.spec.acceptance import accept
 from specpage.spec.proposer import Proposal
 from specpage.spec.sampling_rows import row_probabilities
 
 
-class Verdict(NamedTuple):
-    num_commit: int  # positions from num_computed on whose KV both models now hold
-    new_tokens: list[int]  # accepted proposals, then the recovered or bonus token
-    num_proposed: int
-    num_accepted: int
-    logprobs: list[float]  # of new_tokens, when asked for
-    fork_tokens: list[int]  # first tokens of samples 1..n-1, sampled with the first
-    fork_logprobs: list[float]  # theirs, when asked for
-
-
 class Verifier:
-    def __init__(self, runner: ModelRunner, pool: BlockPool) -> None:
+    def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
-        self.pool = pool
-        # (positions, seconds) of the last forward, None when it carried prefill
-        self.last_cost: tuple[int, float] | None = None
 
-    def verify(self, scheduled: list[ScheduledSeq], proposal: Proposal) -> list[Verdict]:
-        if not scheduled:
-            self.last_cost = None
-            return []
+    def verify(self, batch: list[SeqWork],
+               proposal: Proposal) -> tuple[list[SeqResult], Cost | None]:
+        """Per sequence what it sampled, and the forward's cost when it
+        decoded only (None when it carried prefill)."""
+        if not batch:
+            return [], None
         spans = []
-        for e, drafted in zip(scheduled, proposal.tokens, strict=True):
-            start = e.seq.num_computed
-            new = e.seq.token_ids[start : start + e.num_new] + drafted
-            logits_wanted = len(drafted) + 1 if e.wants_logits else 0
-            spans.append(SeqSpan(new, start, self.pool.block_table(e.seq.seq_id), logits_wanted))
+        for w, drafted in zip(batch, proposal.tokens, strict=True):
+            logits_wanted = len(drafted) + 1 if w.sample else 0
+            spans.append(SeqSpan(w.tokens + drafted, w.start, w.block_table, logits_wanted))
         start = time.perf_counter()
-        logits = self.runner.forward(spans)  # [sum of (k + 1) over logit rows, vocab]
+        logits = self.runner.forward(spans)  # [sum of (k + 1) over sampling rows, vocab]
         seconds = time.perf_counter() - start
-        decoding = all(e.wants_logits and e.num_new <= 2 for e in scheduled)
-        self.last_cost = (sum(len(s.token_ids) for s in spans), seconds) if decoding else None
-        verdicts = [Verdict(e.num_new, [], 0, 0, [], [], []) for e in scheduled]
-        rows = [i for i, e in enumerate(scheduled) if e.wants_logits]
+        decoding = all(w.sample and len(w.tokens) <= 2 for w in batch)
+        cost = (sum(len(s.token_ids) for s in spans), seconds) if decoding else None
+        results = [NOTHING] * len(batch)
+        rows = [i for i, w in enumerate(batch) if w.sample]
         if rows:
-            self._accept(scheduled, proposal, rows, logits, verdicts)
-        return verdicts
+            self._accept(batch, proposal, rows, logits, results)
+        return results, cost
 
     def _accept(
         self,
-        scheduled: list[ScheduledSeq],
+        batch: list[SeqWork],
         proposal: Proposal,
         rows: list[int],
         logits: torch.Tensor,
-        verdicts: list[Verdict],
+        results: list[SeqResult],
     ) -> None:
-        seqs = [scheduled[i].seq for i in rows]
+        works = [batch[i] for i in rows]
         ks = [len(proposal.tokens[i]) for i in rows]
         offsets = [0]
         for k in ks:
             offsets.append(offsets[-1] + k + 1)  # logit rows of each sequence
-        greedy = [r for r, s in enumerate(seqs) if s.request.params.greedy]
-        sampled = [r for r, s in enumerate(seqs) if not s.request.params.greedy]
+        greedy = [r for r, w in enumerate(works) if w.sampling.greedy]
+        sampled = [r for r, w in enumerate(works) if not w.sampling.greedy]
         num_accepted, next_token = [0] * len(rows), [0] * len(rows)
         for group, decide in ((greedy, self._greedy), (sampled, self._sampled)):
             if group:
-                results = decide([rows[r] for r in group], [seqs[r] for r in group],
+                decided = decide([rows[r] for r in group], [works[r] for r in group],
                                  [ks[r] for r in group], [offsets[r] for r in group],
                                  proposal, logits)
-                for r, (a, token) in zip(group, results, strict=True):
+                for r, (a, token) in zip(group, decided, strict=True):
                     num_accepted[r], next_token[r] = a, token
         log_probs = None
-        if any(s.request.params.logprobs for s in seqs):
+        if any(w.sampling.logprobs for w in works):
             log_probs = torch.log_softmax(logits, dim=-1)
-        for r, (i, seq, k) in enumerate(zip(rows, seqs, ks, strict=True)):
+        for r, (i, w, k) in enumerate(zip(rows, works, ks, strict=True)):
             a = num_accepted[r]
             new_tokens = proposal.tokens[i][:a] + [next_token[r]]
             chosen = []
-            if log_probs is not None and seq.request.params.logprobs:
+            if log_probs is not None and w.sampling.logprobs:
                 chosen = [float(log_probs[offsets[r] + j, t]) for j, t in enumerate(new_tokens)]
-            forks = self._fork_tokens(seq, logits[offsets[r]]) if k == 0 else []
+            forks = self._fork_tokens(w, logits[offsets[r]]) if w.num_forks else []
             fork_logprobs = [float(log_probs[offsets[r], t]) for t in forks] if chosen else []
-            verdicts[i] = Verdict(
-                num_commit=scheduled[i].num_new + min(a, max(k - 1, 0)),
-                new_tokens=new_tokens,
+            results[i] = SeqResult(
+                tokens=new_tokens,
                 num_proposed=k,
                 num_accepted=a,
                 logprobs=chosen,
@@ -107,28 +88,28 @@ class Verifier:
             )
 
     @staticmethod
-    def _greedy(rows: list[int], seqs: list[Sequence], ks: list[int], offsets: list[int],
+    def _greedy(rows: list[int], works: list[SeqWork], ks: list[int], offsets: list[int],
                 proposal: Proposal, logits: torch.Tensor) -> list[tuple[int, int]]:
         """Accept while the draft token equals the target's argmax."""
         argmax = logits.argmax(-1).tolist()  # [logit rows]
-        results = []
+        decided = []
         for i, k, base in zip(rows, ks, offsets, strict=True):
             a = 0
             while a < k and proposal.tokens[i][a] == argmax[base + a]:
                 a += 1
-            results.append((a, argmax[base + a]))
-        return results
+            decided.append((a, argmax[base + a]))
+        return decided
 
     @staticmethod
-    def _sampled(rows: list[int], seqs: list[Sequence], ks: list[int], offsets: list[int],
+    def _sampled(rows: list[int], works: list[SeqWork], ks: list[int], offsets: list[int],
                  proposal: Proposal, logits: torch.Tensor) -> list[tuple[int, int]]:
         """Lossless rejection sampling over the rows' padded distributions."""
         k_max = max(ks)
         vocab = logits.shape[-1]
         index = torch.tensor([base + j for base, k in zip(offsets, ks, strict=True)
                               for j in range(k + 1)])
-        row_seqs = [s for s, k in zip(seqs, ks, strict=True) for _ in range(k + 1)]
-        target = row_probabilities(logits[index], row_seqs)
+        row_params = [w.sampling for w, k in zip(works, ks, strict=True) for _ in range(k + 1)]
+        target = row_probabilities(logits[index], row_params)
         target_padded = torch.zeros(len(rows), k_max + 1, vocab)
         draft_padded = torch.ones(len(rows), k_max, vocab)
         draft_tokens = torch.zeros(len(rows), k_max, dtype=torch.int64)
@@ -140,12 +121,12 @@ class Verifier:
                 draft_padded[r, :k] = proposal.probs[i]
                 draft_tokens[r, :k] = torch.tensor(proposal.tokens[i])
         u_accept = torch.tensor(
-            [[uniform(s.seed, s.num_tokens + j, Purpose.ACCEPT) for j in range(k_max)]
-             for s in seqs], dtype=torch.float64,
+            [[uniform(w.sampling.seed, w.end + j, Purpose.ACCEPT) for j in range(k_max)]
+             for w in works], dtype=torch.float64,
         ).view(len(rows), k_max)  # fmt: skip
         u_next = torch.tensor(
-            [[uniform(s.seed, s.num_tokens + a, Purpose.RESIDUAL if a < k else Purpose.SAMPLE)
-              for a in range(k_max + 1)] for s, k in zip(seqs, ks, strict=True)],
+            [[uniform(w.sampling.seed, w.end + a, Purpose.RESIDUAL if a < k else Purpose.SAMPLE)
+              for a in range(k_max + 1)] for w, k in zip(works, ks, strict=True)],
             dtype=torch.float64,
         )  # fmt: skip
         result = accept(draft_tokens, draft_padded, target_padded, torch.tensor(ks), u_accept,
@@ -153,13 +134,12 @@ class Verifier:
         return list(zip(result.num_accepted, result.next_token, strict=True))
 
     @staticmethod
-    def _fork_tokens(seq: Sequence, logits: torch.Tensor) -> list[int]:
-        n = seq.request.params.n
-        if n == 1 or seq.index != 0 or seq.output_token_ids:
-            return []
-        probs = row_probabilities(logits[None], [seq])[0]
+    def _fork_tokens(work: SeqWork, logits: torch.Tensor) -> list[int]:
+        """First tokens of samples 1..n-1, drawn as each would draw its own."""
+        probs = row_probabilities(logits[None], [work.sampling])[0]
         draws = torch.tensor(
-            [uniform(seq.seed + i, seq.num_tokens, Purpose.SAMPLE) for i in range(1, n)],
+            [uniform(work.sampling.seed + i, work.end, Purpose.SAMPLE)
+             for i in range(1, work.num_forks + 1)],
             dtype=torch.float64,
         )
-        return sample(probs.expand(n - 1, -1), draws).tolist()
+        return sample(probs.expand(work.num_forks, -1), draws).tolist()

@@ -1,0 +1,228 @@
+"""The core of the engine: its requests, scheduler, pool and speculation
+policy, on one side of the step's value boundary.
+
+`schedule` turns the scheduler's plan into a `StepBatch`; `apply` takes the
+executor's `StepResult` for it and is the one place a step's outcome
+enters the core: it feeds the policy, commits and rolls back through the
+ledger, and processes the outputs. Pure Python; no torch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from specpage.block_pool import BlockPool
+from specpage.core import ledger
+from specpage.core.outputs import OutputProcessor, RequestOutput
+from specpage.core.step import Sampling, SeqResult, SeqWork, StepBatch, StepResult
+from specpage.engine_config import EngineConfig
+from specpage.request import FinishReason, Request, Sequence, ValidationError
+from specpage.scheduler import ScheduledSeq, Scheduler, StepPlan
+from specpage.spec.policy import SpecPolicy
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    running: int
+    waiting: int
+    free_blocks: int
+    cached_blocks: int
+    in_use_blocks: int
+    tentative_blocks: int
+    drafted_tokens: int
+    accepted_tokens: int
+    acceptance: float  # accepted / drafted
+    per_token_acceptance: float  # accepted / tested: the a in (1 - a^(k+1)) / (1 - a)
+    current_k: float
+    preemptions: int
+    prefix_cached_tokens: int
+    prompt_tokens: int  # admitted, cumulative
+    total_blocks: int
+    accepted_by_position: tuple[int, ...]  # cumulative acceptances at proposal 1..k
+    aborts: int = 0  # requests aborted by a caller before they finished, cumulative
+
+
+class StepResultError(ValueError):
+    """An executor's result does not fit the batch it was given."""
+
+
+class EngineCore:
+    def __init__(
+        self,
+        config: EngineConfig,
+        pool: BlockPool,
+        policy: SpecPolicy,
+        max_context: int,
+        tokenizer: Any = None,
+        eos_token_ids: tuple[int, ...] = (),
+    ) -> None:
+        self.config = config
+        self.pool = pool
+        self.policy = policy
+        self.max_context = max_context
+        self.scheduler = Scheduler(config, max_context, pool, policy.choose_k)
+        self.outputs = OutputProcessor(tokenizer, eos_token_ids, max_context,
+                                       self.scheduler.finish)
+        self.requests: dict[str, Request] = {}
+        self.num_aborts = 0  # requests a caller aborted before they finished
+        self._seq_ids = itertools.count()
+        self._plan: StepPlan | None = None  # scheduled, its result not yet applied
+
+    # ------------------------------------------------------------------ requests
+
+    def submit(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValidationError("request_id", f"{request.request_id!r} is already running")
+        seq = self._new_sequence(request, 0, list(request.prompt_token_ids))
+        self.requests[request.request_id] = request
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> bool:
+        """Takes effect at the next step boundary. False if unknown or finished."""
+        request = self.requests.get(request_id)
+        if request is None or request.finished:
+            return False
+        if not request.aborted:
+            self.num_aborts += 1
+        request.aborted = True
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.scheduler.running or self.scheduler.waiting)
+
+    def fail_all(self) -> list[RequestOutput]:
+        """End every request with an error and free its blocks (after a fault)."""
+        self._plan = None
+        outputs = []
+        for request in list(self.requests.values()):
+            ended = self.outputs.unforked(request, FinishReason.ERROR)
+            for seq in request.sequences:
+                if not seq.finished:
+                    ended.append(self.outputs.finish(seq, FinishReason.ERROR, [], ""))
+            if not any(out.usage is not None for out in ended):
+                # its other samples had ended without their final output
+                # reaching anyone; end the request itself
+                ended.append(RequestOutput(
+                    request.request_id, 0, [], "", 0, finished=True,
+                    finish_reason=str(FinishReason.ERROR), usage=request.usage,
+                    timings=request.timings))
+            del self.requests[request.request_id]
+            outputs += ended
+        self.pool.check_integrity()
+        return outputs
+
+    # ------------------------------------------------------------------ the step
+
+    def schedule(self) -> StepBatch:
+        """This step's work for the executor; `apply` takes its result."""
+        assert self._plan is None, "the last step's result was never applied"
+        plan = self._plan = self.scheduler.schedule(time.monotonic())
+        return StepBatch([self._work(e) for e in plan.scheduled], plan.copies)
+
+    def apply(self, result: StepResult) -> list[RequestOutput]:
+        """Take the executor's result for the batch `schedule` returned."""
+        plan, self._plan = self._plan, None
+        assert plan is not None, "apply without a scheduled step"
+        _check_result(plan.scheduled, result)
+        self.policy.observe_step([e.k for e in plan.scheduled if e.wants_logits])
+        self.policy.observe_costs(result.target_cost, result.draft_costs)
+        for entry, done in zip(plan.scheduled, result.seqs, strict=True):
+            ledger.apply(self.pool, entry.seq, entry.num_new, entry.k, entry.wants_logits,
+                         done.tokens, done.num_accepted)
+        outputs = []
+        for seq in plan.dropped:
+            reason = seq.finish_reason or FinishReason.ABORT
+            outputs += self.outputs.unforked(seq.request, reason)
+            outputs.append(self.outputs.finish(seq, reason, [], ""))
+        for entry, done in zip(plan.scheduled, result.seqs, strict=True):
+            seq = entry.seq
+            request = seq.request
+            self.policy.observe_acceptance(seq, done.num_proposed, done.num_accepted)
+            request.usage.drafted_tokens += done.num_proposed
+            request.usage.accepted_tokens += done.num_accepted
+            if done.fork_tokens:
+                outputs += self._fork(seq, done.fork_tokens, done.fork_logprobs)
+            if done.tokens:
+                outputs.append(self.outputs.append(seq, done.tokens, done.logprobs))
+        for out in outputs:
+            if out.usage is not None:  # the request's last output
+                del self.requests[out.request_id]
+        return outputs
+
+    def _work(self, entry: ScheduledSeq) -> SeqWork:
+        seq = entry.seq
+        start, params = seq.num_computed, seq.request.params
+        draft_start, draft_tokens = ledger.draft_span(seq) if entry.k else (start, [])
+        forks = (params.n - 1 if entry.wants_logits and seq.index == 0
+                 and not seq.output_token_ids else 0)
+        return SeqWork(
+            seq_id=seq.seq_id,
+            start=start,
+            tokens=seq.token_ids[start : start + entry.num_new],
+            block_table=list(self.pool.block_table(seq.seq_id)),
+            sample=entry.wants_logits,
+            k=entry.k,
+            draft_start=draft_start,
+            draft_tokens=draft_tokens,
+            sampling=Sampling(params.temperature, params.top_k, params.top_p, seq.seed,
+                              params.logprobs),
+            num_forks=forks,
+        )
+
+    def _fork(self, parent: Sequence, first_tokens: list[int],
+              logprobs: list[float]) -> list[RequestOutput]:
+        """Samples 1..n-1 share the parent's committed blocks from here on."""
+        outputs = []
+        for index, token in enumerate(first_tokens, start=1):
+            child = self._new_sequence(parent.request, index, list(parent.token_ids))
+            ledger.fork(self.pool, parent, child)
+            self.scheduler.add_running(child)
+            outputs.append(self.outputs.append(child, [token], logprobs[index - 1 : index]))
+        return outputs
+
+    def _new_sequence(self, request: Request, index: int, token_ids: list[int]) -> Sequence:
+        seq = Sequence(next(self._seq_ids), request, index, token_ids)
+        seq.detok = self.outputs.detokenizer(request)
+        request.sequences.append(seq)
+        return seq
+
+    # ------------------------------------------------------------------ stats
+
+    def stats(self) -> EngineStats:
+        pool, policy = self.pool.stats(), self.policy
+        return EngineStats(
+            running=len(self.scheduler.running),
+            waiting=self.scheduler.num_waiting,
+            free_blocks=pool.free,
+            cached_blocks=pool.cached,
+            in_use_blocks=pool.in_use,
+            tentative_blocks=pool.tentative,
+            drafted_tokens=policy.num_drafted,
+            accepted_tokens=policy.num_accepted,
+            acceptance=policy.num_accepted / max(1, policy.num_drafted),
+            per_token_acceptance=policy.num_accepted / max(1, policy.num_tested),
+            current_k=policy.last_k,
+            preemptions=self.scheduler.num_preemptions,
+            prefix_cached_tokens=self.scheduler.num_cached_tokens,
+            prompt_tokens=self.scheduler.num_prompt_tokens,
+            total_blocks=pool.total,
+            accepted_by_position=tuple(policy.accepted_by_position),
+            aborts=self.num_aborts,
+        )
+
+
+def _check_result(scheduled: list[ScheduledSeq], result: StepResult) -> None:
+    """A result that does not fit its batch would corrupt the pool: refuse it whole."""
+    if len(result.seqs) != len(scheduled):
+        raise StepResultError(f"{len(result.seqs)} results for {len(scheduled)} sequences")
+    for i, (entry, done) in enumerate(zip(scheduled, result.seqs, strict=True)):
+        if not entry.wants_logits:
+            ok = done == SeqResult()
+        else:
+            ok = (done.num_proposed == entry.k and 0 <= done.num_accepted <= entry.k
+                  and len(done.tokens) == done.num_accepted + 1)
+        if not ok:
+            raise StepResultError(f"result {i} does not fit sequence {entry.seq}: {done}")

@@ -1,0 +1,75 @@
+"""Requests in: validating parameters and prompts, and tokenizing.
+
+Touches no engine state, so any thread may run it (the daemon runs it on
+its own pool, off the event loop and off the step).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence as Seq
+from typing import Any
+
+from specpage.engine_config import EngineConfig
+from specpage.request import Request, SamplingParams, ValidationError, validate_prompt
+
+
+class Intake:
+    def __init__(self, config: EngineConfig, tokenizer: Any, vocab_size: int,
+                 max_context: int, k_max: int) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_context = max_context
+        self.k_max = k_max
+
+    def make_request(
+        self,
+        request_id: str,
+        prompt: str | Seq[int],
+        params: SamplingParams,
+        priority: int = 0,
+        deadline: float | None = None,
+        *,
+        prompt_field: str = "prompt",
+        arrival: float | None = None,
+    ) -> Request:
+        """Validate and tokenize.
+
+        prompt_field names the prompt in errors (a front end's own field);
+        arrival (time.monotonic()) is when the caller received the request,
+        now if None, so queue and end-to-end times include tokenizing."""
+        config = self.config
+        params.validate(config.stop_limits)
+        if params.n > config.max_num_seqs:
+            raise ValidationError("n", f"{params.n} samples exceed max_num_seqs "
+                                  f"({config.max_num_seqs})")
+        unknown = next((t for t in params.stop_token_ids if t >= self.vocab_size), None)
+        if unknown is not None:  # it could never be sampled
+            raise ValidationError("stop_token_ids",
+                                  f"token id {unknown} outside 0..{self.vocab_size - 1}")
+        prompt_ids = self._tokenize(prompt, prompt_field)
+        validate_prompt(prompt_ids, self.vocab_size, self.max_context, prompt_field)
+        self._check_fits(len(prompt_ids), params)
+        if params.stop and self.tokenizer is None:
+            raise ValidationError("stop", "stop strings need a tokenizer")
+        return Request(request_id, tuple(prompt_ids), params, priority, deadline,
+                       arrival=time.monotonic() if arrival is None else arrival)
+
+    def _tokenize(self, prompt: str | Seq[int], prompt_field: str) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValidationError(prompt_field,
+                                      "text prompts need a tokenizer; send token ids")
+            return list(self.tokenizer.encode(prompt, add_special_tokens=False))
+        return list(prompt)
+
+    def _check_fits(self, prompt_len: int, params: SamplingParams) -> None:
+        positions = prompt_len + params.max_tokens + self.k_max + 1
+        blocks = -(-positions // self.config.block_size) * params.n
+        if blocks > self.config.num_blocks:
+            raise ValidationError(
+                "max_tokens",
+                f"prompt ({prompt_len}) + max_tokens ({params.max_tokens}) need {blocks} KV "
+                f"blocks; the pool has {self.config.num_blocks}",
+            )

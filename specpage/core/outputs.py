@@ -1,0 +1,118 @@
+"""Output processing: sampled tokens into what a request's caller sees.
+
+Stop rules (EOS, stop token ids, max_tokens, the context, stop strings),
+incremental detokenizing, usage and timings. It decides how many of a
+step's tokens a sample keeps and hands them to the ledger; ending a
+sequence goes back to the core through `end`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+from typing import Any
+
+import msgspec
+
+from specpage.core import ledger
+from specpage.detokenizer import IncrementalDetokenizer
+from specpage.request import FinishReason, Request, Sequence, Timings, Usage
+
+
+class RequestOutput(msgspec.Struct):
+    """What one step produced for one sample of a request."""
+
+    request_id: str
+    index: int  # sample, 0..n-1
+    token_ids: list[int]  # new this step
+    text: str  # new text this step
+    num_tokens: int  # completion tokens of this sample so far
+    finished: bool = False
+    finish_reason: str | None = None
+    logprobs: list[float] | None = None
+    usage: Usage | None = None  # on the last output of the request
+    timings: Timings | None = None
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any, eos_token_ids: Seq[int], max_context: int,
+                 end: Callable[[Sequence, FinishReason], None]) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.max_context = max_context
+        self.end = end  # ends a sequence in the scheduler and frees its blocks
+
+    def detokenizer(self, request: Request) -> IncrementalDetokenizer | None:
+        if self.tokenizer is None:
+            return None
+        return IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
+                                      request.params.stop)
+
+    def append(self, seq: Sequence, tokens: Seq[int], logprobs: Seq[float]) -> RequestOutput:
+        """Add sampled tokens to a sequence, cut at its first stop condition."""
+        params = seq.request.params
+        kept: list[int] = []
+        reason = None
+        eos = () if params.ignore_eos else self.eos_token_ids
+        for token in tokens:
+            kept.append(token)
+            if token in eos or token in params.stop_token_ids:
+                reason = FinishReason.STOP
+            elif (len(seq.output_token_ids) + len(kept) >= params.max_tokens
+                  or seq.num_tokens + len(kept) >= self.max_context):
+                reason = FinishReason.LENGTH
+            if reason:
+                break
+        text = ""
+        detok: IncrementalDetokenizer | None = seq.detok  # type: ignore[assignment]
+        if detok is not None:
+            text_ids = kept[:-1] if reason is FinishReason.STOP else kept
+            text = detok.add(text_ids)
+            if detok.stopped:
+                # A stop string ends the output at the token that completes it,
+                # even when more tokens were accepted in the same step (and
+                # before a length limit reached with that same token).
+                del kept[detok.used :]
+                reason = FinishReason.STOP
+        kept_logprobs = list(logprobs[: len(kept)])
+        ledger.append_output(seq, kept, kept_logprobs)
+        request = seq.request
+        if request.timings.first_token is None:
+            request.timings.first_token = time.monotonic()
+        if reason:
+            return self.finish(seq, reason, kept, text, kept_logprobs)
+        return RequestOutput(request.request_id, seq.index, kept, text,
+                             len(seq.output_token_ids),
+                             logprobs=kept_logprobs if params.logprobs else None)
+
+    def finish(
+        self, seq: Sequence, reason: FinishReason, tokens: list[int], text: str,
+        logprobs: list[float] | None = None,
+    ) -> RequestOutput:
+        """End a sample; the request's last one carries its usage and timings."""
+        self.end(seq, reason)
+        detok: IncrementalDetokenizer | None = seq.detok  # type: ignore[assignment]
+        if detok is not None and not detok.stopped:
+            text += detok.flush()  # held back for a stop string that never came
+        request = seq.request
+        request.usage.completion_tokens = sum(len(s.output_token_ids) for s in request.sequences)
+        output = RequestOutput(
+            request.request_id, seq.index, tokens, text, len(seq.output_token_ids),
+            finished=True, finish_reason=str(reason),
+            logprobs=logprobs if request.params.logprobs else None,
+        )
+        request.num_ended += 1
+        if request.num_ended == len(request.sequences):  # the request's last output
+            request.timings.finished = time.monotonic()
+            output.usage, output.timings = request.usage, request.timings
+        return output
+
+    @staticmethod
+    def unforked(request: Request, reason: FinishReason) -> list[RequestOutput]:
+        """Samples 1..n-1 fork at sample 0's first token; a request that ends
+        before it (aborted, past its deadline, failed) ends them too, each
+        with an output of its own, before the request's last output."""
+        return [RequestOutput(request.request_id, index, [], "", 0, finished=True,
+                              finish_reason=str(reason))
+                for index in range(len(request.sequences), request.params.n)]

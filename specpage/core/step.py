@@ -1,0 +1,75 @@
+"""What crosses between the core and the executor, as plain values.
+
+A `StepBatch` says, per scheduled sequence, which positions each model
+computes, in which blocks, with how many proposals and how to sample; a
+`StepResult` says what came of it. Neither holds a `Sequence` or the pool,
+so the executor can run anywhere a batch can be sent (msgspec encodes both).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from specpage.request import GREEDY_BELOW
+
+
+class Sampling(msgspec.Struct, frozen=True, array_like=True):
+    """How one sample draws its tokens."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int  # this sample's own seed (the request's seed + its index)
+    logprobs: bool  # report the chosen tokens' log-probabilities
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW
+
+
+class SeqWork(msgspec.Struct, frozen=True, array_like=True):
+    """One sequence's share of a step."""
+
+    seq_id: int
+    start: int  # positions the target holds KV for before this step
+    tokens: list[int]  # what the target computes, at positions start .. start + len - 1
+    block_table: list[int]  # covers every position written this step
+    sample: bool  # the span reaches the newest token: sample what follows it
+    k: int  # proposals the draft makes (0 unless sample)
+    draft_start: int  # positions the draft holds KV for (<= start)
+    draft_tokens: list[int]  # positions draft_start .. start - 1: the draft catches up on them
+    sampling: Sampling
+    num_forks: int = 0  # further samples drawing their first token from these logits
+
+    @property
+    def end(self) -> int:
+        """Positions computed once the span is done; where a proposal at depth 0 goes."""
+        return self.start + len(self.tokens)
+
+
+class StepBatch(msgspec.Struct, frozen=True, array_like=True):
+    seqs: list[SeqWork]
+    copies: list[tuple[int, int]]  # copy-on-write (src, dst) blocks, in both models
+
+
+class SeqResult(msgspec.Struct, frozen=True, array_like=True):
+    """What one sequence's share produced. Empty when it did not sample."""
+
+    tokens: list[int] = []  # accepted proposals, then the recovered or bonus token
+    num_proposed: int = 0
+    num_accepted: int = 0
+    logprobs: list[float] = []  # of tokens, when asked for
+    fork_tokens: list[int] = []  # first tokens of samples 1..n-1
+    fork_logprobs: list[float] = []  # theirs, when asked for
+
+
+Cost = tuple[int, float]  # (positions in a forward, seconds it took)
+
+
+class StepResult(msgspec.Struct, frozen=True, array_like=True):
+    seqs: list[SeqResult]  # in the batch's order
+    target_cost: Cost | None = None  # None when the forward carried prefill
+    draft_costs: list[Cost] = []  # one per draft forward
+
+
+NOTHING = SeqResult()

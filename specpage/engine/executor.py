@@ -1,0 +1,70 @@
+"""The executor: the models' side of the step's value boundary.
+
+It owns the model runners (their KV tensors), the draft proposer and the
+verifier, and turns a `StepBatch` into a `StepResult`. It never sees a
+`Sequence` or the pool: what it needs arrives as plain values, and what it
+measured (forward costs) goes back in the result.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from specpage.core.step import StepBatch, StepResult
+from specpage.engine_config import EngineConfig
+from specpage.model_runner import ModelRunner
+from specpage.models.loader import LoadedModel
+from specpage.spec import cost_cache
+from specpage.spec.calibrate import Plan, calibration_sizes, measure
+from specpage.spec.proposer import DraftProposer, Proposal
+from specpage.spec.verifier import Verifier
+
+log = logging.getLogger("specpage.engine")
+
+
+class Executor:
+    def __init__(self, target: LoadedModel, draft: LoadedModel | None,
+                 config: EngineConfig) -> None:
+        self.target = ModelRunner(target, config.num_blocks, config.block_size)
+        self.runners = [self.target]
+        self.verifier = Verifier(self.target)
+        self.draft: ModelRunner | None = None
+        self.proposer: DraftProposer | None = None
+        if draft is not None:
+            self.draft = ModelRunner(draft, config.num_blocks, config.block_size)
+            self.runners.append(self.draft)
+            self.proposer = DraftProposer(self.draft)
+        self._identities = (target.identity, draft.identity if draft else b"")
+
+    def execute(self, batch: StepBatch) -> StepResult:
+        for runner in self.runners:
+            runner.copy_blocks(batch.copies)
+        if self.proposer is None or not batch.seqs:
+            proposal = Proposal.none(len(batch.seqs))
+        else:
+            proposal = self.proposer.propose(batch.seqs)
+        results, cost = self.verifier.verify(batch.seqs, proposal)
+        return StepResult(results, cost, proposal.costs)
+
+    def measure_costs(self, config: EngineConfig,
+                      max_context: int) -> cost_cache.CachedCosts | None:
+        """Both models' forward costs over the sizes a step can verify, for
+        the speculation policy (spec/calibrate.py), or what an earlier start
+        measured on this machine (spec/cost_cache.py); None without a draft."""
+        if self.draft is None:
+            return None
+        c, start = config, time.perf_counter()
+        sizes = calibration_sizes(min(c.max_step_tokens, c.max_num_seqs * (c.spec_k + 1)))
+        plan = Plan.make(sizes, c.max_num_seqs, c.num_blocks, max_context)
+        path = cost_cache.cache_path(self._identities, plan, self.target.dtype, c.block_size)
+        costs, source = cost_cache.load(path), "read from " + str(path)
+        if costs is None:
+            source = "measured"
+            measured = measure([(self.target, True), (self.draft, False)], plan)
+            costs = cost_cache.CachedCosts(*(m.points() for m in measured))
+            if all(len(m) == len(sizes) for m in measured):
+                cost_cache.store(path, costs)
+        log.info("speculation costs %s (%d and %d sizes) in %.1f s", source,
+                 len(costs.target), len(costs.draft), time.perf_counter() - start)
+        return costs
