@@ -58,7 +58,7 @@ class Pool:
     same contents laid out contiguously for SDPA."""
 
     def __init__(self, args: argparse.Namespace, spans: list[tuple[int, int]]) -> None:
-        from specpage.attention import build_metadata
+        from specpage.attention.triton import TritonAttention
 
         bs, kv_heads, d = args.block_size, args.kv_heads, args.head_dim
         context = spans[0][0] + spans[0][1]
@@ -66,7 +66,7 @@ class Pool:
         num_blocks = per_seq * len(spans)
         order = torch.randperm(num_blocks).tolist()
         tables = [order[i * per_seq : (i + 1) * per_seq] for i in range(len(spans))]
-        self.meta = build_metadata(
+        self.meta = TritonAttention().build_metadata(
             [(start, new, t) for (start, new), t in zip(spans, tables, strict=True)],
             bs,
             args.heads // kv_heads,

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specpage.attention import AttentionBackend, build_metadata, select_backend
+from specpage.attention.backend import AttentionBackend
+from specpage.attention.selection import select_backend
 from specpage.models.loader import LoadedModel
 
 
@@ -62,7 +63,7 @@ class ModelRunner:
         """Writes every span's K/V into its slots; returns fp32 logits
         [sum of num_logits, vocab], spans in order."""
         self._check(spans)
-        meta = build_metadata(
+        meta = self.backend.build_metadata(
             [(s.start, len(s.token_ids), list(s.block_table)) for s in spans],
             self.block_size,
             self.config.num_heads // self.config.num_kv_heads,

@@ -37,10 +37,11 @@ os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else 
 import triton
 import triton.language as tl
 
-from specpage.attention import AttentionMetadata, TorchAttention, build_metadata
+from specpage.attention.backend import Span
+from specpage.attention.reference import TorchAttention, TorchMetadata
+from specpage.attention.triton import TritonAttention, TritonMetadata
 from specpage.kernels import is_interpreted
 from specpage.kernels import paged_decode as paged_decode_module
-from specpage.kernels.backend import TritonAttention
 from specpage.kernels.block_copy import copy_blocks, copy_blocks_ref
 from specpage.kernels.kv_write import write_kv, write_kv_ref
 from specpage.kernels.paged_decode import paged_decode, paged_decode_ref
@@ -116,8 +117,9 @@ def rel_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
 @dataclass(frozen=True)
 class Batch:
     cache: torch.Tensor  # [2, num_blocks, block_size, kv_heads, head_dim], NaN off-context
-    meta: AttentionMetadata
+    meta: TritonMetadata
     q: torch.Tensor  # [num_tokens, heads, head_dim]
+    spans: list[Span]  # (start, num_new, block_table): for another backend's metadata
 
 
 def paged_batch(
@@ -133,12 +135,8 @@ def paged_batch(
     for count in needed:
         tables.append(order[used : used + count])
         used += count
-    meta = build_metadata(
-        [(start, new, table) for (start, new), table in zip(spans, tables, strict=True)],
-        bs,
-        shape.groups,
-        DEVICE,
-    )
+    table_spans = [(start, new, table) for (start, new), table in zip(spans, tables, strict=True)]
+    meta = TritonAttention().build_metadata(table_spans, bs, shape.groups, DEVICE)
     cache = torch.full(
         (2, num_blocks, bs, shape.kv_heads, shape.head_dim),
         float("nan"),
@@ -154,7 +152,7 @@ def paged_batch(
         )
     num_tokens = sum(new for _, new in spans)
     q = randn(rng, num_tokens, shape.heads, shape.head_dim, dtype=shape.dtype)
-    return Batch(cache, meta, q)
+    return Batch(cache, meta, q, table_spans)
 
 
 def poisoned_like(q: torch.Tensor) -> torch.Tensor:
@@ -246,17 +244,17 @@ def test_offsets_past_int32(rng: torch.Generator) -> None:
     except (RuntimeError, MemoryError):
         pytest.skip("cannot reserve 8 GiB of address space here")
     table = [5, num_blocks - 3, num_blocks - 1]
-    meta_all = build_metadata([(0, 40, table)], bs, 4, DEVICE)
+    meta_all = TritonAttention().build_metadata([(0, 40, table)], bs, 4, DEVICE)
     k = randn(rng, 40, kv_heads, head_dim, dtype=torch.float16)
     v = randn(rng, 40, kv_heads, head_dim, dtype=torch.float16)
     write_kv(cache, k, v, meta_all.slot_mapping)
     assert torch.equal(cache[1, num_blocks - 1, :8, 0], v[32:, 0])
 
-    meta = build_metadata([(35, 5, table)], bs, 4, DEVICE)
+    meta = TritonAttention().build_metadata([(35, 5, table)], bs, 4, DEVICE)
     q = randn(rng, 5, 4, head_dim, dtype=torch.float16)
     out = paged_prefill(q, cache, meta, 0.125, poisoned_like(q))
     assert rel_error(out, paged_prefill_ref(q, cache, meta, 0.125)) <= 2e-3
-    decode_meta = build_metadata([(39, 1, table)], bs, 4, DEVICE)
+    decode_meta = TritonAttention().build_metadata([(39, 1, table)], bs, 4, DEVICE)
     out = paged_decode(q[:1], cache, decode_meta, 0.125, poisoned_like(q[:1]))
     assert rel_error(out, paged_decode_ref(q[:1], cache, decode_meta, 0.125)) <= 2e-3
 
@@ -268,29 +266,35 @@ def test_offsets_past_int32(rng: torch.Generator) -> None:
 # -- TritonAttention end to end ---------------------------------------------
 
 
+def torch_metadata(batch: Batch, shape: Shape) -> TorchMetadata:
+    """The reference backend's metadata for the batch's spans."""
+    return TorchAttention().build_metadata(batch.spans, shape.block_size, shape.groups, DEVICE)
+
+
 @pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[2], SHAPES[4]])
 def test_triton_attention_matches_torch_attention(rng: torch.Generator, shape: Shape) -> None:
     """A decode span, a prefill chunk after earlier context and a 5-token
     verification span: write K/V, then attend, through both backends."""
     batch = paged_batch(rng, shape, [(30, 1), (16, 20), (9, 5)])
     meta, num_tokens, scale = batch.meta, batch.q.shape[0], shape.head_dim**-0.5
+    ref_meta = torch_metadata(batch, shape)
     k = randn(rng, num_tokens, shape.kv_heads, shape.head_dim, dtype=shape.dtype)
     v = randn(rng, num_tokens, shape.kv_heads, shape.head_dim, dtype=shape.dtype)
     # TorchAttention's SDPA reads every padded position, so no NaN poison here.
     cache = batch.cache.nan_to_num()
     ref_cache = cache.clone()
     TritonAttention().write_kv(cache, k, v, meta)
-    TorchAttention().write_kv(ref_cache, k, v, meta)
+    TorchAttention().write_kv(ref_cache, k, v, ref_meta)
     assert torch.equal(cache, ref_cache)
     out = TritonAttention().attend(batch.q, cache, meta, scale)
-    ref = TorchAttention().attend(batch.q, ref_cache, meta, scale)
+    ref = TorchAttention().attend(batch.q, ref_cache, ref_meta, scale)
     assert out.shape == (num_tokens, shape.heads * shape.head_dim)
     assert rel_error(out, ref) <= TOLERANCE[shape.dtype]
 
     decode = paged_batch(rng, shape, [(30, 1), (3, 1)])
     decode_cache = decode.cache.nan_to_num()
     out = TritonAttention().attend(decode.q, decode_cache, decode.meta, scale)
-    ref = TorchAttention().attend(decode.q, decode_cache, decode.meta, scale)
+    ref = TorchAttention().attend(decode.q, decode_cache, torch_metadata(decode, shape), scale)
     assert rel_error(out, ref) <= TOLERANCE[shape.dtype]
 
 
@@ -414,5 +418,5 @@ def test_gpu_triton_attention_matches_torch_attention(rng: torch.Generator) -> N
     cache = batch.cache.nan_to_num()
     scale = SERVING.head_dim**-0.5
     out = TritonAttention().attend(batch.q, cache, batch.meta, scale)
-    ref = TorchAttention().attend(batch.q, cache, batch.meta, scale)
+    ref = TorchAttention().attend(batch.q, cache, torch_metadata(batch, SERVING), scale)
     assert rel_error(out, ref) <= TOLERANCE[SERVING.dtype]

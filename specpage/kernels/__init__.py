@@ -6,22 +6,43 @@ launcher that validates its arguments and a pure-torch `*_ref` twin:
 - `paged_prefill`: attention for multi-token spans (prefill chunks, verification).
 - `block_copy`: copy-on-write block copies across all layers.
 
-`backend.TritonAttention` puts them behind the `specpage.attention` protocol.
-This module holds what the launchers share: argument checks that raise
-ValueError naming the problem, and the choice of the dot-product dtype.
+`specpage.attention.triton.TritonAttention` puts them behind the attention
+backend protocol. This module holds what the launchers share: the batch they
+read (`PagedSpans`), argument checks that raise ValueError naming the
+problem, and the choice of the dot-product dtype.
+
+The kernels import nothing from `specpage.attention`, which imports them.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import triton
 import triton.language as tl
 
-if TYPE_CHECKING:
-    # Imported for annotations only: specpage.attention may import this package.
-    from specpage.attention import AttentionMetadata
+
+class PagedSpans(Protocol):
+    """What the attention launchers read of a batch of spans (the Triton
+    backend's metadata is one): each sequence's blocks, context, and the rows
+    of its new tokens in q."""
+
+    @property
+    def block_tables(self) -> torch.Tensor: ...  # [num_seqs, max_blocks] int64
+
+    @property
+    def context_lens(self) -> torch.Tensor: ...  # [num_seqs] int64, KV after the span's writes
+
+    @property
+    def query_start(self) -> torch.Tensor: ...  # [num_seqs + 1] int64, first row of each span
+
+    @property
+    def max_query(self) -> int: ...  # longest span, in tokens
+
+    @property
+    def max_context(self) -> int: ...  # longest context, in tokens
+
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -91,7 +112,7 @@ def require_unit_stride(name: str, tensor: torch.Tensor) -> None:
 
 
 def check_attention(
-    q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor | None
+    q: torch.Tensor, cache: torch.Tensor, meta: PagedSpans, out: torch.Tensor | None
 ) -> int:
     """Arguments shared by both attention launchers; returns the query heads
     per KV head (groups)."""

@@ -17,16 +17,12 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
-from specpage.kernels import check_attention, dot_config, gather_context_ref, require
-
-if TYPE_CHECKING:
-    from specpage.attention import AttentionMetadata
+from specpage.kernels import PagedSpans, check_attention, dot_config, gather_context_ref, require
 
 __all__ = ["paged_decode", "paged_decode_ref"]
 
@@ -149,7 +145,7 @@ def _default_partition_size(q: torch.Tensor, kv_heads: int, max_context: int) ->
 def _check(
     q: torch.Tensor,
     cache: torch.Tensor,
-    meta: AttentionMetadata,
+    meta: PagedSpans,
     out: torch.Tensor | None,
     partition_size: int | None,
 ) -> int:
@@ -170,7 +166,7 @@ def _check(
 def paged_decode(
     q: torch.Tensor,  # [num_seqs, heads, head_dim], cache dtype
     cache: torch.Tensor,  # [2, num_blocks, block_size, kv_heads, head_dim]
-    meta: AttentionMetadata,  # block_tables, context_lens, max_query == 1, max_context
+    meta: PagedSpans,  # block_tables, context_lens, max_query == 1, max_context
     scale: float,
     out: torch.Tensor | None = None,  # [num_seqs, heads, head_dim]; allocated when None
     partition_size: int | None = None,  # context positions per split-K partition
@@ -234,7 +230,7 @@ def paged_decode(
 def paged_decode_ref(
     q: torch.Tensor,
     cache: torch.Tensor,
-    meta: AttentionMetadata,
+    meta: PagedSpans,
     scale: float,
     out: torch.Tensor | None = None,
     partition_size: int | None = None,

@@ -14,16 +14,19 @@ positions sits at position context_len - n + i and attends to positions
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
-from specpage.kernels import check_attention, check_tensor, dot_config, gather_context_ref, require
-
-if TYPE_CHECKING:
-    from specpage.attention import AttentionMetadata
+from specpage.kernels import (
+    PagedSpans,
+    check_attention,
+    check_tensor,
+    dot_config,
+    gather_context_ref,
+    require,
+)
 
 __all__ = ["paged_prefill", "paged_prefill_ref"]
 
@@ -119,7 +122,7 @@ def _paged_prefill_kernel(
 
 
 def _check(
-    q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor | None
+    q: torch.Tensor, cache: torch.Tensor, meta: PagedSpans, out: torch.Tensor | None
 ) -> int:
     groups = check_attention(q, cache, meta, out)
     num_seqs = meta.context_lens.shape[0]
@@ -141,7 +144,7 @@ def _check(
 def paged_prefill(
     q: torch.Tensor,  # [num_tokens, heads, head_dim], cache dtype, spans in sequence order
     cache: torch.Tensor,  # [2, num_blocks, block_size, kv_heads, head_dim]
-    meta: AttentionMetadata,  # block_tables, context_lens, query_start, max_query
+    meta: PagedSpans,  # block_tables, context_lens, query_start, max_query
     scale: float,
     out: torch.Tensor | None = None,  # [num_tokens, heads, head_dim]; allocated when None
 ) -> torch.Tensor:
@@ -189,7 +192,7 @@ def paged_prefill(
 def paged_prefill_ref(
     q: torch.Tensor,
     cache: torch.Tensor,
-    meta: AttentionMetadata,
+    meta: PagedSpans,
     scale: float,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specpage.attention import AttentionBackend, AttentionMetadata
+from specpage.attention.backend import AttentionBackend, AttentionMetadata
 from specpage.models.config import ModelConfig
 from specpage.models.rope import apply_rope, cos_sin, inverse_frequencies
 

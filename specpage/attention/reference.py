@@ -1,34 +1,22 @@
-"""The paged-attention interface a model runs against, and its pure-torch
-reference backend (the CPU path).
-
-A forward carries a flattened batch: each sequence contributes a span of new
-tokens (a prefill chunk, one decode token, or k + 1 verification tokens) whose
-K/V are written into their slots before attention reads every sequence's
-context through its block table, causal inside each span.
-"""
+"""The pure-torch reference attention backend (the CPU path): each
+sequence's context is gathered through its block table, and SDPA runs over
+sequences padded together in groups of similar span length."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
+from specpage.attention.backend import AttentionMetadata, Span, SpanLayout, lay_out_spans
+
 
 @dataclass(frozen=True)
-class AttentionMetadata:
-    """Where each new token's KV goes and what each sequence attends to."""
+class TorchMetadata(AttentionMetadata):
+    """What `TorchAttention.attend` reads besides the slots: padded views,
+    built once per forward for all layers."""
 
-    slot_mapping: torch.Tensor  # [num_tokens] int64, flat slot (block * block_size + offset)
-    block_tables: torch.Tensor  # [num_seqs, max_blocks] int64, padded with 0
-    context_lens: torch.Tensor  # [num_seqs] int64, tokens with KV after this forward's writes
-    query_lens: torch.Tensor  # [num_seqs] int64, new tokens per sequence
-    query_start: torch.Tensor  # [num_seqs + 1] int64, first token row of each span (cumsum)
-    max_query: int
-    max_context: int
-    # Reference backend: padded views, built once per forward for all layers.
     padded: list[PaddedGroup]  # sequences with spans of similar length, padded together
 
 
@@ -45,18 +33,6 @@ class PaddedGroup:
     gather_blocks: torch.Tensor  # [num_seqs * ceil(max_context / block_size)] int64, block ids
     mask: torch.Tensor | None  # [num_seqs, 1, groups * max_query, max_context] bool, True = attend
     query_index: torch.Tensor | None  # [tokens] row of each token in [num_seqs * max_query]
-
-
-class AttentionBackend(Protocol):
-    def write_kv(
-        self, cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
-    ) -> None: ...
-
-    def attend(
-        self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float
-    ) -> torch.Tensor: ...
-
-    def copy_blocks(self, kv_cache: torch.Tensor, pairs: torch.Tensor) -> None: ...
 
 
 class TorchAttention:
@@ -79,6 +55,19 @@ class TorchAttention:
         out = buffer[:size].view(blocks.numel(), rows.shape[1])
         return torch.index_select(rows, 0, blocks, out=out)
 
+    def build_metadata(
+        self, spans: list[Span], block_size: int, groups: int, device: torch.device
+    ) -> TorchMetadata:
+        """spans: (start, num_new, block_table) per sequence; groups: query
+        heads per KV head, stacked along the query axis of each mask."""
+        layout = lay_out_spans(spans, block_size)
+        grouped = _group_by_span(layout.query_lens)
+        padded = [
+            _padded_group(members, layout, groups, len(grouped) == 1, device)
+            for members in grouped
+        ]
+        return TorchMetadata(slot_mapping=layout.slot_mapping.to(device), padded=padded)
+
     def write_kv(
         self, cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
     ) -> None:
@@ -91,6 +80,7 @@ class TorchAttention:
         self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
         """q [num_tokens, heads, head_dim] -> [num_tokens, heads * head_dim]."""
+        assert isinstance(meta, TorchMetadata), "metadata from another backend's build_metadata"
         if len(meta.padded) == 1:
             return self._attend_group(q, cache, meta.padded[0], scale)
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
@@ -132,43 +122,6 @@ class TorchAttention:
         kv_cache[:, :, pairs[:, 1]] = kv_cache[:, :, pairs[:, 0]]
 
 
-def build_metadata(
-    spans: list[tuple[int, int, list[int]]], block_size: int, groups: int, device: torch.device
-) -> AttentionMetadata:
-    """spans: (start, num_new, block_table) per sequence; the new tokens take
-    positions start .. start + num_new - 1."""
-    starts = torch.tensor([s for s, _, _ in spans], dtype=torch.int64)
-    query_lens = torch.tensor([n for _, n, _ in spans], dtype=torch.int64)
-    context_lens = starts + query_lens
-    max_query, max_context = int(query_lens.max()), int(context_lens.max())
-    max_blocks = max(len(t) for _, _, t in spans)
-    block_tables = torch.tensor(
-        [t + [0] * (max_blocks - len(t)) for _, _, t in spans], dtype=torch.int64
-    )
-    query_start = torch.nn.functional.pad(query_lens.cumsum(0), (1, 0))
-    token_seq = torch.repeat_interleave(torch.arange(len(spans)), query_lens)
-    token_pos = starts[token_seq] + torch.arange(len(token_seq)) - query_start[token_seq]
-    slot_mapping = (
-        block_tables[token_seq, token_pos // block_size] * block_size + token_pos % block_size
-    )
-    grouped = _group_by_span(query_lens)
-    padded = [
-        _padded_group(members, starts, query_lens, query_start, block_tables, block_size,
-                      groups, len(grouped) == 1, device)
-        for members in grouped
-    ]
-    return AttentionMetadata(
-        slot_mapping=slot_mapping.to(device),
-        block_tables=block_tables.to(device),
-        context_lens=context_lens.to(device),
-        query_lens=query_lens.to(device),
-        query_start=query_start.to(device),
-        max_query=max_query,
-        max_context=max_context,
-        padded=padded,
-    )
-
-
 SHORT_SPAN = 8  # decode tokens and verify spans share a group up to this length
 
 
@@ -183,61 +136,39 @@ def _group_by_span(query_lens: torch.Tensor) -> list[list[int]]:
 
 
 def _padded_group(
-    members: list[int],
-    all_starts: torch.Tensor,
-    all_query_lens: torch.Tensor,
-    query_start: torch.Tensor,
-    block_tables: torch.Tensor,
-    block_size: int,
-    groups: int,
-    only_group: bool,
-    device: torch.device,
+    members: list[int], layout: SpanLayout, groups: int, only_group: bool, device: torch.device
 ) -> PaddedGroup:
     index = torch.tensor(members, dtype=torch.int64)
-    starts, query_lens = all_starts[index], all_query_lens[index]
+    starts, query_lens = layout.starts[index], layout.query_lens[index]
+    block_size = layout.block_size
     context_lens = starts + query_lens
     num_seqs = len(members)
     max_query, max_context = int(query_lens.max()), int(context_lens.max())
     positions = torch.arange(max_context)
     context_blocks = -(-max_context // block_size)
     # padding entries read block 0, masked below
-    gather_blocks = block_tables[index, :context_blocks].reshape(-1)
+    gather_blocks = layout.block_tables[index, :context_blocks].reshape(-1)
     query_pos = starts[:, None] + torch.arange(max_query)[None, :]  # [num_seqs, max_query]
     valid_query = torch.arange(max_query)[None, :] < query_lens[:, None]
     mask = positions[None, None, :] <= query_pos[:, :, None]
     # Padded query rows attend to position 0 only, so no row is empty (NaN).
     mask = torch.where(valid_query[:, :, None], mask, positions[None, None, :] == 0)
     mask = mask[:, None].repeat(1, groups, 1, 1).view(num_seqs, 1, groups * max_query, -1)
-    if max_query == 1 and bool((context_lens == max_context).all()):
-        mask = None  # one token per sequence over full, equal contexts: nothing to hide
+    # One token per sequence over full, equal contexts: nothing to hide.
+    needs_mask = max_query > 1 or not bool((context_lens == max_context).all())
     seq_of_row = torch.arange(num_seqs)[:, None].expand(num_seqs, max_query)
     rows = (seq_of_row * max_query + torch.arange(max_query)[None, :])[valid_query]
     query_index = None if bool(valid_query.all()) else rows
     token_rows = None
     if not only_group:
         offsets = torch.arange(max_query)[None, :].expand(num_seqs, max_query)
-        token_rows = (query_start[index][:, None] + offsets)[valid_query].to(device)
+        token_rows = (layout.query_start[index][:, None] + offsets)[valid_query].to(device)
     return PaddedGroup(
         token_rows=token_rows,
         num_seqs=num_seqs,
         max_query=max_query,
         max_context=max_context,
         gather_blocks=gather_blocks.to(device),
-        mask=None if mask is None else mask.to(device),
+        mask=mask.to(device) if needs_mask else None,
         query_index=None if query_index is None else query_index.to(device),
     )
-
-
-def _triton() -> AttentionBackend:
-    # Imported on demand: triton is only needed where the tensors are on CUDA.
-    from specpage.kernels.backend import TritonAttention
-
-    return TritonAttention()
-
-
-BACKENDS: dict[str, Callable[[], AttentionBackend]] = {"cpu": TorchAttention, "cuda": _triton}
-
-
-def select_backend(device: torch.device) -> AttentionBackend:
-    """The Triton kernels on CUDA, the torch reference otherwise."""
-    return BACKENDS.get(device.type, TorchAttention)()
