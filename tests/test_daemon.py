@@ -290,16 +290,18 @@ async def test_an_engine_fault_is_internal_and_the_daemon_keeps_serving(tmp_path
     target, draft = tiny_pair(tmp_path)
     engine = Engine(load_model(target), load_model(draft), None,
                     EngineConfig(block_size=4, num_blocks=256, spec_k=2))
-    verify = engine.verifier.verify
+    verify = engine.executor.verifier.verify
     faults = []
 
-    def faulty(scheduled, proposal):
-        if any(e.seq.request.request_id == "doomed" for e in scheduled) and not faults:
+    def faulty(batch, proposal):
+        doomed = engine.requests.get("doomed")
+        seq_ids = {seq.seq_id for seq in doomed.sequences} if doomed else set()
+        if any(work.seq_id in seq_ids for work in batch) and not faults:
             faults.append(1)
             raise RuntimeError("injected fault")
-        return verify(scheduled, proposal)
+        return verify(batch, proposal)
 
-    engine.verifier.verify = faulty
+    engine.executor.verifier.verify = faulty
     async with serving_engine(engine) as served, Client(served.address, max_retries=0) as client:
         with pytest.raises(grpc.aio.AioRpcError) as error:
             await client.complete(prompt(1), request_id="doomed", **GREEDY)

@@ -206,14 +206,14 @@ async def test_an_abort_that_cuts_one_of_two_samples_ends_ok_as_for_one_sample(
 async def test_an_engine_fault_that_cuts_one_of_two_samples_is_internal(target, two_samples):
     async with serving(target) as served, Client(served.address, max_retries=0) as client:
         engine = served.engine
-        verify = engine.verifier.verify
+        verify = engine.executor.verifier.verify
 
         def faulty(scheduled, proposal):
             if sample_0_stopped(engine, "doomed"):
                 raise RuntimeError("injected fault")
             return verify(scheduled, proposal)
 
-        engine.verifier.verify = faulty
+        engine.executor.verifier.verify = faulty
         tokens, reasons, finals, error = await collect(
             client, "doomed", **sampling(two_samples, 400))
         assert error is not None and error.code() == grpc.StatusCode.INTERNAL
@@ -221,7 +221,7 @@ async def test_an_engine_fault_that_cuts_one_of_two_samples_is_internal(target, 
         assert finals == []
         assert tokens == {0: two_samples[0][:1], 1: two_samples[1][:1]}
         assert reasons == {0: "stop", 1: "error"}
-        engine.verifier.verify = verify
+        engine.executor.verifier.verify = verify
         completion = await client.complete(PROMPT, **sampling(two_samples, 4))
         assert completion.finish_reasons == ["stop", "length"]
     assert engine.pool.stats().in_use == 0
@@ -262,7 +262,7 @@ async def test_a_fault_before_the_samples_fork_ends_each_of_them(target, two_sam
         def faulty(scheduled, proposal):
             raise RuntimeError("injected fault")
 
-        engine.verifier.verify = faulty
+        engine.executor.verifier.verify = faulty
         tokens, reasons, finals, error = await collect(
             client, "early", **sampling(two_samples, 400))
     assert error is not None and error.code() == grpc.StatusCode.INTERNAL
