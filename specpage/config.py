@@ -44,7 +44,7 @@ class ServerSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     port: int = 50051  # 0: any free port
     max_queue: int = 256  # admission queue bound; beyond it RESOURCE_EXHAUSTED
     max_message_bytes: int = 4 * 1024 * 1024
-    max_prompt_tokens: int = 4096  # x server.PROMPT_BYTES_PER_TOKEN bounds text, untokenized
+    max_prompt_tokens: int = 4096  # x submission.PROMPT_BYTES_PER_TOKEN bounds text, untokenized
     drain_grace_s: float = 30.0
     tls_cert: str | None = None
     tls_key: str | None = None

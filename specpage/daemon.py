@@ -77,13 +77,12 @@ def load_named(name: str, dtype: str | None, device: str) -> LoadedModel:
 
 def server_info(config: Config, engine: AsyncEngine) -> pb.ServerInfo:
     stats = engine.stats()
-    inner = engine.engine
     return pb.ServerInfo(
         version=VERSION,
         target_model=config.model.target,
         draft_model=config.model.draft or "",
-        block_size=inner.config.block_size,
-        max_context=inner.max_context,
+        block_size=engine.block_size,
+        max_context=engine.max_context,
         pool=pb.PoolCounters(total=stats.total_blocks, free=stats.free_blocks,
                              cached=stats.cached_blocks, in_use=stats.in_use_blocks,
                              tentative=stats.tentative_blocks),
@@ -181,7 +180,7 @@ async def listen(config: Config, metrics: Metrics) -> Listeners:
                  # half the connections; a taken port must be an error instead.
                  ("grpc.so_reuseport", 0)],
     )
-    frontend = Frontend(s.max_prompt_tokens, on_first_token=metrics.observe_ttft)
+    frontend = Frontend(on_first_token=metrics.observe_ttft)
     service = GenerationService(lambda engine: server_info(config, engine), frontend)
     pb_grpc.add_GenerationServicer_to_server(service, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -252,7 +251,7 @@ async def serve(config: Config) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
 
-    engine = AsyncEngine(built, s.max_queue)
+    engine = AsyncEngine(built, s.max_queue, s.max_prompt_tokens)
     metrics.update_engine(engine.stats())  # the pool's blocks, all free, before any step
     engine.step_observers.append(MetricsObserver(metrics))
     service.attach(engine)
@@ -277,8 +276,7 @@ async def serve(config: Config) -> int:
         engine.draining = True
         await listeners.health.enter_graceful_shutdown()
         await frontend.wait_idle(s.drain_grace_s)  # gRPC calls and HTTP requests alike
-        await engine.stop()  # aborts what is left
-        frontend.close()
+        await engine.stop()  # aborts what is left, drops the prompts queued for tokenizing
         await listeners.server.stop(grace=1.0)
         if listeners.http is not None:
             await listeners.http.stop()

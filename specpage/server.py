@@ -21,16 +21,14 @@ from specpage.engine.async_engine import (
     QueueFullError,
     RequestStream,
 )
-from specpage.frontend import (
-    Frontend,
-    LoadingError,
+from specpage.engine.submission import (
+    ChatPrompt,
     Prompt,
-    Submission,
+    RequestOptions,
     TextPrompt,
     TokenPrompt,
-    check_request_id,
-    cut_short,
 )
+from specpage.frontend import Frontend, LoadingError, check_request_id, cut_short
 from specpage.request import SamplingParams, ValidationError
 from specpage.v1 import generation_pb2 as pb
 from specpage.v1 import generation_pb2_grpc as pb_grpc
@@ -72,7 +70,8 @@ class GenerationService(pb_grpc.GenerationServicer):
     """Answers UNAVAILABLE until an engine is attached (models loading).
 
     Proto messages in and out, errors as status codes; what a request goes
-    through on its way to the engine is the `Frontend`'s, shared with HTTP."""
+    through on its way to the engine is `AsyncEngine.add_request`'s, shared
+    with HTTP."""
 
     def __init__(self, info: Callable[[AsyncEngine], pb.ServerInfo], frontend: Frontend) -> None:
         self.info = info
@@ -118,12 +117,13 @@ class GenerationService(pb_grpc.GenerationServicer):
                      context: grpc.aio.ServicerContext, arrival: float) -> RequestStream:
         try:
             self.frontend.check_open()
-            submission = Submission(
-                request_id, _prompt(request), sampling_params(request.sampling), arrival,
-                priority=request.priority, deadline=_deadline(request, context),
-                cache_salt=request.cache_salt,
-                spec_k=spec_k(request.spec, self.engine.k_max))
-            return await self.frontend.admit(submission)
+            prompt, field = _prompt(request)
+            params = sampling_params(request.sampling)
+            options = RequestOptions(
+                request_id, arrival, priority=request.priority,
+                deadline=_deadline(request, context), cache_salt=request.cache_salt,
+                spec_k=spec_k(request.spec, self.engine.k_max), prompt_field=field)
+            return await self.engine.add_request(prompt, params, options)
         except ValidationError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         except QueueFullError as error:
@@ -157,8 +157,9 @@ async def _checked_id(request_id: str, context: grpc.aio.ServicerContext) -> str
     return request_id
 
 
-def _prompt(request: pb.GenerateRequest) -> Prompt:
-    """Which prompt the message carries; sizing and tokenizing are the Frontend's."""
+def _prompt(request: pb.GenerateRequest) -> tuple[Prompt, str]:
+    """Which prompt the message carries, and its field; sizing and tokenizing
+    are the engine's. With `chat`, the text is one user message."""
     if request.text and request.token_ids:
         raise ValidationError("prompt", "give text or token_ids, not both")
     if not (request.text or request.token_ids or request.chat):
@@ -166,8 +167,10 @@ def _prompt(request: pb.GenerateRequest) -> Prompt:
     if request.token_ids:
         if request.chat:
             raise ValidationError("chat", "the chat template wraps text, not token_ids")
-        return TokenPrompt(request.token_ids, "token_ids")
-    return TextPrompt(request.text, "text", chat=request.chat)
+        return TokenPrompt(request.token_ids), "token_ids"
+    if request.chat:
+        return ChatPrompt([{"role": "user", "content": request.text}]), "text"
+    return TextPrompt(request.text), "text"
 
 
 def _deadline(request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> float | None:

@@ -30,9 +30,8 @@ class Served:
 
 @contextlib.asynccontextmanager
 async def serving_engine(engine: Engine, max_queue: int = 8) -> AsyncIterator[Served]:
-    async_engine = AsyncEngine(engine, max_queue)
-    service = GenerationService(lambda e: server_info(Config(), e),
-                                Frontend(max_prompt_tokens=MAX_PROMPT_TOKENS))
+    async_engine = AsyncEngine(engine, max_queue, max_prompt_tokens=MAX_PROMPT_TOKENS)
+    service = GenerationService(lambda e: server_info(Config(), e), Frontend())
     service.attach(async_engine)
     server = grpc.aio.server()
     pb_grpc.add_GenerationServicer_to_server(service, server)
@@ -43,5 +42,4 @@ async def serving_engine(engine: Engine, max_queue: int = 8) -> AsyncIterator[Se
         yield Served(engine, async_engine, service, f"127.0.0.1:{port}")
     finally:
         await async_engine.stop()
-        service.frontend.close()
         await server.stop(None)

@@ -17,8 +17,7 @@ from transformers import AutoTokenizer
 
 from specpage.client import Client
 from specpage.engine import Engine, EngineConfig
-from specpage.engine.async_engine import AsyncEngine
-from specpage.frontend import ChatPrompt, Frontend, Submission
+from specpage.engine.submission import ChatPrompt, Preparer, RequestOptions
 from specpage.llm import load_tokenizer
 from specpage.models.loader import load_model
 from specpage.request import SamplingParams
@@ -176,13 +175,8 @@ async def test_a_conversation_renders_as_transformers_apply_chat_template(models
         CONVERSATION, add_generation_prompt=True, return_dict=True)["input_ids"]
     engine = Engine(load_model(folder), None, load_tokenizer(folder),
                     EngineConfig(block_size=4, num_blocks=64))
-    frontend = Frontend(max_prompt_tokens=400)
-    frontend.attach(AsyncEngine(engine))
-    try:
-        made = frontend._make_request(Submission(
-            "chat", ChatPrompt(CONVERSATION, "messages"), SamplingParams(), 0.0))
-    finally:
-        frontend.close()
+    made = Preparer(engine, max_prompt_tokens=400).make_request(
+        ChatPrompt(CONVERSATION), SamplingParams(), RequestOptions("chat", 0.0))
     assert list(made.prompt_token_ids) == list(expected)
 
 

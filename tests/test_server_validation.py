@@ -15,7 +15,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specpage.client import Chunk, Client, generate_request
-from specpage.frontend import MAX_CACHE_SALT_BYTES, MAX_REQUEST_ID_LENGTH, PROMPT_BYTES_PER_TOKEN
+from specpage.engine.submission import MAX_CACHE_SALT_BYTES, PROMPT_BYTES_PER_TOKEN
+from specpage.frontend import MAX_REQUEST_ID_LENGTH
 from specpage.v1 import generation_pb2 as pb
 from tests.daemon_util import Daemon
 from tests.loop_watch import TICK_S, LoopWatch

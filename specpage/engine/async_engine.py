@@ -6,6 +6,10 @@ boundary. Each request has a stream whose pending tokens are merged per
 sample, so a slow reader never stalls the step and never holds more than
 one pending chunk per sample.
 
+A front end hands over a prompt, its sampling parameters and its options
+(`add_request`); templating and tokenizing run on a pool of threads owned
+here, then the request is admitted on the event loop.
+
 Admission is counted here, on the event loop, not from the engine's last
 stats: a request holds running places (one per sample) from the moment it
 is admitted until its samples end, whether the engine has taken it yet or
@@ -24,9 +28,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from specpage.engine import Engine, EngineStats, RequestOutput
-from specpage.request import Request, Timings, Usage, ValidationError
+from specpage.engine.submission import Preparer, Prompt, RequestOptions
+from specpage.request import Request, SamplingParams, Timings, Usage, ValidationError
 
 log = logging.getLogger("specpage.engine")
+# Requests tokenized at once, off the event loop, by threads of their own. Fast
+# tokenizers release the GIL while they encode, so each one takes a core from
+# the engine's step thread. A pool this size bounds them however calls end: a
+# cancelled call cannot stop the thread tokenizing its prompt, only free its
+# place in a queue, so a semaphore around shared threads would let a client that
+# cancels at once keep any number of them busy. Every front end shares it.
+PREPARE_CONCURRENCY = 2
+PREPARE_THREAD_NAME = "specpage-prepare"
+STEP_THREAD_NAME = "specpage-step"
 
 
 class QueueFullError(Exception):
@@ -126,14 +140,24 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, max_queue: int = 256) -> None:
+    """All that the front ends use of the engine.
+
+    max_prompt_tokens bounds a prompt (token ids counted before anything
+    else, text by its bytes before tokenizing); None: the model's context."""
+
+    def __init__(self, engine: Engine, max_queue: int = 256,
+                 max_prompt_tokens: int | None = None) -> None:
         self.engine = engine
         self.max_queue = max_queue
         self.streams: dict[str, RequestStream] = {}
         self._submissions: deque[Request] = deque()
         self._aborts: deque[str] = deque()
         self._work = asyncio.Event()
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="specpage-step")
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix=STEP_THREAD_NAME)
+        self._preparer = Preparer(
+            engine, engine.max_context if max_prompt_tokens is None else max_prompt_tokens)
+        self._preparing = ThreadPoolExecutor(PREPARE_CONCURRENCY,
+                                             thread_name_prefix=PREPARE_THREAD_NAME)
         self._task: asyncio.Task[None] | None = None
         self._stats = engine.stats()
         self.draining = False
@@ -147,11 +171,14 @@ class AsyncEngine:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="engine")
 
     async def stop(self, timeout: float = 10.0) -> None:
-        """Abort whatever is left, wait for it to end (at most timeout
-        seconds), fail any stream still open, and stop the engine task.
+        """Drop the prompts queued for tokenizing, abort whatever is left,
+        wait for it to end (at most timeout seconds), fail any stream still
+        open, and stop the engine task.
         A request cut by it ends its stream with DrainingError after the
         chunks it produced, never as a complete output."""
         self._stopping = True
+        # The prompts still queued for tokenizing: their calls fail as drained.
+        self._preparing.shutdown(wait=False, cancel_futures=True)
         for request_id in list(self.streams):
             self.abort(request_id)
         end = asyncio.get_running_loop().time() + timeout
@@ -193,9 +220,34 @@ class AsyncEngine:
         behind_waiting = waiting + pending + num_places if waiting else 0
         return max(0, beyond_running, behind_waiting)
 
-    def submit(self, request: Request) -> RequestStream:
-        if self.draining:
+    async def add_request(self, prompt: Prompt, params: SamplingParams,
+                          options: RequestOptions) -> RequestStream:
+        """Prepare the request on the prepare pool and admit it.
+
+        Tokenizing and templating take seconds for megabytes of text: the
+        event loop must keep answering health checks and streams meanwhile,
+        and the step thread keeps stepping. A call cancelled while its prompt
+        waits for a thread drops it from the queue; one already tokenizing
+        runs to its end on its thread."""
+        self._check_open()
+        try:
+            made = await asyncio.get_running_loop().run_in_executor(
+                self._preparing, self._preparer.make_request, prompt, params, options)
+        except asyncio.CancelledError:
+            # stop() dropped the prompt from the queue: the call itself was not cancelled
+            task = asyncio.current_task()
+            if self._stopping and task is not None and not task.cancelling():
+                raise DrainingError("the server stopped") from None
+            raise
+        return self.submit(made)
+
+    def _check_open(self) -> None:
+        if self.draining or self._stopping:
             raise DrainingError("the server is draining")
+
+    def submit(self, request: Request) -> RequestStream:
+        """Admit a request already made (see `add_request`)."""
+        self._check_open()
         if self._queued_with(request.params.n) > self.max_queue:
             raise QueueFullError(self._retry_after_ms())
         if request.request_id in self.streams:
@@ -213,11 +265,21 @@ class AsyncEngine:
         self._work.set()
         return True
 
-    # What the front ends read of the engine; make_request touches no engine
-    # state, so their prepare threads may call it.
+    def abort_stream(self, stream: RequestStream) -> bool:
+        """Abort the stream's request unless it has ended: its id may already
+        belong to another request."""
+        if self.streams.get(stream.request_id) is not stream:
+            return False
+        return self.abort(stream.request_id)
+
+    # What the front ends read of the engine.
     @property
     def max_context(self) -> int:
         return self.engine.max_context
+
+    @property
+    def block_size(self) -> int:
+        return self.engine.config.block_size
 
     @property
     def tokenizer(self) -> Any:
@@ -225,10 +287,7 @@ class AsyncEngine:
 
     @property
     def k_max(self) -> int:
-        return self.engine.policy.k_max
-
-    def make_request(self, *args: Any, **kwargs: Any) -> Request:
-        return self.engine.make_request(*args, **kwargs)
+        return self.engine.k_max
 
     def stats(self) -> EngineStats:
         return self._stats

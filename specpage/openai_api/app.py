@@ -1,5 +1,5 @@
-"""The OpenAI-compatible routes, on the same `Frontend` (validation, admission,
-prepare pool, in-flight count) and `AsyncEngine` as the gRPC service.
+"""The OpenAI-compatible routes, on the same `Frontend` (request ids, in-flight
+count) and `AsyncEngine` (preparing, validation, admission) as the gRPC service.
 
 A streamed response is Server-Sent Events: `data: {json}` per chunk and
 `data: [DONE]` last. Its status is decided before the first byte, so every
@@ -35,17 +35,14 @@ from specpage.engine.async_engine import (
     EngineFaultError,
     RequestStream,
 )
-from specpage.frontend import (
+from specpage.engine.submission import (
     ChatPrompt,
-    Frontend,
-    LoadingError,
     Prompt,
-    Submission,
+    RequestOptions,
     TextPrompt,
     TokenPrompt,
-    check_request_id,
-    cut_short,
 )
+from specpage.frontend import Frontend, LoadingError, check_request_id, cut_short
 from specpage.metrics import Metrics
 from specpage.openai_api import protocol
 from specpage.openai_api.errors import APIError, ErrorBody, api_error, invalid
@@ -89,7 +86,7 @@ class OpenAIRoutes:
                           "differ; give one")
         max_tokens = (body.max_tokens if body.max_completion_tokens is None
                       else body.max_completion_tokens)  # None: as many as the context leaves
-        prompt = ChatPrompt(protocol.chat_messages(body.messages), "messages")
+        prompt = ChatPrompt(protocol.chat_messages(body.messages))
         renamed = {"max_tokens": "max_completion_tokens"
                    if body.max_completion_tokens is not None else "max_tokens"}
         return await self._serve(request, body, prompt, max_tokens, arrival, renamed)
@@ -131,29 +128,30 @@ class OpenAIRoutes:
                      renamed: dict[str, str]) -> Response:
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         renamed = {"request_id": "X-Request-Id", **renamed}
+        chat = isinstance(body, protocol.ChatCompletionRequest)
+        field = "messages" if chat else "prompt"  # a conversation's template errors too
         try:
             check_request_id(request_id)
-            submission = Submission(
-                request_id, prompt, protocol.sampling_params(body, max_tokens), arrival,
-                priority=body.priority, cache_salt=body.cache_salt or "",
-                max_tokens_to_context=max_tokens is None)
-            stream = await self.frontend.admit(submission)
+            params = protocol.sampling_params(body, max_tokens)
+            options = RequestOptions(
+                request_id, arrival, priority=body.priority, cache_salt=body.cache_salt or "",
+                max_tokens_to_context=max_tokens is None, prompt_field=field, chat_field=field)
+            stream = await self.frontend.engine.add_request(prompt, params, options)
         except Exception as error:  # noqa: BLE001 (api_error re-raises what it cannot map)
             raise api_error(error, renamed) from None
         tokenizer = self.frontend.engine.tokenizer
         renderer = Renderer(
-            chat=isinstance(body, protocol.ChatCompletionRequest), request_id=request_id,
-            model=self.served.model, logprobs=submission.params.logprobs,
+            chat=chat, request_id=request_id, model=self.served.model, logprobs=params.logprobs,
             token_text=(lambda t: tokenizer.decode([t])) if tokenizer is not None
             else (lambda t: f"token_id:{t}"))
         headers = {"X-Request-Id": request_id}
         if body.stream:
-            options = body.stream_options
-            include_usage = options is not None and options.include_usage
+            include_usage = (body.stream_options is not None
+                             and body.stream_options.include_usage)
             return StreamingResponse(self._events(stream, renderer, arrival, include_usage),
                                      headers=headers, media_type="text/event-stream")
         async with self.frontend.running(stream):
-            samples = [Sample() for _ in range(submission.params.n)]
+            samples = [Sample() for _ in range(params.n)]
             final = await _unless_disconnected(
                 request, self._collect(stream, samples, arrival))
         if final is None:  # nobody is there to read a response
@@ -209,16 +207,16 @@ class OpenAIRoutes:
 
 def _completion_prompt(prompt: str | list[int | str | list[int]]) -> Prompt:
     if isinstance(prompt, str):
-        return TextPrompt(prompt, "prompt")
+        return TextPrompt(prompt)
     if all(isinstance(token, int) for token in prompt):
-        return TokenPrompt(prompt, "prompt")  # type: ignore[arg-type]
+        return TokenPrompt(prompt)  # type: ignore[arg-type]
     if len(prompt) != 1:  # a batch would be several requests under one id
         raise ValidationError("prompt", f"one prompt per request, got {len(prompt)}")
     only = prompt[0]
     if isinstance(only, str):
-        return TextPrompt(only, "prompt")
+        return TextPrompt(only)
     if isinstance(only, list):
-        return TokenPrompt(only, "prompt")
+        return TokenPrompt(only)
     raise ValidationError("prompt", "text, token ids, or a list of one of those")
 
 
