@@ -8,6 +8,10 @@ log shippers parse that one like the others, and no traceback follows it. Any
 other exception while starting is a bug: it too ends the process with status
 1, and its line keeps the traceback.
 
+A tensor-parallel rank that dies (engine.tensor_parallel_size > 1) fails the
+requests in flight, and the daemon drains as on SIGTERM and exits with
+status 2.
+
 Health is NOT_SERVING until the models are loaded and again while draining.
 systemd hears STATUS= lines while loading, READY=1 once the models are loaded,
 WATCHDOG=1 from the event loop, and STOPPING=1 when the drain starts.
@@ -45,6 +49,7 @@ log = logging.getLogger("specpage.daemon")
 SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 VERSION = "0.1.0"
 EXIT_STARTUP_FAILED = 1
+EXIT_ENGINE_FAILED = 2  # the engine could not go on (a tensor-parallel rank died)
 # What a start-up failure may raise that its message explains; anything else is a bug
 # and keeps its traceback.
 STARTUP_ERRORS = (StartupError, ModelLoadError, ConfigError)
@@ -251,6 +256,13 @@ async def serve(config: Config) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
 
+    faults: list[str] = []  # a tensor-parallel rank died: drain what is left, exit non-zero
+
+    def on_fault(reason: str) -> None:  # from the engine's watcher thread
+        faults.append(reason)
+        loop.call_soon_threadsafe(stop.set)
+
+    built.on_fault(on_fault)
     engine = AsyncEngine(built, s.max_queue, s.max_prompt_tokens)
     metrics.update_engine(engine.stats())  # the pool's blocks, all free, before any step
     engine.step_observers.append(MetricsObserver(metrics))
@@ -277,6 +289,7 @@ async def serve(config: Config) -> int:
         await listeners.health.enter_graceful_shutdown()
         await frontend.wait_idle(s.drain_grace_s)  # gRPC calls and HTTP requests alike
         await engine.stop()  # aborts what is left, drops the prompts queued for tokenizing
+        await asyncio.to_thread(built.close)  # stops the tensor-parallel ranks
         await listeners.server.stop(grace=1.0)
         if listeners.http is not None:
             await listeners.http.stop()
@@ -287,4 +300,4 @@ async def serve(config: Config) -> int:
         if listeners.metrics_server is not None:
             listeners.metrics_server.close()
         log.info("stopped")
-    return 0
+    return EXIT_ENGINE_FAILED if faults else 0

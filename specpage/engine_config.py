@@ -29,10 +29,12 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_stop_strings: int = MAX_STOP_STRINGS  # per request; beyond, INVALID_ARGUMENT
     max_stop_chars: int = MAX_STOP_CHARS  # all of a request's stop strings together
     max_stop_token_ids: int = MAX_STOP_TOKEN_IDS
+    tensor_parallel_size: int = 1  # ranks the target's forward is split over (specpage.parallel)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_step_tokens", "max_context",
-                     "max_stop_strings", "max_stop_chars", "max_stop_token_ids"):
+                     "max_stop_strings", "max_stop_chars", "max_stop_token_ids",
+                     "tensor_parallel_size"):
             require(getattr(self, name) > 0, f"engine.{name} must be > 0", getattr(self, name))
         require(self.spec_k >= 0, "engine.spec_k must be >= 0", self.spec_k)
         # a decoding sequence may need two positions plus k in one step

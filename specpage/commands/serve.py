@@ -16,7 +16,8 @@ from specpage.logging_setup import configure_logging
 # flag -> dotted config key
 SHORTCUTS = {"host": "server.host", "port": "server.port", "http_port": "server.http_port",
              "target": "model.target",
-             "draft": "model.draft", "spec_k": "engine.spec_k"}
+             "draft": "model.draft", "spec_k": "engine.spec_k",
+             "tensor_parallel_size": "engine.tensor_parallel_size"}
 
 
 def add_parser(sub: Any, name: str) -> None:
@@ -31,6 +32,8 @@ def add_parser(sub: Any, name: str) -> None:
     parser.add_argument("--target", help="target model: HF folder, .gguf or a known name")
     parser.add_argument("--draft", help="draft model (empty: no speculation)")
     parser.add_argument("--spec-k", help="largest k (0: no speculation)")
+    parser.add_argument("--tensor-parallel-size", help="ranks the target's forward is split "
+                        "over (default 1; must divide its heads, KV heads and vocabulary)")
     parser.set_defaults(run=run)
 
 

@@ -10,6 +10,7 @@ its event loop.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -18,6 +19,7 @@ from specpage.core.engine_core import EngineCore, EngineStats
 from specpage.core.intake import Intake
 from specpage.core.outputs import RequestOutput
 from specpage.engine.executor import Executor
+from specpage.engine.tp_executor import TensorParallelExecutor
 from specpage.engine_config import EngineConfig
 from specpage.models.loader import LoadedModel, check_draft_compatible, draft_vocabulary
 from specpage.request import Request, SamplingParams
@@ -52,7 +54,8 @@ class Engine:
                                tuple(target.config.eos_token_ids))
         self.intake = Intake(c, tokenizer, target.config.vocab_size, self.max_context,
                              policy.k_max)
-        self.executor = Executor(target, draft, c)
+        self.executor = (Executor(target, draft, c) if c.tensor_parallel_size == 1
+                         else TensorParallelExecutor(target, draft, c))
         if policy.adaptive and policy.k_max > 0:
             self._calibrate()
 
@@ -115,6 +118,15 @@ class Engine:
 
     def stats(self) -> EngineStats:
         return self.core.stats()
+
+    def on_fault(self, handler: Callable[[str], None]) -> None:
+        """Call handler(reason), from another thread, if the executor fails
+        beyond recovery (a tensor-parallel rank died): stop serving."""
+        self.executor.on_fault(handler)
+
+    def close(self) -> None:
+        """Stop what the executor started (tensor-parallel ranks)."""
+        self.executor.close()
 
     # ------------------------------------------------------------------ read-only views
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 from specpage.core.step import StepBatch, StepResult
 from specpage.engine_config import EngineConfig
@@ -25,8 +26,9 @@ log = logging.getLogger("specpage.engine")
 
 class Executor:
     def __init__(self, target: LoadedModel, draft: LoadedModel | None,
-                 config: EngineConfig) -> None:
-        self.target = ModelRunner(target, config.num_blocks, config.block_size)
+                 config: EngineConfig, target_runner: ModelRunner | None = None) -> None:
+        # target_runner: one built already (tensor parallelism: rank 0's shard)
+        self.target = target_runner or ModelRunner(target, config.num_blocks, config.block_size)
         self.runners = [self.target]
         self.verifier = Verifier(self.target)
         self.draft: ModelRunner | None = None
@@ -46,6 +48,13 @@ class Executor:
             proposal = self.proposer.propose(batch.seqs)
         results, cost = self.verifier.verify(batch.seqs, proposal)
         return StepResult(results, cost, proposal.costs)
+
+    def on_fault(self, handler: Callable[[str], None]) -> None:
+        """Call handler(reason) from another thread if the executor fails
+        beyond recovery; in one process a failure is a step's exception."""
+
+    def close(self) -> None:
+        """Give back what the executor started (tensor parallelism: its ranks)."""
 
     def measure_costs(self, config: EngineConfig,
                       max_context: int) -> cost_cache.CachedCosts | None:
