@@ -15,6 +15,7 @@ import torch
 
 from specpage.attention.backend import AttentionBackend
 from specpage.attention.selection import select_backend
+from specpage.models.decoder import LayerTap
 from specpage.models.loader import LoadedModel
 
 
@@ -59,9 +60,10 @@ class ModelRunner:
         return 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * element
 
     @torch.inference_mode()
-    def forward(self, spans: Sequence[SeqSpan]) -> torch.Tensor:
+    def forward(self, spans: Sequence[SeqSpan], tap: LayerTap | None = None) -> torch.Tensor:
         """Writes every span's K/V into its slots; returns fp32 logits
-        [sum of num_logits, vocab], spans in order."""
+        [sum of num_logits, vocab], spans in order. A tap collects the
+        hidden states entering its layers, for every token of the spans."""
         self._check(spans)
         meta = self.backend.build_metadata(
             [(s.start, len(s.token_ids), list(s.block_table)) for s in spans],
@@ -82,6 +84,7 @@ class ModelRunner:
             meta,
             self.backend,
             logits_index.to(self.device),
+            tap,
         )
 
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:

@@ -137,8 +137,8 @@ class Sequence:
     """One sample of a request. Its id is the pool's sequence id."""
 
     __slots__ = ("seq_id", "request", "index", "token_ids", "num_prompt", "num_computed",
-                 "num_draft_computed", "status", "finish_reason", "logprobs", "accepted", "tested",
-                 "detok")  # fmt: skip
+                 "num_draft_computed", "draft_state", "status", "finish_reason", "logprobs",
+                 "accepted", "tested", "detok")  # fmt: skip
 
     def __init__(self, seq_id: int, request: Request, index: int, token_ids: list[int]) -> None:
         self.seq_id = seq_id
@@ -148,6 +148,7 @@ class Sequence:
         self.num_prompt = len(request.prompt_token_ids)
         self.num_computed = 0  # positions whose KV the target holds (committed)
         self.num_draft_computed = 0  # positions whose KV the draft holds; <= num_computed
+        self.draft_state = b""  # a draft head's output at num_computed - 1 (core/ledger.py)
         self.status = Status.WAITING
         self.finish_reason: FinishReason | None = None
         self.logprobs: list[float] = []

@@ -14,10 +14,19 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from specpage.block_pool import BlockPool
 from specpage.core import ledger
 from specpage.core.outputs import OutputProcessor, RequestOutput
-from specpage.core.step import Sampling, SeqResult, SeqWork, StepBatch, StepResult
+from specpage.core.step import (
+    NOTHING,
+    DraftKind,
+    Sampling,
+    SeqWork,
+    StepBatch,
+    StepResult,
+)
 from specpage.engine_config import EngineConfig
 from specpage.request import FinishReason, Request, Sequence, ValidationError
 from specpage.scheduler import ScheduledSeq, Scheduler, StepPlan
@@ -58,8 +67,10 @@ class EngineCore:
         max_context: int,
         tokenizer: Any = None,
         eos_token_ids: tuple[int, ...] = (),
+        draft_kind: DraftKind = DraftKind.MODEL,
     ) -> None:
         self.config = config
+        self.draft_kind = draft_kind
         self.pool = pool
         self.policy = policy
         self.max_context = max_context
@@ -119,7 +130,10 @@ class EngineCore:
     def schedule(self) -> StepBatch:
         """This step's work for the executor; `apply` takes its result."""
         assert self._plan is None, "the last step's result was never applied"
-        plan = self._plan = self.scheduler.schedule(time.monotonic())
+        plan = self.scheduler.schedule(time.monotonic())
+        plan = self._plan = plan._replace(scheduled=[
+            ScheduledSeq(e.seq, *ledger.head_span(e.seq, e.num_new, e.k, self.draft_kind))
+            for e in plan.scheduled])
         return StepBatch([self._work(e) for e in plan.scheduled], plan.copies)
 
     def apply(self, result: StepResult) -> list[RequestOutput]:
@@ -130,8 +144,7 @@ class EngineCore:
         self.policy.observe_step([e.k for e in plan.scheduled if e.wants_logits])
         self.policy.observe_costs(result.target_cost, result.draft_costs)
         for entry, done in zip(plan.scheduled, result.seqs, strict=True):
-            ledger.apply(self.pool, entry.seq, entry.num_new, entry.k, entry.wants_logits,
-                         done.tokens, done.num_accepted)
+            ledger.apply(self.pool, entry.seq, entry.num_new, entry.k, done, self.draft_kind)
         outputs = []
         for seq in plan.dropped:
             reason = seq.finish_reason or FinishReason.ABORT
@@ -155,13 +168,15 @@ class EngineCore:
     def _work(self, entry: ScheduledSeq) -> SeqWork:
         seq = entry.seq
         start, params = seq.num_computed, seq.request.params
-        draft_start, draft_tokens = ledger.draft_span(seq) if entry.k else (start, [])
+        draft_start, draft_tokens = (ledger.draft_span(seq, self.draft_kind) if entry.k
+                                     else (start, []))
+        end = start + entry.num_new
         forks = (params.n - 1 if entry.wants_logits and seq.index == 0
                  and not seq.output_token_ids else 0)
         return SeqWork(
             seq_id=seq.seq_id,
             start=start,
-            tokens=seq.token_ids[start : start + entry.num_new],
+            tokens=seq.token_ids[start:end],
             block_table=list(self.pool.block_table(seq.seq_id)),
             sample=entry.wants_logits,
             k=entry.k,
@@ -170,6 +185,8 @@ class EngineCore:
             sampling=Sampling(params.temperature, params.top_k, params.top_p, seq.seed,
                               params.logprobs),
             num_forks=forks,
+            following=seq.token_ids[end] if end < seq.num_tokens else -1,
+            draft_state=seq.draft_state,
         )
 
     def _fork(self, parent: Sequence, first_tokens: list[int],
@@ -220,7 +237,7 @@ def _check_result(scheduled: list[ScheduledSeq], result: StepResult) -> None:
         raise StepResultError(f"{len(result.seqs)} results for {len(scheduled)} sequences")
     for i, (entry, done) in enumerate(zip(scheduled, result.seqs, strict=True)):
         if not entry.wants_logits:
-            ok = done == SeqResult()
+            ok = msgspec.structs.replace(done, draft_state=b"") == NOTHING
         else:
             ok = (done.num_proposed == entry.k and 0 <= done.num_accepted <= entry.k
                   and len(done.tokens) == done.num_accepted + 1)

@@ -6,10 +6,27 @@ either goes through these functions, and each checks after it that they
 still agree. The scheduler reserves and frees blocks; only this module
 allocates a prompt, commits, rolls back and forks.
 
-The draft-lag rule lives here and nowhere else: the draft holds KV for a
+The draft rules live here and nowhere else. A draft model holds KV for a
 prefix of what the target holds. It catches up on the rest (`draft_span`)
 in the steps where it proposes, and a position is committed only once both
 models hold its KV (`num_commit`).
+
+A draft head (DraftKind.HEAD, models/eagle3.py) reads the target's hidden
+states, which nothing keeps past the step that computed them, so it never
+lags: in every step it absorbs every position the target commits. Its
+input at position p is the target's features at p and token p + 1, so
+after verification it can absorb up to the last accepted proposal, and
+`num_commit` is num_new + accepted. Its output at the last absorbed
+position (`Sequence.draft_state`) starts the next step's proposal, so it
+proposes only in a step that computes one new token, from a state
+(`head_span`).
+
+Two places where a head's KV is an approximation, which costs acceptance
+only (the target verifies every token): a fork shares its parent's KV and
+state at the last prompt position, which read the parent's first sampled
+token rather than the fork's own; and a prefix-cache hit's last position
+read the next token of the sequence that cached it, which differs from the
+new prompt's only where the two diverge exactly at a block boundary.
 """
 
 from __future__ import annotations
@@ -17,6 +34,7 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 
 from specpage.block_pool import BlockPool
+from specpage.core.step import DraftKind, SeqResult
 from specpage.request import Sequence
 
 
@@ -27,6 +45,7 @@ def admit(pool: BlockPool, seq: Sequence) -> int:
     cached = pool.allocate_prompt(seq.seq_id, seq.token_ids, seq.request.cache_salt)
     seq.num_computed = cached
     seq.num_draft_computed = 0
+    seq.draft_state = b""
     check(pool, seq)
     return cached
 
@@ -36,34 +55,62 @@ def release(pool: BlockPool, seq: Sequence) -> None:
     computes them again if it runs again."""
     pool.free(seq.seq_id)
     seq.num_computed = seq.num_draft_computed = 0
+    seq.draft_state = b""
 
 
-def draft_span(seq: Sequence) -> tuple[int, list[int]]:
+def draft_span(seq: Sequence, kind: DraftKind = DraftKind.MODEL) -> tuple[int, list[int]]:
     """Where the draft's KV ends, and the committed tokens it lacks from there."""
+    if kind is DraftKind.HEAD:
+        return seq.num_computed, []
     return seq.num_draft_computed, seq.token_ids[seq.num_draft_computed : seq.num_computed]
 
 
-def num_commit(num_new: int, k: int, num_accepted: int) -> int:
-    """Positions of a step both models now hold KV for: the target computed
-    the num_new tokens and k proposals; the draft computed the num_new
-    tokens (if it proposed) and was fed all but its last proposal. Without
-    proposals the draft did not run, and lags by the num_new tokens."""
+def head_span(seq: Sequence, num_new: int, k: int, kind: DraftKind) -> tuple[int, int]:
+    """The (num_new, k) a step can run of what was scheduled. A head starts
+    its proposals from its state, its output at the position before the
+    newest token, which only the step computing that position leaves: so a
+    span that would compute more than the newest token and propose (a
+    recompute after preemption) stops one short instead, and the next step
+    computes the newest token alone and proposes as scheduled then (k is
+    kept, so a seeded sample is as it would be without the preemption). A
+    sequence without a state (a prefix hit that left only its newest token)
+    cannot propose."""
+    if kind is not DraftKind.HEAD or k == 0:
+        return num_new, k
+    if num_new > 1:
+        return num_new - 1, 0
+    return num_new, k if seq.draft_state else 0
+
+
+def num_commit(num_new: int, k: int, num_accepted: int,
+               kind: DraftKind = DraftKind.MODEL) -> int:
+    """Positions of a step both models now hold KV for. The target computed
+    the num_new tokens and k proposals. A draft model computed the num_new
+    tokens (if it proposed) and was fed all but its last proposal; without
+    proposals it did not run, and lags by the num_new tokens. A head
+    absorbed each position the target computed whose next token is known:
+    the num_new tokens and the accepted proposals."""
+    if kind is DraftKind.HEAD:
+        return num_new + num_accepted
     return num_new + min(num_accepted, max(k - 1, 0))
 
 
-def apply(pool: BlockPool, seq: Sequence, num_new: int, k: int, sampled: bool,
-          new_tokens: Seq[int], num_accepted: int) -> None:
+def apply(pool: BlockPool, seq: Sequence, num_new: int, k: int, done: SeqResult,
+          kind: DraftKind = DraftKind.MODEL) -> None:
     """Commit what a step computed for seq; roll back the rest of its
     reservation once the step has sampled (its proposals were tried)."""
     start = seq.num_computed
-    n = num_commit(num_new, k, num_accepted)
-    computed = seq.token_ids[start : start + num_new] + list(new_tokens[: n - num_new])
+    n = num_commit(num_new, k, done.num_accepted, kind)
+    computed = seq.token_ids[start : start + num_new] + list(done.tokens[: n - num_new])
     pool.commit(seq.seq_id, computed[:n])
-    if sampled:
+    if done.tokens or pool.num_tentative(seq.seq_id) > seq.num_uncomputed - n:
+        # it sampled, or a head stopped short of the proposals reserved for it
         pool.rollback(seq.seq_id)
     seq.num_computed += n
-    if k > 0:  # the draft ran over the span: caught up
+    if k > 0 or kind is DraftKind.HEAD:  # the draft ran over the span: caught up
         seq.num_draft_computed = seq.num_computed
+    if kind is DraftKind.HEAD:
+        seq.draft_state = done.draft_state
     check(pool, seq)
 
 
@@ -78,6 +125,7 @@ def fork(pool: BlockPool, parent: Sequence, child: Sequence) -> None:
     pool.fork(parent.seq_id, child.seq_id)
     child.num_computed = parent.num_computed
     child.num_draft_computed = parent.num_draft_computed
+    child.draft_state = parent.draft_state
     check(pool, child)
 
 

@@ -8,9 +8,18 @@ so the executor can run anywhere a batch can be sent (msgspec encodes both).
 
 from __future__ import annotations
 
+import enum
+
 import msgspec
 
 from specpage.request import GREEDY_BELOW
+
+
+class DraftKind(enum.StrEnum):
+    """What proposes, which decides what a step commits (core/ledger.py)."""
+
+    MODEL = "model"  # a draft model over tokens: may lag the target, catches up
+    HEAD = "head"  # an EAGLE-3 head over the target's hidden states: never lags
 
 
 class Sampling(msgspec.Struct, frozen=True, array_like=True):
@@ -40,6 +49,8 @@ class SeqWork(msgspec.Struct, frozen=True, array_like=True):
     draft_tokens: list[int]  # positions draft_start .. start - 1: the draft catches up on them
     sampling: Sampling
     num_forks: int = 0  # further samples drawing their first token from these logits
+    following: int = -1  # the token at position end, when the span stops short of the newest
+    draft_state: bytes = b""  # a head's output at start - 1, fp32 (see core/ledger.py)
 
     @property
     def end(self) -> int:
@@ -53,7 +64,8 @@ class StepBatch(msgspec.Struct, frozen=True, array_like=True):
 
 
 class SeqResult(msgspec.Struct, frozen=True, array_like=True):
-    """What one sequence's share produced. Empty when it did not sample."""
+    """What one sequence's share produced. Empty when it did not sample,
+    but for a head's draft_state."""
 
     tokens: list[int] = []  # accepted proposals, then the recovered or bonus token
     num_proposed: int = 0
@@ -61,6 +73,7 @@ class SeqResult(msgspec.Struct, frozen=True, array_like=True):
     logprobs: list[float] = []  # of tokens, when asked for
     fork_tokens: list[int] = []  # first tokens of samples 1..n-1
     fork_logprobs: list[float] = []  # theirs, when asked for
+    draft_state: bytes = b""  # a head's output at the last position it absorbed, fp32
 
 
 Cost = tuple[int, float]  # (positions in a forward, seconds it took)

@@ -18,10 +18,18 @@ from specpage.block_pool import BlockPool
 from specpage.core.engine_core import EngineCore, EngineStats
 from specpage.core.intake import Intake
 from specpage.core.outputs import RequestOutput
+from specpage.core.step import DraftKind
 from specpage.engine.executor import Executor
 from specpage.engine.tp_executor import TensorParallelExecutor
 from specpage.engine_config import EngineConfig
-from specpage.models.loader import LoadedModel, check_draft_compatible, draft_vocabulary
+from specpage.models.eagle3 import LoadedHead
+from specpage.models.loader import (
+    LoadedModel,
+    ModelLoadError,
+    check_draft_compatible,
+    check_head_compatible,
+    draft_vocabulary,
+)
 from specpage.request import Request, SamplingParams
 from specpage.scheduler import Scheduler
 from specpage.spec.calibrate import fit_segments
@@ -36,12 +44,17 @@ class Engine:
     def __init__(
         self,
         target: LoadedModel,
-        draft: LoadedModel | None = None,
+        draft: LoadedModel | LoadedHead | None = None,
         tokenizer: Any = None,
         config: EngineConfig | None = None,
     ) -> None:
         self.config = c = config or EngineConfig()
-        if draft is not None:
+        if isinstance(target, LoadedHead):
+            raise ModelLoadError(f"{target.folder}: an EAGLE-3 head is a draft, not a target")
+        kind = DraftKind.HEAD if isinstance(draft, LoadedHead) else DraftKind.MODEL
+        if isinstance(draft, LoadedHead):
+            check_head_compatible(target, draft)
+        elif draft is not None:
             check_draft_compatible(target, draft)
             draft.model.restrict_output_vocab(draft_vocabulary(draft))
         self.tokenizer = tokenizer
@@ -51,7 +64,7 @@ class Engine:
         policy = SpecPolicy(c.spec_k if draft is not None else 0, adaptive=c.adaptive_k)
         self.core = EngineCore(c, BlockPool(c.num_blocks, c.block_size, model_identity=identity),
                                policy, self.max_context, tokenizer,
-                               tuple(target.config.eos_token_ids))
+                               tuple(target.config.eos_token_ids), kind)
         self.intake = Intake(c, tokenizer, target.config.vocab_size, self.max_context,
                              policy.k_max)
         self.executor = (Executor(target, draft, c) if c.tensor_parallel_size == 1

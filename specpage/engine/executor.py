@@ -15,9 +15,12 @@ from collections.abc import Callable
 from specpage.core.step import StepBatch, StepResult
 from specpage.engine_config import EngineConfig
 from specpage.model_runner import ModelRunner
+from specpage.models.eagle3 import LoadedHead
 from specpage.models.loader import LoadedModel
 from specpage.spec import cost_cache
 from specpage.spec.calibrate import Plan, calibration_sizes, measure
+from specpage.spec.head_proposer import HeadProposer
+from specpage.spec.head_runner import HeadRunner
 from specpage.spec.proposer import DraftProposer, Proposal
 from specpage.spec.verifier import Verifier
 
@@ -25,18 +28,26 @@ log = logging.getLogger("specpage.engine")
 
 
 class Executor:
-    def __init__(self, target: LoadedModel, draft: LoadedModel | None,
+    def __init__(self, target: LoadedModel, draft: LoadedModel | LoadedHead | None,
                  config: EngineConfig, target_runner: ModelRunner | None = None) -> None:
         # target_runner: one built already (tensor parallelism: rank 0's shard)
         self.target = target_runner or ModelRunner(target, config.num_blocks, config.block_size)
-        self.runners = [self.target]
-        self.verifier = Verifier(self.target)
-        self.draft: ModelRunner | None = None
-        self.proposer: DraftProposer | None = None
-        if draft is not None:
+        self.runners: list[ModelRunner | HeadRunner] = [self.target]
+        self.draft: ModelRunner | HeadRunner | None = None
+        self.proposer: DraftProposer | HeadProposer | None = None
+        feature_layers: tuple[int, ...] = ()
+        if isinstance(draft, LoadedHead):
+            # the head reads the target's hidden states and embedding
+            self.draft = HeadRunner(draft, target.model.embed_tokens, config.num_blocks,
+                                    config.block_size)
+            self.proposer = HeadProposer(self.draft)
+            feature_layers = draft.config.layers_of(target.config.num_layers)
+        elif draft is not None:
             self.draft = ModelRunner(draft, config.num_blocks, config.block_size)
-            self.runners.append(self.draft)
             self.proposer = DraftProposer(self.draft)
+        if self.draft is not None:
+            self.runners.append(self.draft)
+        self.verifier = Verifier(self.target, feature_layers)
         self._identities = (target.identity, draft.identity if draft else b"")
 
     def execute(self, batch: StepBatch) -> StepResult:
@@ -46,8 +57,12 @@ class Executor:
             proposal = Proposal.none(len(batch.seqs))
         else:
             proposal = self.proposer.propose(batch.seqs)
-        results, cost = self.verifier.verify(batch.seqs, proposal)
-        return StepResult(results, cost, proposal.costs)
+        verdict = self.verifier.verify(batch.seqs, proposal)
+        results, costs = verdict.results, proposal.costs
+        if self.proposer is not None and batch.seqs:
+            results, absorbed = self.proposer.absorb(batch.seqs, proposal, verdict)
+            costs = costs + absorbed
+        return StepResult(results, verdict.cost, costs)
 
     def on_fault(self, handler: Callable[[str], None]) -> None:
         """Call handler(reason) from another thread if the executor fails

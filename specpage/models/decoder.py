@@ -102,6 +102,19 @@ class DecoderLayer(nn.Module):
         return x + self.down_proj(F.silu(gate) * up)
 
 
+class LayerTap:
+    """Collects the residual stream entering some layers (HF's
+    hidden_states[i] for layer i) during a forward, in layer order: the
+    features an EAGLE-3 head reads (models/eagle3.py)."""
+
+    def __init__(self, layers: tuple[int, ...]) -> None:
+        self.layers = layers
+        self.states: list[torch.Tensor] = []  # each [num_tokens, hidden]
+
+    def see(self, index: int, x: torch.Tensor) -> None:
+        self.states.extend([x] * self.layers.count(index))  # a layer may be named twice
+
+
 class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -130,11 +143,14 @@ class DecoderModel(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
         logits_index: torch.Tensor,  # [num_logits] int64, rows of the tokens to score
+        tap: LayerTap | None = None,
     ) -> torch.Tensor:
         """Logits [num_logits, vocab] in fp32 for the tokens in logits_index."""
         x = self.embed_tokens(input_ids)
         rope = cos_sin(self.inv_freq, positions, x.dtype)
-        for layer, cache in zip(self.layers, caches, strict=True):
+        for index, (layer, cache) in enumerate(zip(self.layers, caches, strict=True)):
+            if tap is not None:
+                tap.see(index, x)
             x = layer(x, rope, cache, meta, backend)
         x = self.norm(x[logits_index])
         head = self._head()

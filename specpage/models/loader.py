@@ -15,6 +15,7 @@ from safetensors import SafetensorError, safe_open
 
 from specpage.models.config import ModelConfig, ModelLoadError
 from specpage.models.decoder import DecoderModel
+from specpage.models.eagle3 import LoadedHead, is_head_folder, load_head
 from specpage.models.rope import inverse_frequencies
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -51,10 +52,15 @@ def resolve_dtype(name: str | torch.dtype | None, device: torch.device) -> torch
 
 def load_model(
     path: str | Path, dtype: str | torch.dtype | None = None, device: str | torch.device = "cpu"
-) -> LoadedModel:
-    """Load an HF folder or a GGUF file into a DecoderModel (eval mode)."""
+) -> LoadedModel | LoadedHead:
+    """Load an HF folder or a GGUF file into a DecoderModel (eval mode), or
+    an EAGLE-3 draft head (models/eagle3.py), recognised by its config."""
     device = torch.device(device)
     folder = resolve_folder(Path(path))
+    if is_head_folder(folder):
+        files = weight_files(folder)
+        return load_head(folder, read_tensors(files), resolve_dtype(dtype, device), device,
+                         identity(folder, files))
     config = ModelConfig.from_folder(folder)
     torch_dtype = resolve_dtype(dtype, device)
     files = weight_files(folder)
@@ -201,3 +207,22 @@ def check_draft_compatible(target: LoadedModel, draft: LoadedModel) -> None:
             raise ModelLoadError(
                 f"draft tokenizer ({files[1]}) does not match the target's ({files[0]})"
             )
+
+
+def check_head_compatible(target: LoadedModel, head: LoadedHead) -> None:
+    """An EAGLE-3 head must read the target's hidden states and score its
+    vocabulary (it embeds tokens with the target's embedding)."""
+    c, t = head.config, target.config
+    problems = []
+    if c.layer.vocab_size != t.vocab_size:
+        problems.append(f"vocabulary {c.layer.vocab_size} tokens, the target's {t.vocab_size}")
+    if c.target_hidden_size != t.hidden_size:
+        problems.append(f"reads hidden states of size {c.target_hidden_size}, the target's "
+                        f"are {t.hidden_size}")
+    if head.model.embed_tokens is None and c.layer.hidden_size != t.hidden_size:
+        problems.append(f"hidden size {c.layer.hidden_size} cannot use the target's "
+                        f"embedding ({t.hidden_size})")
+    if problems:
+        raise ModelLoadError(f"EAGLE-3 head {head.folder} does not fit the target "
+                             f"{target.folder}: " + "; ".join(problems))
+    c.layers_of(t.num_layers)  # raises if the tapped layers are not the target's

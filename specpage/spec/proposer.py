@@ -15,10 +15,11 @@ from typing import NamedTuple
 
 import torch
 
-from specpage.core.step import Cost, SeqWork
+from specpage.core.step import Cost, SeqResult, SeqWork
 from specpage.model_runner import ModelRunner, SeqSpan
 from specpage.sampler import Purpose, sample
 from specpage.spec.sampling_rows import row_probabilities, uniforms
+from specpage.spec.verdict import Verdict
 
 
 class Proposal(NamedTuple):
@@ -53,19 +54,8 @@ class DraftProposer:
         logits = self._forward(spans, costs)
         depth = 0
         while active:
-            rows = [batch[i].sampling for i in active]
-            if all(r.greedy for r in rows):
-                # Greedy acceptance compares tokens only; no distributions needed.
-                drawn = logits.argmax(-1).tolist()
-                for row, i in enumerate(active):
-                    tokens[i].append(drawn[row])
-            else:
-                positions = [batch[i].end + depth for i in active]  # where each proposal goes
-                p = row_probabilities(logits, rows)
-                drawn = sample(p, uniforms(rows, positions, Purpose.DRAFT)).tolist()
-                for row, i in enumerate(active):
-                    tokens[i].append(drawn[row])
-                    probs[i].append(p[row])
+            draw(logits, [batch[i] for i in active], depth, [tokens[i] for i in active],
+                 [probs[i] for i in active])
             depth += 1
             active = [i for i in active if batch[i].k > depth]
             if not active:
@@ -74,3 +64,25 @@ class DraftProposer:
                      for i in active]
             logits = self._forward(spans, costs)
         return Proposal(tokens, [torch.stack(p) if p else None for p in probs], costs)
+
+    def absorb(self, batch: list[SeqWork], proposal: Proposal,
+               verdict: Verdict) -> tuple[list[SeqResult], list[Cost]]:
+        """A draft model reads only tokens: nothing of the target's to keep."""
+        return verdict.results, []
+
+
+def draw(logits: torch.Tensor, works: list[SeqWork], depth: int, tokens: list[list[int]],
+         probs: list[list[torch.Tensor]]) -> None:
+    """Each row's proposal at this depth from its logits [rows, vocab],
+    appended to its tokens (and its distribution to its probs, when sampling)."""
+    rows = [w.sampling for w in works]
+    if all(r.greedy for r in rows):
+        # Greedy acceptance compares tokens only; no distributions needed.
+        for row, token in enumerate(logits.argmax(-1).tolist()):
+            tokens[row].append(token)
+        return
+    positions = [w.end + depth for w in works]  # where each proposal goes
+    p = row_probabilities(logits, rows)
+    for row, token in enumerate(sample(p, uniforms(rows, positions, Purpose.DRAFT)).tolist()):
+        tokens[row].append(token)
+        probs[row].append(p[row])

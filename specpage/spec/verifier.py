@@ -11,38 +11,43 @@ import time
 
 import torch
 
-from specpage.core.step import NOTHING, Cost, SeqResult, SeqWork
+from specpage.core.step import NOTHING, SeqResult, SeqWork
 from specpage.model_runner import ModelRunner, SeqSpan
+from specpage.models.decoder import LayerTap
 from specpage.sampler import Purpose, sample, uniform
 from specpage.spec.acceptance import accept
 from specpage.spec.proposer import Proposal
 from specpage.spec.sampling_rows import row_probabilities
+from specpage.spec.verdict import Verdict
 
 
 class Verifier:
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner, feature_layers: tuple[int, ...] = ()) -> None:
         self.runner = runner
+        self.feature_layers = feature_layers  # the target layers a draft head reads
 
-    def verify(self, batch: list[SeqWork],
-               proposal: Proposal) -> tuple[list[SeqResult], Cost | None]:
-        """Per sequence what it sampled, and the forward's cost when it
-        decoded only (None when it carried prefill)."""
+    def verify(self, batch: list[SeqWork], proposal: Proposal) -> Verdict:
+        """Per sequence what it sampled, the forward's cost when it decoded
+        only (None when it carried prefill), and the features a head reads."""
         if not batch:
-            return [], None
+            return Verdict([], None, None)
         spans = []
         for w, drafted in zip(batch, proposal.tokens, strict=True):
             logits_wanted = len(drafted) + 1 if w.sample else 0
             spans.append(SeqSpan(w.tokens + drafted, w.start, w.block_table, logits_wanted))
+        tap = LayerTap(self.feature_layers) if self.feature_layers else None
         start = time.perf_counter()
-        logits = self.runner.forward(spans)  # [sum of (k + 1) over sampling rows, vocab]
+        logits = self.runner.forward(spans, tap)  # [sum of (k + 1) over sampling rows, vocab]
         seconds = time.perf_counter() - start
+        # [positions of every span, layers * hidden]
+        features = torch.cat(tap.states, dim=-1) if tap is not None else None
         decoding = all(w.sample and len(w.tokens) <= 2 for w in batch)
         cost = (sum(len(s.token_ids) for s in spans), seconds) if decoding else None
         results = [NOTHING] * len(batch)
         rows = [i for i, w in enumerate(batch) if w.sample]
         if rows:
             self._accept(batch, proposal, rows, logits, results)
-        return results, cost
+        return Verdict(results, cost, features)
 
     def _accept(
         self,
