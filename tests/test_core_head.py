@@ -1,0 +1,140 @@
+"""The core through its value boundary with a draft head (DraftKind.HEAD):
+the machine of tests/test_core_stateful.py, whose fake executor now
+simulates a head's KV instead of a draft model's.
+
+The fake head writes tentative KV for its deeper proposals, then absorbs
+every position the target computed whose next token is known, and returns
+its state (here: the position it ends at). After every step each running
+sequence's committed positions hold its own tokens in the target's KV and
+in the head's (it never lags), its state names the position before its
+first uncomputed token, and a head proposes only from a state, in a step
+that computes the newest token alone.
+"""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import initialize, invariant
+
+from specpage.block_pool import BlockPool
+from specpage.core.engine_core import EngineCore
+from specpage.core.step import DraftKind, SeqResult, StepBatch, StepResult
+from specpage.engine_config import EngineConfig
+from specpage.spec.policy import SpecPolicy
+from tests.test_core_stateful import (
+    BLOCK_SIZE,
+    K_MAX,
+    NUM_BLOCKS,
+    PREFIXES,
+    VOCAB,
+    CoreMachine,
+    FakeExecutor,
+)
+
+TENTATIVE = -1  # what a deeper proposal leaves in the head's KV until absorbed
+
+
+class FakeHeadExecutor(FakeExecutor):
+    def __init__(self, rng: random.Random) -> None:
+        super().__init__(rng)
+        self.head: dict[int, int] = {}
+        self.draft = self.head  # copy-on-write copies it with the target's
+
+    def execute(self, batch: StepBatch) -> StepResult:
+        for src, dst in batch.copies:
+            for kv in (self.target, self.head):
+                for offset in range(BLOCK_SIZE):
+                    src_slot, dst_slot = src * BLOCK_SIZE + offset, dst * BLOCK_SIZE + offset
+                    if src_slot in kv:
+                        kv[dst_slot] = kv[src_slot]
+                    else:
+                        kv.pop(dst_slot, None)
+        results = []
+        for w in batch.seqs:
+            assert w.draft_start == w.start and w.draft_tokens == [], w  # never lags
+            if w.k:
+                assert len(w.tokens) == 1 and int(w.draft_state) == w.start - 1, w
+            proposals = [self.rng.randrange(1, VOCAB) for _ in range(w.k)]
+            self._write(self.head, w.block_table, w.end - 1, [TENTATIVE] * (w.k - 1))
+            self._write(self.target, w.block_table, w.start, w.tokens + proposals)
+            if w.sample:
+                accepted = self.rng.randint(0, w.k)
+                tokens = proposals[:accepted] + [self.rng.randrange(0, VOCAB)]
+                forks = [self.rng.randrange(1, VOCAB) for _ in range(w.num_forks)]
+                absorbed = w.tokens + tokens[:-1]
+            else:
+                assert w.following >= 0, w
+                accepted, tokens, forks, absorbed = 0, [], [], w.tokens
+            self._write(self.head, w.block_table, w.start, absorbed)
+            state = str(w.start + len(absorbed) - 1).encode()
+            results.append(SeqResult(tokens, w.k if w.sample else 0, accepted, [], forks, [],
+                                     draft_state=state))
+        return StepResult(results, (len(batch.seqs), 0.01), [])
+
+
+class HeadCoreMachine(CoreMachine):
+    @initialize(seed=st.integers(0, 2**32 - 1))
+    def setup(self, seed: int) -> None:
+        super().setup(seed)
+        config = EngineConfig(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, max_num_seqs=4,
+                              max_step_tokens=12, max_context=48, spec_k=K_MAX)
+        pool = BlockPool(NUM_BLOCKS, BLOCK_SIZE, model_identity=b"fake-head")
+        self.core = EngineCore(config, pool, SpecPolicy(K_MAX, adaptive=False), 48,
+                               eos_token_ids=(0,), draft_kind=DraftKind.HEAD)
+        self.core.scheduler.choose_k = lambda seq, batch: self.rng.randint(0, K_MAX)
+        self.executor = FakeHeadExecutor(self.rng)
+
+    @invariant()
+    def pool_and_counters_agree(self) -> None:
+        super().pool_and_counters_agree()
+        if not hasattr(self, "core"):
+            return
+        pool = self.core.pool
+        for seq in self.core.scheduler.running:
+            assert seq.num_draft_computed == seq.num_computed, seq
+            table = pool.block_table(seq.seq_id)
+            for position in range(seq.num_computed):
+                slot = table[position // BLOCK_SIZE] * BLOCK_SIZE + position % BLOCK_SIZE
+                assert self.executor.head.get(slot) == seq.token_ids[position], (seq, position)
+            if seq.num_computed:
+                assert int(seq.draft_state) == seq.num_computed - 1, seq
+
+
+def test_the_head_rule_through_the_boundary() -> None:
+    """Seeded long runs: preemption, forks, prefix-cache hits, accepted
+    and rejected proposals, aborts, all checked after every step."""
+    totals = {"preemptions": 0, "cached": 0, "accepted": 0, "rejected": 0, "aborts": 0}
+    for seed in range(12):
+        rng = random.Random(seed)
+        machine = HeadCoreMachine()
+        machine.setup(seed=seed)
+        for _ in range(150):
+            action = rng.random()
+            if action < 0.15:
+                machine.burst(rng.randint(2, 5), rng.randint(8, 30))
+            elif action < 0.3:
+                machine.submit(rng.choice(PREFIXES), [rng.randrange(1, VOCAB)], rng.randint(1, 3),
+                               rng.randint(1, 24), rng.random() < 0.5, rng.randint(0, 1))
+            elif action < 0.35 and machine.core.requests:
+                machine.core.abort(rng.choice(sorted(machine.core.requests)))
+            else:
+                machine.step()
+            machine.pool_and_counters_agree()
+        stats = machine.core.stats()
+        totals["preemptions"] += stats.preemptions
+        totals["cached"] += stats.prefix_cached_tokens
+        totals["accepted"] += stats.accepted_tokens
+        totals["rejected"] += stats.drafted_tokens - stats.accepted_tokens
+        totals["aborts"] += stats.aborts
+        machine.teardown()
+    assert all(totals.values()), totals
+
+
+HeadCoreMachine.TestCase.settings = settings(
+    max_examples=100, stateful_step_count=50, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+test_core_with_a_head_through_the_boundary = HeadCoreMachine.TestCase
