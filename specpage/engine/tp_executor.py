@@ -28,6 +28,9 @@ from specpage.parallel.sharding import check_divisible, shard_loaded
 from specpage.parallel.worker import WorkerSpec
 
 log = logging.getLogger("specpage.engine")
+# Seconds a failed collective waits for a worker's exit to explain it: a
+# killed process's sockets close before the kernel reaps it.
+DEATH_NOTICE = 1.0
 
 
 class LeaderRunner(ModelRunner):
@@ -51,8 +54,10 @@ class LeaderRunner(ModelRunner):
             self._copies = []
             return super().forward(spans, *args, **kwargs)
         except RuntimeError as error:  # a collective failed: the ranks are out of step
-            self.workers.failed(f"a collective failed: {error}")
-            raise
+            # Most often because a worker died, which its sentinel tells in a moment.
+            self.workers.failed(self.workers.death(DEATH_NOTICE)
+                                or f"a collective failed: {error}")
+            raise RuntimeError(f"tensor parallelism failed: {self.workers.fault}") from error
 
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
         super().copy_blocks(copies)

@@ -109,16 +109,21 @@ class Workers:
         for handler in handlers:
             handler(reason)
 
-    def _watch(self) -> None:
+    def death(self, timeout: float | None = None) -> str | None:
+        """The first worker found dead within timeout seconds (None: until
+        one is), said in words; None if none is."""
         sentinels = {p.sentinel: p for p in self.processes}
-        ready = wait([self._wake_read, *sentinels])
-        for sentinel in ready:
-            if sentinel in sentinels:
-                process = sentinels[sentinel]
-                process.join()
-                self.failed(f"{process.name} (pid {process.pid}) exited with status "
-                            f"{process.exitcode}")
-                return
+        for sentinel in wait(list(sentinels), timeout):
+            process = sentinels[sentinel]  # type: ignore[index]
+            process.join()
+            return f"{process.name} (pid {process.pid}) exited with status {process.exitcode}"
+        return None
+
+    def _watch(self) -> None:
+        wait([self._wake_read, *(p.sentinel for p in self.processes)])
+        reason = self.death(timeout=0)
+        if reason is not None:
+            self.failed(reason)
 
     def stop_watching(self) -> None:
         """Before the workers are told to stop: their exits are no fault."""
