@@ -76,7 +76,8 @@ class TensorParallelExecutor(Executor):
             raise ConfigError("engine.tensor_parallel_size > 1 takes a draft model, "
                               f"not a draft head ({draft.folder})")
         device = target.model.embed_tokens.weight.device
-        threads = threads_per_rank(world, torch.get_num_threads())
+        self._threads = torch.get_num_threads()  # given back on close
+        threads = threads_per_rank(world, self._threads)
         torch.set_num_threads(threads)
         init_method = rendezvous()
         dtype = str(target.model.embed_tokens.weight.dtype).removeprefix("torch.")
@@ -103,6 +104,7 @@ class TensorParallelExecutor(Executor):
 
     def close(self) -> None:
         """Tell the workers to stop, wait for them, leave the groups."""
+        torch.set_num_threads(self._threads)
         self.workers.stop_watching()
         if self.workers.fault is not None:  # the ranks are out of step: end the rest
             self.workers.join(grace=0.0)
