@@ -20,6 +20,7 @@ import msgspec
 from specpage.config_error import ConfigError
 from specpage.config_error import require as _require
 from specpage.engine_config import EngineConfig
+from specpage.models.quant_names import Q8_REFUSED, QUANTIZATIONS
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 ENV_PREFIX = "SPECPAGE_"
@@ -32,11 +33,18 @@ class ModelSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     draft: str | None = None  # None: no speculation
     dtype: str | None = None  # None: fp32 on CPU, bf16 on CUDA (loader.default_dtype)
     device: str = "cpu"
+    # Both models' linears (models/quant_names); auto: q4 where a model is a
+    # Q4_0/Q4_1 GGUF, reusing its blocks, else as loaded.
+    quantization: str = "none"
 
     def __post_init__(self) -> None:
         # An empty name would surface much later as a puzzling model-loading error.
         for name in ("target", "draft", "dtype", "device"):
             _require(getattr(self, name) != "", f"model.{name} must not be empty", "")
+        _require(self.quantization in QUANTIZATIONS and self.quantization != "q8",
+                 Q8_REFUSED if self.quantization == "q8" else
+                 f"model.quantization must be one of {', '.join(QUANTIZATIONS)}",
+                 self.quantization)
 
 
 class ServerSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

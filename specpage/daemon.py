@@ -60,20 +60,21 @@ def build_engine(config: Config) -> Engine:
     m, e = config.model, config.engine
     systemd.status(f"loading target {m.target}")
     log.info("loading target", extra={"model": m.target})
-    target = load_named(m.target, m.dtype, m.device)
+    target = load_named(m.target, m.dtype, m.device, m.quantization)
     draft = None
     if m.draft:
         systemd.status(f"loading draft {m.draft}")
         log.info("loading draft", extra={"model": m.draft})
-        draft = load_named(m.draft, m.dtype, m.device)
+        draft = load_named(m.draft, m.dtype, m.device, m.quantization)
     return Engine(target, draft, load_tokenizer(target.folder), e)
 
 
-def load_named(name: str, dtype: str | None, device: str) -> LoadedModel:
+def load_named(name: str, dtype: str | None, device: str,
+               quantization: str = "none") -> LoadedModel:
     """A model by name or path; a file it cannot read (a packaged model
     missing, no permission) is a start-up failure that names the file."""
     try:
-        return load_model(resolve_model(name), dtype, device)
+        return load_model(resolve_model(name), dtype, device, quantization)
     except OSError as error:
         file = f" {error.filename}" if error.filename else ""
         raise StartupError(f"model {name}: cannot read{file}: "

@@ -53,10 +53,14 @@ class LLM:
         config: EngineConfig | None = None,
         dtype: str | None = None,
         device: str = "cpu",
+        quantization: str | None = None,
     ) -> None:
+        """quantization: of both models' linears (models/quant_names:
+        none, q4, q4-g64, q4-g128, auto); None: none, the exact path."""
         target_path = resolve_model(model)
-        self.target: LoadedModel = load_model(target_path, dtype, device)
-        self.draft = load_model(resolve_model(draft), dtype, device) if draft else None
+        self.target: LoadedModel = load_model(target_path, dtype, device, quantization)
+        self.draft = (load_model(resolve_model(draft), dtype, device, quantization)
+                      if draft else None)
         self.tokenizer = load_tokenizer(self.target.folder)
         self.engine = Engine(self.target, self.draft, self.tokenizer, config)
         self._ids = itertools.count()

@@ -9,6 +9,7 @@ from typing import Any
 
 from specpage.engine import EngineConfig
 from specpage.llm import LLM, chat_prompt
+from specpage.models.quant_names import QUANTIZATIONS
 from specpage.request import SamplingParams
 
 
@@ -29,6 +30,10 @@ def add_parser(sub: Any, name: str) -> None:
                              "in-process only if the model has one, and a --server daemon "
                              "refuses a model without one")
     parser.add_argument("--dtype", help="fp32 (CPU default), bf16, fp16")
+    parser.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
+                        help="weights of both models' linears: none (default, exact), q4 (int4, "
+                             "a Q4_0/Q4_1 GGUF's own blocks or round-to-nearest), q4-g64, "
+                             "q4-g128, auto (q4 where the model is a Q4 GGUF); q8 is refused")
     parser.add_argument("--server", help="HOST:PORT of a running daemon (instead of in-process)")
     parser.add_argument("--token", help="bearer token for --server")
     parser.set_defaults(run=run)
@@ -60,7 +65,8 @@ def run(args: argparse.Namespace) -> int:
     )
     params.validate()
     config = EngineConfig(spec_k=k, adaptive_k=adaptive, num_blocks=512)
-    llm = LLM(args.model, args.draft if k else None, config, dtype=args.dtype)
+    llm = LLM(args.model, args.draft if k else None, config, dtype=args.dtype,
+              quantization=args.quantization)
     prompt: str | list[int] = args.prompt
     if not args.raw and llm.tokenizer is not None and llm.tokenizer.chat_template:
         prompt = chat_prompt(llm.tokenizer, args.prompt)

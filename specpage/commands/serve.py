@@ -17,7 +17,8 @@ from specpage.logging_setup import configure_logging
 SHORTCUTS = {"host": "server.host", "port": "server.port", "http_port": "server.http_port",
              "target": "model.target",
              "draft": "model.draft", "spec_k": "engine.spec_k",
-             "tensor_parallel_size": "engine.tensor_parallel_size"}
+             "tensor_parallel_size": "engine.tensor_parallel_size",
+             "quantization": "model.quantization"}
 
 
 def add_parser(sub: Any, name: str) -> None:
@@ -32,6 +33,8 @@ def add_parser(sub: Any, name: str) -> None:
     parser.add_argument("--target", help="target model: HF folder, .gguf or a known name")
     parser.add_argument("--draft", help="draft model (empty: no speculation)")
     parser.add_argument("--spec-k", help="largest k (0: no speculation)")
+    parser.add_argument("--quantization", help="both models' linears: none, q4, q4-g64, "
+                        "q4-g128 or auto (default: q4 where a model is a Q4_0/Q4_1 GGUF)")
     parser.add_argument("--tensor-parallel-size", help="ranks the target's forward is split "
                         "over (default 1; must divide its heads, KV heads and vocabulary)")
     parser.set_defaults(run=run)

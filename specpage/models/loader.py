@@ -16,6 +16,7 @@ from safetensors import SafetensorError, safe_open
 from specpage.models.config import ModelConfig, ModelLoadError
 from specpage.models.decoder import DecoderModel
 from specpage.models.eagle3 import LoadedHead, is_head_folder, load_head
+from specpage.models.quant_names import Quantization
 from specpage.models.rope import inverse_frequencies
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -33,6 +34,7 @@ class LoadedModel:
     config: ModelConfig
     folder: Path
     identity: bytes  # digest of the config and the weight files' headers and sizes
+    quantization: str = "none"  # what models/quant_load applied to the linears
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
@@ -51,10 +53,13 @@ def resolve_dtype(name: str | torch.dtype | None, device: torch.device) -> torch
 
 
 def load_model(
-    path: str | Path, dtype: str | torch.dtype | None = None, device: str | torch.device = "cpu"
+    path: str | Path, dtype: str | torch.dtype | None = None, device: str | torch.device = "cpu",
+    quantization: str | None = None,
 ) -> LoadedModel | LoadedHead:
     """Load an HF folder or a GGUF file into a DecoderModel (eval mode), or
-    an EAGLE-3 draft head (models/eagle3.py), recognised by its config."""
+    an EAGLE-3 draft head (models/eagle3.py), recognised by its config.
+    quantization: models/quant_names (None: "none")."""
+    Quantization.parse(quantization)  # a bad name fails before any loading
     device = torch.device(device)
     folder = resolve_folder(Path(path))
     if is_head_folder(folder):
@@ -73,7 +78,12 @@ def load_model(
     model = model.to(device=device, dtype=torch_dtype).eval()
     # fp32 whatever the weights' dtype, as HF keeps it
     model.inv_freq = inverse_frequencies(config.rope, config.head_dim).to(device)
-    return LoadedModel(model, config, folder, identity(folder, files))
+    loaded = LoadedModel(model, config, folder, identity(folder, files))
+    if quantization not in (None, "none"):
+        from specpage.models.quant_load import quantize_loaded
+
+        loaded = quantize_loaded(loaded, Quantization.parse(quantization), Path(path))
+    return loaded
 
 
 def resolve_folder(path: Path) -> Path:

@@ -1,0 +1,96 @@
+"""Weight-only int4 linears on CPU: group-wise 4-bit weights with a bf16
+scale and zero per group of 32, 64 or 128 inputs, multiplied by torch's
+``_weight_int4pack_mm_for_cpu`` (the kernel gpt-fast and torchao use).
+
+The kernel's convention, checked against a dense reference:
+    w = (q − 8) · scale + zero,   q in 0..15,
+so GGUF blocks map onto it exactly as scale = d, zero = m + 8d (Q4_1) or
+zero = 0 (Q4_0): the file's own 4-bit values, not re-quantized.
+
+The kernel is fast only with bf16 activations (measured on this AVX-512 host:
+a 3072×576 product on one row took ~20 ms with fp32 or fp16 inputs against
+~1.5 ms with bf16), so an fp32 model's input is cast to bf16 for the product
+and the result cast back: the rest of the model, KV included, stays in the
+activation dtype. The scale and zero are bf16 (the kernel requires the
+activation dtype), which rounds GGML's float16 d and m to 8 significant bits.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from specpage.models.gguf_blocks import Int4Blocks
+from specpage.models.quant_names import QuantizationError
+
+GROUP_SIZES = (32, 64, 128)
+KERNEL_DTYPE = torch.bfloat16  # the only activation dtype the CPU kernel is fast at
+# _convert_weight_to_int4pack_for_cpu's tiling argument; its CPU layout ignores
+# it beyond validation, and gpt-fast/torchao pass 1 on CPU.
+INNER_K_TILES = 1
+Q_OFFSET = 8  # the kernel reads q − 8
+
+
+def check_shape(name: str, in_features: int, group: int) -> None:
+    if group not in GROUP_SIZES:
+        raise QuantizationError(f"{name}: q4 group size {group} unsupported; "
+                                f"use one of {', '.join(map(str, GROUP_SIZES))}")
+    if in_features % group:
+        raise QuantizationError(f"{name}: q4 needs in_features a multiple of the group size "
+                                f"{group}; this weight has {in_features} inputs")
+
+
+class Int4Linear(nn.Module):
+    """A linear layer with packed int4 weights (no ``.weight``); the same
+    call shape as decoder.Linear: x [rows, in_features] -> [rows, out_features]."""
+
+    def __init__(self, blocks: Int4Blocks, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = blocks.q.shape
+        self.group_size = blocks.group
+        zero = blocks.offset + Q_OFFSET * blocks.scale
+        # [in/group, out, 2]: the layout the kernel reads
+        scales_and_zeros = torch.stack([blocks.scale, zero], dim=-1).transpose(0, 1)
+        # Buffers, so they follow the model to a device; loading casts the model's
+        # dtype before the swap, so nothing casts these bf16 ones after it.
+        self.register_buffer("scales_and_zeros",
+                             scales_and_zeros.contiguous().to(KERNEL_DTYPE))
+        # [out, in/2] uint8 in the kernel's own tiled layout
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            blocks.q.to(torch.int32), INNER_K_TILES)
+        self.register_buffer("packed", packed)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(),
+                                                           requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.to(KERNEL_DTYPE), self.packed, self.group_size, self.scales_and_zeros)
+        y = y.to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes one product reads: packed weights and the scales and zeros."""
+        bias = 0 if self.bias is None else self.bias.numel() * self.bias.element_size()
+        return int(self.packed.numel() + self.scales_and_zeros.numel() * 2 + bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"group_size={self.group_size}, bias={self.bias is not None}")
+
+
+def quantize_rtn(weight: torch.Tensor, group: int = 32, name: str = "weight") -> Int4Blocks:
+    """Round-to-nearest asymmetric group-wise int4, as gpt-fast does: per
+    group, the 16 levels span [min, max]. The scale and zero are rounded to
+    the kernel's bf16 first and q chosen against the rounded values, so the
+    kernel computes exactly what was chosen."""
+    rows, cols = weight.shape
+    check_shape(name, cols, group)
+    w = weight.detach().float().view(rows, cols // group, group)
+    low, high = w.amin(-1), w.amax(-1)
+    levels = 2**4 - 1
+    scale = ((high - low) / levels).clamp(min=1e-8).to(KERNEL_DTYPE).float()
+    zero = (low + Q_OFFSET * scale).to(KERNEL_DTYPE).float()
+    offset = zero - Q_OFFSET * scale  # the value q = 0 stands for
+    q = ((w - offset[..., None]) / scale[..., None]).round().clamp(0, levels)
+    return Int4Blocks(q.to(torch.uint8).view(rows, cols), scale, offset, group)

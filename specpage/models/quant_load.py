@@ -1,0 +1,164 @@
+"""Choosing and applying weight-only quantization to a loaded model.
+
+    none   the weights as loaded (fp32 on CPU): the exact path
+    q4     int4, group 32 (q4-g64, q4-g128: larger groups). From a Q4_0/Q4_1
+           GGUF its own blocks; otherwise round-to-nearest from the loaded
+           weights, cached under <cache>/quantized/
+    q8     refused: torch's CPU int8 weight-only kernel is slower than fp32 here
+    auto   q4 where the checkpoint is a GGUF whose linears are all Q4_0/Q4_1
+           (their blocks are reused, nothing is re-quantized), else none
+
+Only each layer's qkv_proj, o_proj, gate_up_proj and down_proj are swapped,
+after loading; norms, the embedding and the KV cache stay in the activation
+dtype. The tied embedding / LM head is left dense: see bench/quantization.py
+for the measured alternatives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol, TypeVar
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from specpage.models.gguf_blocks import FORMATS, GGUF_PARTS, GGUFWeights, Int4Blocks
+from specpage.models.quant import Int4Linear, quantize_rtn
+from specpage.models.quant_names import Quantization, QuantizationError
+
+if TYPE_CHECKING:
+    from specpage.models.config import ModelConfig
+    from specpage.models.decoder import DecoderModel
+
+
+class Loaded(Protocol):
+    """What quantization reads of loader.LoadedModel (a frozen dataclass,
+    named structurally here so this module does not import the loader)."""
+
+    model: DecoderModel
+    config: ModelConfig
+    folder: Path
+    identity: bytes
+
+
+L = TypeVar("L", bound=Loaded)
+
+log = logging.getLogger(__name__)
+
+GGUF_GROUP = 32  # inputs per Q4_0/Q4_1 block
+FLOAT_TYPES = frozenset({"F32", "F16", "BF16"})  # GGUF linears q4 may quantize itself
+CACHE_VERSION = 1  # bump when the cached layout changes
+
+
+def gguf_source(path: Path, folder: Path) -> Path | None:
+    """The GGUF a checkpoint came from: the path itself, or the cached file a
+    converted folder names (specpage-source.json, written by convert_gguf),
+    when it is still there with the recorded digest."""
+    from specpage.models.fetch import SOURCE_FILE, cache_dir, sha256_file
+
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    record = folder / SOURCE_FILE
+    if not record.is_file():
+        return None
+    source = json.loads(record.read_text())
+    candidate = cache_dir() / "gguf" / str(source.get("gguf_file", ""))
+    if candidate.is_file() and sha256_file(candidate) == source.get("gguf_sha256"):
+        return candidate
+    log.warning("GGUF source of %s not in the cache (%s); q4 quantizes its fp32 weights",
+                folder, candidate)
+    return None
+
+
+def quantize_loaded(loaded: L, quantization: Quantization, path: Path) -> L:
+    """``loaded`` with its projections swapped for Int4Linear (in place), its
+    identity told apart from the unquantized model's, and what was applied
+    recorded ("q4 from GGUF Q4_1 blocks", "q4 g32 round-to-nearest")."""
+    if quantization.kind == "none":
+        return loaded
+    gguf = gguf_source(path, loaded.folder)
+    weights = GGUFWeights(gguf, loaded.config) if gguf is not None else None
+    types = weights.linear_types() if weights is not None else set()
+    reuse = weights is not None and types <= FORMATS.keys()
+    if quantization.kind == "auto":
+        if not reuse:
+            return loaded
+        quantization = Quantization("q4", GGUF_GROUP)
+    if weights is not None and not reuse and types - FLOAT_TYPES:
+        raise QuantizationError(
+            f"{gguf}: q4 reuses Q4_0/Q4_1 blocks or quantizes float weights; this GGUF's "
+            f"linears are {', '.join(sorted(types))} "
+            f"({', '.join(sorted(types - FLOAT_TYPES - FORMATS.keys()))} unsupported)")
+    if reuse and quantization.group != GGUF_GROUP:
+        raise QuantizationError(
+            f"{gguf}: its Q4 blocks are groups of {GGUF_GROUP}; q4-g{quantization.group} would "
+            "re-quantize weights already quantized: use q4")
+    if reuse:
+        assert weights is not None
+        _swap(loaded.model, weights.blocks)
+        applied = f"q4 from GGUF {'/'.join(sorted(types))} blocks"
+    else:
+        blocks = _rtn_cached(loaded, quantization.group)
+        _swap(loaded.model, lambda i, name: blocks[f"layers.{i}.{name}"])
+        applied = f"q4 g{quantization.group} round-to-nearest"
+    log.info("quantized %s: %s", loaded.folder, applied)
+    identity = hashlib.sha256(loaded.identity + applied.encode()).digest()
+    return dataclasses.replace(loaded, identity=identity, quantization=applied)
+
+
+PROJECTIONS = tuple(GGUF_PARTS)  # qkv_proj, o_proj, gate_up_proj, down_proj
+
+
+def _swap(model: DecoderModel, blocks_of: Callable[[int, str], Int4Blocks]) -> None:
+    for i, layer in enumerate(model.layers):
+        for name in PROJECTIONS:
+            dense = getattr(layer, name)
+            blocks = blocks_of(i, name)
+            if tuple(blocks.q.shape) != tuple(dense.weight.shape):
+                raise QuantizationError(f"layers.{i}.{name}: quantized weight is "
+                                        f"{tuple(blocks.q.shape)}, the model's "
+                                        f"{tuple(dense.weight.shape)}")
+            bias = None if dense.bias is None else dense.bias.detach()
+            setattr(layer, name, Int4Linear(blocks, bias))
+
+
+def _rtn_cached(loaded: Loaded, group: int) -> dict[str, Int4Blocks]:
+    """Round-to-nearest blocks of every projection, read from the cache when
+    this checkpoint (by identity) was quantized before."""
+    from specpage.models.fetch import cache_dir
+
+    name = f"{loaded.identity.hex()[:32]}-q4-g{group}-v{CACHE_VERSION}.safetensors"
+    path = cache_dir() / "quantized" / name
+    if path.is_file():
+        return _read_blocks(path, group)
+    blocks = {f"layers.{i}.{name}": quantize_rtn(getattr(layer, name).weight, group,
+                                                  f"layers.{i}.{name}")
+              for i, layer in enumerate(loaded.model.layers) for name in PROJECTIONS}
+    _write_blocks(path, blocks)
+    return blocks
+
+
+def _write_blocks(path: Path, blocks: dict[str, Int4Blocks]) -> None:
+    tensors: dict[str, torch.Tensor] = {}
+    for key, b in blocks.items():
+        tensors[f"{key}.q"] = b.q[:, 0::2] | (b.q[:, 1::2] << 4)  # two values a byte
+        tensors[f"{key}.scale"], tensors[f"{key}.offset"] = b.scale, b.offset
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    save_file(tensors, str(tmp))
+    tmp.replace(path)  # atomic: a crash never leaves half a cache file under the real name
+
+
+def _read_blocks(path: Path, group: int) -> dict[str, Int4Blocks]:
+    tensors = load_file(str(path))
+    blocks = {}
+    for key in {name.rsplit(".", 1)[0] for name in tensors}:
+        packed = tensors[f"{key}.q"]
+        q = torch.stack([packed & 0x0F, packed >> 4], dim=-1).view(packed.shape[0], -1)
+        blocks[key] = Int4Blocks(q, tensors[f"{key}.scale"], tensors[f"{key}.offset"], group)
+    return blocks

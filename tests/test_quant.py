@@ -1,0 +1,202 @@
+"""Weight-only int4 linears: a GGUF's own Q4_0/Q4_1 blocks, round-to-nearest
+from float weights, and the settings that choose them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from specpage.config import ConfigError, ModelSection
+from specpage.engine import EngineConfig
+from specpage.llm import LLM
+from specpage.models.gguf_blocks import GGUF_PARTS, GGUFWeights
+from specpage.models.loader import LoadedModel, load_model
+from specpage.models.quant import Int4Linear, quantize_rtn
+from specpage.models.quant_load import PROJECTIONS
+from specpage.models.quant_names import QuantizationError
+from specpage.request import SamplingParams
+from tests.models_util import tiny_checkpoint
+from tests.test_fetch import _byte_level_alphabet
+
+HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 64, 128, 2, 4, 2
+
+
+def write_gguf(path: Path, linear_type: str, seed: int = 0) -> Path:
+    """A tiny random Llama laid out like SmolLM2's GGUF: Q8_0 tied
+    embedding, F32 norms, every linear in ``linear_type``."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *_byte_level_alphabet(), "he"]
+    vocab, kv = len(tokens), HIDDEN // HEADS * KV_HEADS
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_context_length(256)
+    w.add_embedding_length(HIDDEN)
+    w.add_block_count(LAYERS)
+    w.add_feed_forward_length(FFN)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV_HEADS)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(vocab)
+    w.add_rope_dimension_count(HIDDEN // HEADS)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tokens)
+    w.add_token_types([3] * 3 + [1] * (vocab - 3))
+    w.add_token_merges(["h e"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(False)
+
+    def add(name: str, shape: tuple[int, int], qtype: gguf.GGMLQuantizationType) -> None:
+        weight = (rng.standard_normal(shape) * 0.3).astype(np.float32)
+        w.add_tensor(name, gguf.quants.quantize(weight, qtype), raw_dtype=qtype)
+
+    linear = gguf.GGMLQuantizationType[linear_type]
+    add("token_embd.weight", (vocab, HIDDEN), gguf.GGMLQuantizationType.Q8_0)
+    for i in range(LAYERS):
+        p = f"blk.{i}."
+        w.add_tensor(p + "attn_norm.weight", np.ones(HIDDEN, np.float32))
+        w.add_tensor(p + "ffn_norm.weight", np.ones(HIDDEN, np.float32))
+        for name, shape in (("attn_q", (HIDDEN, HIDDEN)), ("attn_k", (kv, HIDDEN)),
+                            ("attn_v", (kv, HIDDEN)), ("attn_output", (HIDDEN, HIDDEN)),
+                            ("ffn_gate", (FFN, HIDDEN)), ("ffn_up", (FFN, HIDDEN)),
+                            ("ffn_down", (HIDDEN, FFN))):
+            add(p + name + ".weight", shape, linear)
+    w.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def ggufs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("quant")
+    return {kind: write_gguf(folder / f"tiny.{kind}.gguf", kind)
+            for kind in ("Q4_0", "Q4_1", "Q8_0")}
+
+
+def loaded(path: Path, quantization: str | None = None) -> LoadedModel:
+    model = load_model(path, quantization=quantization)
+    assert isinstance(model, LoadedModel)
+    return model
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+def test_auto_runs_the_gguf_blocks_which_dequantize_to_the_fp32_weights(
+    ggufs: dict[str, Path], kind: str
+) -> None:
+    dense = loaded(ggufs[kind])
+    quantized = loaded(ggufs[kind], "auto")
+    assert quantized.quantization == f"q4 from GGUF {kind} blocks"
+    assert dense.quantization == "none"
+    assert quantized.identity != dense.identity  # their KV differ: keep prefix caches apart
+    weights = GGUFWeights(ggufs[kind], dense.config)
+    for i in range(LAYERS):
+        for name in PROJECTIONS:
+            module = getattr(quantized.model.layers[i], name)
+            assert isinstance(module, Int4Linear)
+            assert module.group_size == 32
+            # Bit for bit: q/k rows un-permuted and fused in the fp32 path's order.
+            fp32 = getattr(dense.model.layers[i], name).weight
+            assert torch.equal(weights.blocks(i, name).dequantize(), fp32), (i, name)
+    assert not any(isinstance(m, Int4Linear) for m in dense.model.modules())
+
+
+def test_one_int4_linear_matches_the_fp32_linear_within_bf16(ggufs: dict[str, Path]) -> None:
+    dense = loaded(ggufs["Q4_1"])
+    quantized = loaded(ggufs["Q4_1"], "q4")
+    torch.manual_seed(0)
+    for name in PROJECTIONS:
+        reference, module = (getattr(m.model.layers[1], name) for m in (dense, quantized))
+        x = torch.randn(5, reference.in_features)
+        expected, actual = reference(x), module(x)
+        assert actual.dtype == torch.float32 and actual.shape == expected.shape
+        # bf16 activations, scales and output: 8 significant bits, so within a
+        # few parts in 256 of the output's size.
+        error = (actual - expected).abs().max() / expected.abs().max()
+        assert error < 2**-6, (name, float(error))
+
+
+def test_q4_from_float_weights_rounds_to_nearest_and_is_cached(tmp_path: Path) -> None:
+    tiny_checkpoint(tmp_path / "hf", num_hidden_layers=1)
+    dense = loaded(tmp_path / "hf")
+    first = loaded(tmp_path / "hf", "q4")
+    assert first.quantization == "q4 g32 round-to-nearest"
+    cached = list((Path(__import__("os").environ["SPECPAGE_CACHE_DIR"]) / "quantized").glob(
+        f"{dense.identity.hex()[:32]}-q4-g32-*.safetensors"))
+    assert len(cached) == 1
+    again = loaded(tmp_path / "hf", "q4")  # from the cache file
+    for name in PROJECTIONS:
+        a, b = (getattr(m.model.layers[0], name) for m in (first, again))
+        assert torch.equal(a.packed, b.packed) and torch.equal(a.scales_and_zeros,
+                                                               b.scales_and_zeros)
+    weight = dense.model.layers[0].gate_up_proj.weight
+    blocks = quantize_rtn(weight, 64)
+    step = blocks.scale.repeat_interleave(64, dim=1)
+    assert torch.all((blocks.dequantize() - weight).abs() <= step / 2 + 1e-6)
+    assert int(blocks.q.min()) == 0 and int(blocks.q.max()) == 15
+
+
+def test_q4_target_and_draft_speculating_equal_q4_without_speculation(
+    ggufs: dict[str, Path], tmp_path: Path
+) -> None:
+    draft = write_gguf(tmp_path / "draft.Q4_0.gguf", "Q4_0", seed=1)
+    prompts = [[40, 41, 42, 43, 44], [50, 60, 70], [100, 101, 102, 103, 104, 105, 106]]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    plain = LLM(ggufs["Q4_1"], None, EngineConfig(spec_k=0, adaptive_k=False, num_blocks=64),
+                quantization="q4")
+    spec = LLM(ggufs["Q4_1"], draft, EngineConfig(spec_k=3, adaptive_k=False, num_blocks=64),
+               quantization="q4")
+    assert spec.draft is not None and spec.draft.quantization == "q4 from GGUF Q4_0 blocks"
+    expected = [c.token_ids for c in plain.generate(prompts, params)]
+    actual = [c.token_ids for c in spec.generate(prompts, params)]
+    assert actual == expected
+    assert all(len(tokens) == 24 for tokens in expected)
+
+
+def test_unknown_quantization_names_it() -> None:
+    with pytest.raises(QuantizationError, match="unknown quantization 'q5'.*none, q4"):
+        load_model("no-such-folder", quantization="q5")
+    with pytest.raises(ConfigError, match="model.quantization must be one of.*got 'int4'"):
+        ModelSection(quantization="int4")
+    assert ModelSection(quantization="auto").quantization == "auto"
+
+
+def test_q8_is_refused_saying_why() -> None:
+    with pytest.raises(QuantizationError, match="q8 is not offered.*slower than the fp32"):
+        load_model("no-such-folder", quantization="q8")
+    with pytest.raises(ConfigError, match="q8 is not offered"):
+        ModelSection(quantization="q8")
+
+
+def test_unsupported_gguf_type_names_it(ggufs: dict[str, Path]) -> None:
+    with pytest.raises(QuantizationError, match=r"linears are Q8_0 \(Q8_0 unsupported\)"):
+        load_model(ggufs["Q8_0"], quantization="q4")
+    # auto leaves a GGUF it cannot reuse as loaded
+    assert loaded(ggufs["Q8_0"], "auto").quantization == "none"
+    weights = GGUFWeights(ggufs["Q8_0"], loaded(ggufs["Q8_0"]).config)
+    with pytest.raises(QuantizationError, match="blk.0.attn_q.weight is Q8_0"):
+        weights.blocks(0, "qkv_proj")
+    assert GGUF_PARTS["qkv_proj"] == ("attn_q", "attn_k", "attn_v")
+
+
+def test_q4_on_inputs_not_a_multiple_of_the_group_says_so(
+    ggufs: dict[str, Path], tmp_path: Path
+) -> None:
+    with pytest.raises(QuantizationError, match="multiple of the group size 32; this weight "
+                                                "has 48 inputs"):
+        quantize_rtn(torch.randn(8, 48), 32, "w")
+    tiny_checkpoint(tmp_path / "hf", num_hidden_layers=1)  # hidden 64
+    with pytest.raises(QuantizationError, match="layers.0.qkv_proj: q4 needs in_features a "
+                                                "multiple of the group size 128; this weight "
+                                                "has 64 inputs"):
+        load_model(tmp_path / "hf", quantization="q4-g128")
+    with pytest.raises(QuantizationError, match="groups of 32; q4-g64 would re-quantize"):
+        load_model(ggufs["Q4_1"], quantization="q4-g64")
