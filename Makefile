@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # requirement would pull a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: install test lint typecheck clean protos serve bench
+.PHONY: install test lint typecheck clean protos serve bench llama-venv
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -29,11 +29,17 @@ test: lint
 
 # Every benchmark in its short form, then docs/BENCHMARKS.md from the results.
 # vllm_cpu goes first: it sets up vLLM's own venv (.venv-vllm, once, ~3.4 GB).
-BENCHES := vllm_cpu block_pool model_runner engine speculation adaptive memory overhead serving kernels_gpu
+BENCHES := vllm_cpu block_pool model_runner engine speculation adaptive memory overhead quantization serving kernels_gpu
 bench: $(STAMP)
 	$(VENV)/bin/specpage models fetch smollm2-135m
 	for b in $(BENCHES); do $(PY) bench/$$b.py --quick || exit 1; done
 	$(PY) bench/report.py
+
+# llama.cpp as a benchmark peer: llama-cpp-python's OpenAI server in its own
+# venv (.venv-llama), compiled from PyPI's source package (~30 min on 2 cores).
+# bench/serving.py adds it as a system when this venv exists.
+llama-venv: $(STAMP)
+	$(PY) bench/llama_cpp.py --quick
 
 # The daemon on the default pair, 127.0.0.1 only: SmolLM2-135M-Instruct
 # (fetched once, then offline) and its distilled draft (models/smollm2-draft).

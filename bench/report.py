@@ -175,7 +175,10 @@ def ms(seconds: dict) -> dict:
 def serving(r: dict) -> list[str]:
     """Servers through one client (loadgen's OpenAI backend), one at a time."""
     names = {"specpage": "specpage, default pair (adaptive k)",
-             "specpage_no_draft": "specpage, target alone"}
+             "specpage_no_draft": "specpage, target alone",
+             "specpage_q4": "specpage q4 (auto), default pair",
+             "specpage_q4_no_draft": "specpage q4 (auto), target alone",
+             "llama_cpp": "llama.cpp (llama-cpp-python server, one slot), same GGUF"}
     names.update({key: f"vLLM CPU OpenAI server, {key.removeprefix('vllm_').replace('_', ', ')}"
                   for key in r["systems"] if key.startswith("vllm_")})
     workloads = {"streams32": "32 concurrent streams", "single": "single stream"}
@@ -190,16 +193,70 @@ def serving(r: dict) -> list[str]:
                         f"{spread(m['tok_s'])} tok/s; TTFT p50 {spread(ms(m['ttft_p50_s']), 0)}"
                         f" ms; TPOT p50 {spread(ms(m['tpot_p50_s']))} ms | |")
     for key, name in (("specpage_vs_vllm", "specpage, default pair"),
-                      ("specpage_no_draft_vs_vllm", "specpage, target alone")):
+                      ("specpage_no_draft_vs_vllm", "specpage, target alone"),
+                      ("specpage_q4_vs_vllm", "specpage q4, default pair"),
+                      ("specpage_q4_no_draft_vs_vllm", "specpage q4, target alone")):
         for load, label in workloads.items():
+            if key not in r.get("ratios", {}):
+                continue
             c = r["ratios"][key][load]
             rows.append(f"| {name} against vLLM's best, {label} | | tok/s "
                         f"{verdict(c['tok_s'])}; TPOT {verdict(c['tpot_p50_s'])} |")
     for key, same in r.get("outputs_vs_vllm", {}).items():
         rows.append(f"| {names[key]}: greedy answers against vLLM's best | {same['exact']} of "
                     f"{same['prompts']} identical | {same['first_half']} share their first half |")
+    for key, by_load in r.get("ratios_vs_llama_cpp", {}).items():
+        for load, label in workloads.items():
+            c = by_load[load]
+            rows.append(f"| {names[key]} against llama.cpp, {label} | | tok/s "
+                        f"{verdict(c['tok_s'])}; TPOT {verdict(c['tpot_p50_s'])}; TTFT "
+                        f"{verdict(c['ttft_p50_s'])} |")
+    for key, same in r.get("outputs_vs_llama_cpp", {}).items():
+        rows.append(f"| {names[key]}: greedy answers against llama.cpp | {same['exact']} of "
+                    f"{same['prompts']} identical | {same['first_half']} share their first half |")
     for key, why in r.get("errors", {}).items():
         rows.append(f"| {key} | not measured | {str(why)[:300]} |")
+    return rows
+
+
+def quantization(r: dict) -> list[str]:
+    """Weight-only int4 against fp32: quality on a held-out text, step times."""
+    q, s = r["quality"], r["speed"]
+    names = {"fp32": "fp32 (the GGUF dequantized, the exact path)",
+             "q4_gguf": "q4, the GGUF's own Q4_1 blocks, bf16 activations (default)",
+             "q4_gguf_fp32_activations": "q4, the GGUF's blocks, fp32 activations",
+             "q4_rtn": "q4 round-to-nearest from the fp32 weights, bf16 activations"}
+    rows = []
+    for key, name in names.items():
+        if key not in q:
+            continue
+        m = q[key]
+        rows.append(f"| {name}: perplexity over {q['held_out_tokens']} held-out tokens | "
+                    f"{fmt(m['perplexity'])} ({100 * m['perplexity_vs_fp32']:+.2f}% vs fp32) | "
+                    f"logits vs fp32: max {fmt(m['max_logit_diff'], 3)}, mean "
+                    f"{fmt(m['mean_logit_diff'], 3)}; greedy: {m['greedy_same_answers']} of "
+                    f"{q['chat_prompts']} answers identical, "
+                    f"{m['greedy_tokens_before_first_difference']} of {m['greedy_tokens']} "
+                    f"tokens before the first difference |")
+    w = q["kernel_weights_vs_gguf"]
+    rows.append(f"| kernel weights (bf16 scale and zero) vs the GGUF's d·q + m | max "
+                f"{w['max_abs']:.2e}, mean {w['mean_abs']:.2e} | at most "
+                f"{100 * w['max_relative_to_group']:.2f}% of the group's largest weight |")
+    labels = {"fp32": "fp32", "bf16": "bf16 weights", "q4": "q4 (bf16 activations)",
+              "q4_fp32_activations": "q4, fp32 activations"}
+    for batch in (1, 32):
+        for key, m in s[f"batch_{batch}_ms"].items():
+            rows.append(f"| decode step, batch {batch}, {labels.get(key, key)} | "
+                        f"{spread({k: 1000 * m[k] for k in ('median', 'min', 'max')})} ms | |")
+    f = s["floor"]
+    rows.append(f"| batch-1 floor from the bytes a q4 step reads ({f['q4_gguf']['bytes'] / 1e6:.0f}"
+                f" MB) | {fmt(f['q4_gguf']['floor_ms'], 1)} ms | measured step is "
+                f"{fmt(s['q4_vs_floor'], 1)}× the floor (fp32: {f['fp32']['bytes'] / 1e6:.0f} "
+                f"MB, {fmt(f['fp32']['floor_ms'], 1)} ms) |")
+    for rows_key, label in (("rows_1_ms", "1 row"), ("rows_32_ms", "32 rows")):
+        h = s["head_alone"][rows_key]
+        rows.append(f"| vocabulary projection alone, {label} | "
+                    + ", ".join(f"{k} {fmt(v, 1)} ms" for k, v in h.items()) + " | |")
     return rows
 
 
@@ -212,7 +269,7 @@ def rows(render: Callable[[dict], list[str]], result: dict) -> list[str]:
 
 SECTIONS = {"block_pool": block_pool, "model_runner": model_runner, "engine": engine,
             "speculation": speculation, "adaptive": adaptive, "memory": memory,
-            "overhead": overhead, "serving": serving}
+            "overhead": overhead, "serving": serving, "quantization": quantization}
 
 
 def main() -> None:

@@ -1,4 +1,5 @@
-"""specpage and vLLM's CPU OpenAI server side by side, through one client.
+"""specpage, vLLM's CPU OpenAI server and llama.cpp's side by side, through
+one client.
 
     python bench/serving.py [--quick] [--no-vllm]
 
@@ -14,13 +15,18 @@ every request streams exactly that many tokens. Two workloads:
 The systems:
 - specpage's HTTP front with the default pair (target smollm2-135m, draft
   models/smollm2-draft, adaptive k), and with speculation off (no draft): the
-  peer match, since vLLM runs without speculation here;
+  peer match, since vLLM runs without speculation here; and both again with
+  --quantization auto (the target's own Q4_1 blocks, bf16 activations);
 - vLLM's CPU build (`.venv-vllm`, set up by bench/vllm_cpu.py, with its
   environment: both cores, no core reserved, Intel OpenMP and tcmalloc
   preloaded) on the same SmolLM2-135M-Instruct folder from specpage's cache,
   in the dtype this CPU runs fastest (bf16 with AVX-512 BF16, else fp32),
   eager and (full run only: compiling adds about a minute to each start)
   compiled. Its best configuration, by 32-stream throughput, is "vLLM".
+- llama.cpp (llama-cpp-python's OpenAI server, `.venv-llama`, built by
+  `make llama-venv`; left out when that venv is missing) on the very GGUF
+  specpage converts, with the same threads; one slot, so 32 streams queue
+  (bench/llama_cpp.py says why, and how ignore_eos is honoured).
 
 Only one server is up at a time: each round starts every system in turn
 (rotated, so none always runs first or last), gives it the same untimed
@@ -50,10 +56,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench import llama_cpp  # noqa: E402
 from bench.common import Spread, compare, finish, machine, parse_args, rounds  # noqa: E402
 from bench.prompts import chat_prompts  # noqa: E402
 from bench.vllm_cpu import PACKAGE, PYTHON, _env, cpu_has_bf16, setup  # noqa: E402
-from specpage.models.fetch import ensure_model  # noqa: E402
+from specpage.models.fetch import SMOLLM2_GGUF_NAME, cache_dir, ensure_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 LOADGEN = ROOT / ".venv" / "bin" / "specpage-loadgen"
@@ -71,6 +78,7 @@ HEALTH_POLL_S = 0.5
 # What each workload reports; "tok_s" is aggregate output tokens per second.
 METRICS = ("tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s")
 HIGHER_IS_BETTER = {"tok_s": True, "ttft_p50_s": False, "ttft_p99_s": False, "tpot_p50_s": False}
+OURS = ("specpage", "specpage_no_draft", "specpage_q4", "specpage_q4_no_draft")
 COMPARED_PROMPTS = 8  # greedy answers fetched from every server after its timed runs
 COMPARED_TOKENS = 32
 
@@ -102,6 +110,7 @@ class ServerSpec:
     argv: list[str]
     env: dict[str, str]
     port: int
+    health: str = "/health"  # a GET that answers 200 once the model is loaded
 
     @property
     def url(self) -> str:
@@ -114,10 +123,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def specpage_server(name: str, draft: Path | None, threads: int) -> ServerSpec:
+def specpage_server(name: str, draft: Path | None, threads: int,
+                    quantization: str = "none") -> ServerSpec:
     port = free_port()
     argv = [str(SPECPAGE), "serve", "--target", MODEL,
-            "--draft", str(draft.resolve()) if draft else "",
+            "--draft", str(draft.resolve()) if draft else "", "--quantization", quantization,
             "--port", "0", "--http-port", str(port), "--set", "server.log_level=warning"]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1"}
     return ServerSpec(name, argv, env, port)
@@ -133,6 +143,13 @@ def vllm_server(name: str, mode: dict[str, Any], model: Path, threads: int) -> S
     if mode["eager"]:
         argv.append("--enforce-eager")
     return ServerSpec(name, argv, _env(threads), port)
+
+
+def llama_cpp_server(name: str, threads: int) -> ServerSpec:
+    port = free_port()
+    gguf = cache_dir() / "gguf" / SMOLLM2_GGUF_NAME  # the file specpage converted
+    return ServerSpec(name, llama_cpp.server_argv(gguf, MODEL, port, threads),
+                      llama_cpp.server_env(threads), port, llama_cpp.HEALTH_PATH)
 
 
 def vllm_modes(quick: bool) -> dict[str, dict[str, Any]]:
@@ -169,7 +186,8 @@ class Running:
                 raise BenchError(f"{self.spec.name} exited {self.process.returncode}: "
                                  + " | ".join(tail)[-600:])
             try:
-                with urllib.request.urlopen(self.spec.url + "/health", timeout=5) as reply:
+                with urllib.request.urlopen(self.spec.url + self.spec.health,
+                                            timeout=5) as reply:
                     if reply.status == 200:
                         return
             except (urllib.error.URLError, OSError):
@@ -326,7 +344,12 @@ def main() -> None:
     specs: dict[str, Callable[[], ServerSpec]] = {
         "specpage": partial(specpage_server, "specpage", args.draft, threads),
         "specpage_no_draft": partial(specpage_server, "specpage_no_draft", None, threads),
+        "specpage_q4": partial(specpage_server, "specpage_q4", args.draft, threads, "auto"),
+        "specpage_q4_no_draft": partial(specpage_server, "specpage_q4_no_draft", None, threads,
+                                        "auto"),
     }
+    if llama_cpp.ready():
+        specs["llama_cpp"] = partial(llama_cpp_server, "llama_cpp", threads)
     result: dict[str, Any] = {
         "bench": "serving", "client": "specpage-loadgen run --api openai (chat, streamed)",
         "model": "SmolLM2-135M-Instruct, greedy, ignore_eos", "output_tokens": tokens,
@@ -355,9 +378,18 @@ def main() -> None:
         result["ratios"] = {
             f"{ours}_vs_vllm": {job.name: ratios(spreads(runs[ours], job.name),
                                                  spreads(runs[best], job.name)) for job in jobs}
-            for ours in ("specpage", "specpage_no_draft") if ours in runs}
+            for ours in OURS if ours in runs}
         result["outputs_vs_vllm"] = {ours: same_outputs(runs[ours], runs[best])
-                                     for ours in ("specpage", "specpage_no_draft") if ours in runs}
+                                     for ours in OURS if ours in runs}
+    if "llama_cpp" in runs:
+        result["llama_cpp"] = {"package": llama_cpp.PACKAGE, "slots": 1}
+        result["ratios_vs_llama_cpp"] = {
+            ours: {job.name: ratios(spreads(runs[ours], job.name),
+                                    spreads(runs["llama_cpp"], job.name)) for job in jobs}
+            for ours in OURS if ours in runs}
+        result["outputs_vs_llama_cpp"] = {
+            ours: same_outputs(runs[ours], runs["llama_cpp"])
+            for ours in ("specpage_q4", "specpage_q4_no_draft") if ours in runs}
     result.update(load_average_end=os.getloadavg()[0], machine=machine(),
                   wall_s=time.perf_counter() - started)
     finish("serving", result)

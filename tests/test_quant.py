@@ -82,8 +82,8 @@ def ggufs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             for kind in ("Q4_0", "Q4_1", "Q8_0")}
 
 
-def loaded(path: Path, quantization: str | None = None) -> LoadedModel:
-    model = load_model(path, quantization=quantization)
+def loaded(path: Path, quantization: str | None = None, dtype: str | None = None) -> LoadedModel:
+    model = load_model(path, dtype, quantization=quantization)
     assert isinstance(model, LoadedModel)
     return model
 
@@ -94,7 +94,7 @@ def test_auto_runs_the_gguf_blocks_which_dequantize_to_the_fp32_weights(
 ) -> None:
     dense = loaded(ggufs[kind])
     quantized = loaded(ggufs[kind], "auto")
-    assert quantized.quantization == f"q4 from GGUF {kind} blocks"
+    assert quantized.quantization == f"q4 from GGUF {kind} blocks, bf16 activations"
     assert dense.quantization == "none"
     assert quantized.identity != dense.identity  # their KV differ: keep prefix caches apart
     weights = GGUFWeights(ggufs[kind], dense.config)
@@ -107,6 +107,20 @@ def test_auto_runs_the_gguf_blocks_which_dequantize_to_the_fp32_weights(
             fp32 = getattr(dense.model.layers[i], name).weight
             assert torch.equal(weights.blocks(i, name).dequantize(), fp32), (i, name)
     assert not any(isinstance(m, Int4Linear) for m in dense.model.modules())
+
+
+def test_a_quantized_model_computes_in_bf16_unless_a_dtype_is_chosen(
+    ggufs: dict[str, Path]
+) -> None:
+    default = loaded(ggufs["Q4_1"], "q4")
+    assert default.model.embed_tokens.weight.dtype == torch.bfloat16  # the runner's KV dtype
+    assert default.model.norm.weight.dtype == torch.bfloat16
+    assert default.model.inv_freq.dtype == torch.float32
+    chosen = loaded(ggufs["Q4_1"], "q4", "fp32")
+    assert chosen.quantization == "q4 from GGUF Q4_1 blocks"
+    assert chosen.model.embed_tokens.weight.dtype == torch.float32
+    assert isinstance(chosen.model.layers[0].qkv_proj, Int4Linear)
+    assert loaded(ggufs["Q4_1"]).model.embed_tokens.weight.dtype == torch.float32
 
 
 def test_one_int4_linear_matches_the_fp32_linear_within_bf16(ggufs: dict[str, Path]) -> None:
@@ -128,7 +142,7 @@ def test_q4_from_float_weights_rounds_to_nearest_and_is_cached(tmp_path: Path) -
     tiny_checkpoint(tmp_path / "hf", num_hidden_layers=1)
     dense = loaded(tmp_path / "hf")
     first = loaded(tmp_path / "hf", "q4")
-    assert first.quantization == "q4 g32 round-to-nearest"
+    assert first.quantization == "q4 g32 round-to-nearest, bf16 activations"
     cached = list((Path(__import__("os").environ["SPECPAGE_CACHE_DIR"]) / "quantized").glob(
         f"{dense.identity.hex()[:32]}-q4-g32-*.safetensors"))
     assert len(cached) == 1
@@ -154,7 +168,8 @@ def test_q4_target_and_draft_speculating_equal_q4_without_speculation(
                 quantization="q4")
     spec = LLM(ggufs["Q4_1"], draft, EngineConfig(spec_k=3, adaptive_k=False, num_blocks=64),
                quantization="q4")
-    assert spec.draft is not None and spec.draft.quantization == "q4 from GGUF Q4_0 blocks"
+    assert spec.draft is not None
+    assert spec.draft.quantization == "q4 from GGUF Q4_0 blocks, bf16 activations"
     expected = [c.token_ids for c in plain.generate(prompts, params)]
     actual = [c.token_ids for c in spec.generate(prompts, params)]
     assert actual == expected

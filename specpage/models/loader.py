@@ -82,7 +82,8 @@ def load_model(
     if quantization not in (None, "none"):
         from specpage.models.quant_load import quantize_loaded
 
-        loaded = quantize_loaded(loaded, Quantization.parse(quantization), Path(path))
+        loaded = quantize_loaded(loaded, Quantization.parse(quantization), Path(path),
+                                 dtype_chosen=dtype is not None)
     return loaded
 
 

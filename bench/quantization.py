@@ -1,0 +1,250 @@
+"""Quality and speed of weight-only int4 (specpage/models/quant*.py) on
+SmolLM2-135M-Instruct, one run:
+
+- quality over a held-out text (not a chat prompt): max and mean |logit
+  difference| against the fp32 model (the GGUF's blocks dequantized, the
+  exact path) and perplexity for fp32, q4 from the GGUF's own Q4_1 blocks
+  (bf16 activations, the default, and fp32 activations with each product's
+  input cast to bf16) and q4 re-quantized round-to-nearest from the fp32
+  weights; greedy agreement with fp32 over chat prompts (prompts whose whole
+  answer is the same, and tokens before the first difference); and how far
+  the kernel's weights are from the GGUF's: its scale and zero are bf16, so
+  GGML's float16 d and m are rounded to 8 significant bits;
+- speed: batch-1 decode step, q4 vs fp32 vs bf16 weights, and batch 32 q4 vs
+  fp32, rotated rounds (bench/common.py); the q4 step's bandwidth floor from
+  the bytes it reads (packed weights, scales and zeros, the embedding/LM head
+  as stored) over the read bandwidth of a large copy; and the vocabulary
+  projection alone, dense fp32 / bf16 against int8 (torch's
+  _weight_int8pack_mm), the measurement behind keeping it dense.
+
+    python bench/quantization.py [--quick]
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import (  # noqa: E402
+    copy_bandwidth,
+    finish,
+    machine,
+    median_seconds,
+    parse_args,
+    rotated,
+    rounds,
+)
+from bench.prompts import chat_prompts  # noqa: E402
+from specpage.engine import EngineConfig  # noqa: E402
+from specpage.llm import LLM  # noqa: E402
+from specpage.model_runner import ModelRunner, SeqSpan  # noqa: E402
+from specpage.models.loader import LoadedModel  # noqa: E402
+from specpage.models.quant import Int4Linear  # noqa: E402
+from specpage.request import SamplingParams  # noqa: E402
+
+BLOCK_SIZE = 16
+CONTEXT = 128  # tokens already in the KV cache of each decode step
+CALLS = 3  # calls per round; a round's figure is their median
+# Held out: written for this benchmark, in no prompt list and no draft's data.
+HELD_OUT = (
+    "The lighthouse keeper climbed the spiral stairs every evening before sunset. "
+    "He polished the great lens, trimmed the wick and wrote the weather in a leather "
+    "book: wind from the north-west, a long swell, two fishing boats returning late. "
+    "In winter the storms came in from the open sea and the whole tower shook, but the "
+    "light never went out. Ships passing at night saw it flash three times every twenty "
+    "seconds, and the captains knew exactly where they were. When the keeper retired, "
+    "the light was automated, and a small electric lamp now turns where the old flame "
+    "burned. Visitors climb the same stairs in summer and read his notes behind glass. "
+    "Most of them are surprised by how ordinary the entries are: bread delivered, a "
+    "window repaired, a seal asleep on the rocks below, the first swallows of spring."
+)
+
+
+def load(quantization: str, dtype: str | None = None, spec_k: int = 0) -> LLM:
+    config = EngineConfig(spec_k=spec_k, adaptive_k=False, num_blocks=1024)
+    return LLM("smollm2-135m", None, config, dtype=dtype, quantization=quantization)
+
+
+def logits(loaded: LoadedModel, tokens: list[int]) -> torch.Tensor:
+    """fp32 logits [len(tokens), vocab] of one prefill over the whole text."""
+    runner = ModelRunner(loaded, -(-len(tokens) // BLOCK_SIZE), BLOCK_SIZE)
+    table = list(range(-(-len(tokens) // BLOCK_SIZE)))
+    return runner.forward([SeqSpan(tokens, 0, table, len(tokens))]).float()
+
+
+def quality(systems: dict[str, LLM], prompts: int, max_tokens: int) -> dict[str, Any]:
+    reference = systems["fp32"]
+    tokens = reference.tokenizer(HELD_OUT)["input_ids"]
+    ref_logits = logits(reference.target, tokens)
+    out: dict[str, Any] = {"held_out_tokens": len(tokens), "chat_prompts": prompts,
+                           "max_tokens": max_tokens}
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    texts = chat_prompts(prompts)
+    answers = {name: [c.token_ids for c in llm.generate(texts, params, chat=True)]
+               for name, llm in systems.items()}
+    for name, llm in systems.items():
+        values = logits(llm.target, tokens)
+        nll = torch.nn.functional.cross_entropy(values[:-1], torch.tensor(tokens[1:]))
+        diff = (values - ref_logits).abs()
+        same_prefix = [next((i for i, (a, b) in enumerate(zip(x, y, strict=False)) if a != b),
+                            min(len(x), len(y)))
+                       for x, y in zip(answers[name], answers["fp32"], strict=True)]
+        out[name] = {
+            "perplexity": math.exp(float(nll)),
+            "max_logit_diff": float(diff.max()), "mean_logit_diff": float(diff.mean()),
+            "greedy_same_answers": sum(a == b for a, b in zip(answers[name], answers["fp32"],
+                                                                strict=True)),
+            "greedy_tokens_before_first_difference": sum(same_prefix),
+            "greedy_tokens": sum(len(a) for a in answers["fp32"]),
+            "quantization": llm.target.quantization,
+        }
+    fp32 = out["fp32"]["perplexity"]
+    for name in systems:
+        out[name]["perplexity_vs_fp32"] = out[name]["perplexity"] / fp32 - 1
+    return out
+
+
+def decode_step(llm: LLM, batch: int) -> Callable[[None], float]:
+    """A system for rotated(): the median seconds of CALLS decode steps of
+    `batch` sequences with CONTEXT tokens each."""
+    blocks = -(-(CONTEXT + 1) // BLOCK_SIZE)
+    runner = ModelRunner(llm.target, blocks * batch, BLOCK_SIZE)
+    tables = [list(range(i * blocks, (i + 1) * blocks)) for i in range(batch)]
+    prompts = [[(7 * i + j) % 40000 + 100 for j in range(CONTEXT)] for i in range(batch)]
+    runner.forward([SeqSpan(p, 0, t, 1) for p, t in zip(prompts, tables, strict=True)])
+    spans = [SeqSpan([5], CONTEXT, t, 1) for t in tables]
+    return lambda _: median_seconds(lambda: runner.forward(spans), repeats=CALLS, warmup=0)
+
+
+def step_bytes(loaded: LoadedModel) -> int:
+    """Bytes a batch-1 decode step reads: every linear as stored (packed
+    int4 with its scales, or dense), the norms, and the vocabulary projection
+    (the tied embedding, as stored; the lookup reads one row, not counted)."""
+    total = 0
+    for module in loaded.model.modules():
+        if isinstance(module, Int4Linear):
+            total += module.nbytes
+        elif isinstance(module, torch.nn.Linear | torch.nn.Embedding) or hasattr(module, "eps"):
+            total += sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
+    return total
+
+
+def head_alone(quick: bool) -> dict[str, Any]:
+    """The vocabulary projection on one row and on 32: dense fp32 (x @ W.T
+    held transposed, the decoder's one-row path), dense bf16 both ways, and
+    int8 per row (torch's only CPU int8 weight-only kernel)."""
+    vocab, hidden = 49152, 576
+    weight = torch.randn(vocab, hidden) * 0.05
+    transposed = weight.T.contiguous()
+    bf16, bf16_t = weight.bfloat16(), transposed.bfloat16()
+    scales = weight.abs().amax(1) / 127
+    int8 = (weight / scales[:, None]).round().to(torch.int8)
+    scales_bf16 = scales.bfloat16()
+    out: dict[str, Any] = {}
+    for rows in (1, 32):
+        x = torch.randn(rows, hidden)
+        xb = x.bfloat16()
+        systems: dict[str, Callable[[None], float]] = {
+            "fp32_xWt": lambda _, x=x: median_seconds(lambda: x @ transposed, CALLS, 0),
+            "fp32_Wx": lambda _, x=x: median_seconds(lambda: weight @ x.T, CALLS, 0),
+            "bf16_xWt": lambda _, xb=xb: median_seconds(lambda: xb @ bf16_t, CALLS, 0),
+            "bf16_Wx": lambda _, xb=xb: median_seconds(lambda: bf16 @ xb.T, CALLS, 0),
+            "int8": lambda _, xb=xb: median_seconds(
+                lambda: torch.ops.aten._weight_int8pack_mm(xb, int8, scales_bf16), CALLS, 0),
+        }
+        spreads = rotated(systems, None, None, rounds(quick))
+        out[f"rows_{rows}_ms"] = {k: v.median * 1e3 for k, v in spreads.items()}
+    return out
+
+
+def main() -> None:
+    args = parse_args(__doc__)
+    prompts, max_tokens = (4, 32) if args.quick else (32, 128)
+    systems = {"fp32": load("none"), "q4_gguf": load("q4"),
+               "q4_gguf_fp32_activations": load("q4", "fp32"), "q4_rtn": None}
+    # Round-to-nearest from the fp32 weights: a float checkpoint, quantized at load.
+    rtn_folder = systems["fp32"].target.folder
+    systems["q4_rtn"] = LLM(_float_copy(rtn_folder), None,
+                            EngineConfig(spec_k=0, adaptive_k=False, num_blocks=1024),
+                            quantization="q4")
+    quality_figures = quality({k: v for k, v in systems.items() if v is not None},
+                              prompts, max_tokens)
+    quality_figures["kernel_weights_vs_gguf"] = scale_rounding(systems["fp32"].target)
+    speed: dict[str, Any] = {}
+    bf16 = load("none", "bf16")
+    for batch in (1, 32):
+        runners = {"fp32": decode_step(systems["fp32"], batch),
+                   "q4": decode_step(systems["q4_gguf"], batch),
+                   "q4_fp32_activations": decode_step(systems["q4_gguf_fp32_activations"],
+                                                      batch)}
+        if batch == 1:
+            runners["bf16"] = decode_step(bf16, batch)
+        spreads = rotated(runners, None, None, rounds(args.quick, full=5))
+        speed[f"batch_{batch}_ms"] = {k: v.as_json() | {"median_ms": v.median * 1e3}
+                                      for k, v in spreads.items()}
+    bandwidth = 2 * copy_bandwidth()  # bytes read + written per second
+    floors = {}
+    for name in ("fp32", "q4_gguf", "q4_gguf_fp32_activations"):
+        nbytes = step_bytes(systems[name].target)  # type: ignore[union-attr]
+        floors[name] = {"bytes": nbytes, "floor_ms": nbytes / bandwidth * 1e3}
+    speed["floor"] = floors
+    speed["q4_vs_floor"] = speed["batch_1_ms"]["q4"]["median_ms"] / floors["q4_gguf"]["floor_ms"]
+    speed["q4_fp32_activations_vs_floor"] = (
+        speed["batch_1_ms"]["q4_fp32_activations"]["median_ms"]
+        / floors["q4_gguf_fp32_activations"]["floor_ms"])
+    speed["head_alone"] = head_alone(args.quick)
+    finish("quantization", {"machine": machine(), "quality": quality_figures, "speed": speed,
+                            "read_bandwidth_gb_s": bandwidth / 1e9})
+
+
+def scale_rounding(fp32: LoadedModel) -> dict[str, float]:
+    """The kernel's weights, (q − 8)·bf16(d) + bf16(m + 8d), against the
+    GGUF's d·q + m (which the fp32 path loads bit for bit): max and mean
+    |difference|, and the max relative to each weight's group's largest."""
+    from specpage.models.gguf_blocks import GGUFWeights
+    from specpage.models.quant import KERNEL_DTYPE, Q_OFFSET
+    from specpage.models.quant_load import PROJECTIONS, gguf_source
+
+    gguf = gguf_source(fp32.folder, fp32.folder)
+    assert gguf is not None
+    weights = GGUFWeights(gguf, fp32.config)
+    worst, total, count, worst_relative = 0.0, 0.0, 0, 0.0
+    for i in range(fp32.config.num_layers):
+        for name in PROJECTIONS:
+            b = weights.blocks(i, name)
+            exact = b.dequantize()
+            rows, cols = b.q.shape
+            scale = b.scale.to(KERNEL_DTYPE).float()
+            zero = (b.offset + Q_OFFSET * b.scale).to(KERNEL_DTYPE).float()
+            q = b.q.view(rows, -1, b.group).float() - Q_OFFSET
+            kernel = (q * scale[..., None] + zero[..., None]).view(rows, cols)
+            diff = (kernel - exact).abs()
+            size = exact.abs().view(rows, -1, b.group).amax(-1, keepdim=True)
+            relative = diff.view(rows, -1, b.group) / size.clamp(min=1e-12)
+            worst, worst_relative = max(worst, float(diff.max())), max(worst_relative,
+                                                                       float(relative.max()))
+            total, count = total + float(diff.sum()), count + diff.numel()
+    return {"max_abs": worst, "mean_abs": total / count, "max_relative_to_group": worst_relative}
+
+
+def _float_copy(folder: Path) -> Path:
+    """The converted fp32 folder under another name: a float checkpoint with
+    no GGUF behind it, so q4 quantizes it round-to-nearest (once: cached)."""
+    import shutil
+    import tempfile
+
+    copy = Path(tempfile.gettempdir()) / "specpage-bench-fp32-smollm2"
+    if not copy.exists():
+        shutil.copytree(folder, copy, ignore=shutil.ignore_patterns("specpage-source.json"))
+    return copy
+
+
+if __name__ == "__main__":
+    main()
