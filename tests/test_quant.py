@@ -215,3 +215,34 @@ def test_q4_on_inputs_not_a_multiple_of_the_group_says_so(
         load_model(tmp_path / "hf", quantization="q4-g128")
     with pytest.raises(QuantizationError, match="groups of 32; q4-g64 would re-quantize"):
         load_model(ggufs["Q4_1"], quantization="q4-g64")
+
+
+def test_a_daemon_with_quantization_q4_streams_what_the_in_process_q4_engine_does(
+    tmp_path: Path,
+) -> None:
+    import asyncio
+
+    from specpage.client import Client
+    from tests.daemon_util import Daemon, tiny_pair
+
+    greedy = {"max_tokens": 10, "temperature": 0.0, "ignore_eos": True}
+    prompts = [[5, 17, 33, 8, 90], [120, 3, 44]]
+    daemon = Daemon(tmp_path, env={"SPECPAGE_MODEL_QUANTIZATION": "q4"})
+    try:
+        target, draft = tiny_pair(tmp_path / "models")
+        local = LLM(target, draft, EngineConfig(block_size=4, num_blocks=512, spec_k=3),
+                    quantization="q4")
+        assert local.target.quantization == "q4 g32 round-to-nearest, bf16 activations"
+        expected = [c.token_ids for c in local.generate(prompts, SamplingParams(**greedy))]
+        fp32 = LLM(target, draft, EngineConfig(block_size=4, num_blocks=512, spec_k=3))
+        # Differs from fp32, so equal streams show the setting reached the daemon.
+        assert [c.token_ids for c in fp32.generate(prompts, SamplingParams(**greedy))] != expected
+        daemon.wait_serving()
+
+        async def remote() -> list[list[int]]:
+            async with Client(daemon.address) as client:
+                return [(await client.complete(p, **greedy)).token_ids for p in prompts]
+
+        assert asyncio.run(remote()) == expected
+    finally:
+        assert daemon.stop() == 0
