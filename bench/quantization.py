@@ -164,9 +164,61 @@ def head_alone(quick: bool) -> dict[str, Any]:
     return out
 
 
+# SmolLM2-135M's four projections per layer: (out_features, in_features)
+LAYER_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
+LAYERS_TIMED = 30  # each with weights of its own, so they stream from memory as in a step
+
+
+def linears_alone(quick: bool) -> dict[str, Any]:
+    """All 30 layers' projections (weights of their own, as in a decode
+    step) on 1 and 32 rows: fp32 dense (the decoder's few-rows path), q8
+    (torch's _weight_int8pack_mm, per-row int8, bf16 input) and q4 (int4
+    group 32, bf16 input): the measurement behind refusing q8."""
+    from specpage.models.quant import quantize_rtn
+
+    layers = []
+    for _ in range(LAYERS_TIMED):
+        products = []
+        for rows, cols in LAYER_SHAPES:
+            weight = torch.randn(rows, cols) * 0.05
+            scales = weight.abs().amax(1) / 127
+            products.append((weight, (weight / scales[:, None]).round().to(torch.int8),
+                             scales.bfloat16(), Int4Linear(quantize_rtn(weight, 32))))
+        layers.append(products)
+    out: dict[str, Any] = {}
+    for rows in (1, 32):
+        inputs = {cols: torch.randn(rows, cols) for _, cols in LAYER_SHAPES}
+        spreads = rotated(_linear_systems(layers, inputs), None, None, rounds(quick))
+        out[f"rows_{rows}_ms"] = {k: v.median * 1e3 for k, v in spreads.items()}
+    return out
+
+
+def _linear_systems(layers: list[list[tuple[Any, ...]]], inputs: dict[int, torch.Tensor]
+                    ) -> dict[str, Callable[[None], float]]:
+    from specpage.models.decoder import few_rows_linear
+
+    def fp32() -> None:
+        for layer in layers:
+            for w, *_ in layer:
+                few_rows_linear(inputs[w.shape[1]], w)
+
+    def q8() -> None:
+        for layer in layers:
+            for w, w8, s8, _ in layer:
+                torch.ops.aten._weight_int8pack_mm(inputs[w.shape[1]].bfloat16(), w8, s8)
+
+    def q4() -> None:
+        for layer in layers:
+            for w, _, _, module in layer:
+                module(inputs[w.shape[1]].bfloat16())
+
+    return {name: (lambda _, fn=fn: median_seconds(fn, CALLS, 0))
+            for name, fn in (("fp32", fp32), ("q8", q8), ("q4", q4))}
+
+
 def main() -> None:
     args = parse_args(__doc__)
-    prompts, max_tokens = (4, 32) if args.quick else (32, 128)
+    prompts, max_tokens = (2, 16) if args.quick else (32, 128)
     systems = {"fp32": load("none"), "q4_gguf": load("q4"),
                "q4_gguf_fp32_activations": load("q4", "fp32"), "q4_rtn": None}
     # Round-to-nearest from the fp32 weights: a float checkpoint, quantized at load.
@@ -178,13 +230,13 @@ def main() -> None:
                               prompts, max_tokens)
     quality_figures["kernel_weights_vs_gguf"] = scale_rounding(systems["fp32"].target)
     speed: dict[str, Any] = {}
-    bf16 = load("none", "bf16")
+    bf16 = None if args.quick else load("none", "bf16")  # a sixth model: full runs only
     for batch in (1, 32):
         runners = {"fp32": decode_step(systems["fp32"], batch),
                    "q4": decode_step(systems["q4_gguf"], batch),
                    "q4_fp32_activations": decode_step(systems["q4_gguf_fp32_activations"],
                                                       batch)}
-        if batch == 1:
+        if batch == 1 and bf16 is not None:
             runners["bf16"] = decode_step(bf16, batch)
         spreads = rotated(runners, None, None, rounds(args.quick, full=5))
         speed[f"batch_{batch}_ms"] = {k: v.as_json() | {"median_ms": v.median * 1e3}
@@ -200,6 +252,7 @@ def main() -> None:
         speed["batch_1_ms"]["q4_fp32_activations"]["median_ms"]
         / floors["q4_gguf_fp32_activations"]["floor_ms"])
     speed["head_alone"] = head_alone(args.quick)
+    speed["linears_alone"] = linears_alone(args.quick)
     finish("quantization", {"machine": machine(), "quality": quality_figures, "speed": speed,
                             "read_bandwidth_gb_s": bandwidth / 1e9})
 

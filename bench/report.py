@@ -254,6 +254,10 @@ def quantization(r: dict) -> list[str]:
                 f"{fmt(s['q4_vs_floor'], 1)}× the floor (fp32: {f['fp32']['bytes'] / 1e6:.0f} "
                 f"MB, {fmt(f['fp32']['floor_ms'], 1)} ms) |")
     for rows_key, label in (("rows_1_ms", "1 row"), ("rows_32_ms", "32 rows")):
+        if "linears_alone" in s:
+            h = s["linears_alone"][rows_key]
+            rows.append(f"| 30 layers' projections alone, {label} | "
+                        + ", ".join(f"{k} {fmt(v, 1)} ms" for k, v in h.items()) + " | |")
         h = s["head_alone"][rows_key]
         rows.append(f"| vocabulary projection alone, {label} | "
                     + ", ".join(f"{k} {fmt(v, 1)} ms" for k, v in h.items()) + " | |")
