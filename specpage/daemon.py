@@ -38,6 +38,7 @@ from specpage.llm import load_tokenizer, resolve_model
 from specpage.metrics import Metrics, MetricsServer
 from specpage.models.config import ModelLoadError
 from specpage.models.loader import LoadedModel, load_model
+from specpage.models.quant_names import check_tensor_parallel
 from specpage.openai_api.listener import HTTPListener, start_http
 from specpage.reflection import enable_reflection
 from specpage.server import BearerTokenInterceptor, GenerationService
@@ -61,6 +62,7 @@ def build_engine(config: Config) -> Engine:
     systemd.status(f"loading target {m.target}")
     log.info("loading target", extra={"model": m.target})
     target = load_named(m.target, m.dtype, m.device, m.quantization)
+    check_tensor_parallel(target.quantization, e.tensor_parallel_size)
     draft = None
     if m.draft:
         systemd.status(f"loading draft {m.draft}")

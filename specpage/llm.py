@@ -15,6 +15,7 @@ from specpage.engine import Engine, EngineConfig, RequestOutput
 from specpage.models.config import ModelLoadError
 from specpage.models.fetch import ensure_model, known_models
 from specpage.models.loader import LoadedModel, load_model
+from specpage.models.quant_names import check_tensor_parallel
 from specpage.request import SamplingParams, ValidationError
 
 
@@ -59,6 +60,8 @@ class LLM:
         none, q4, q4-g64, q4-g128, auto); None: none, the exact path."""
         target_path = resolve_model(model)
         self.target: LoadedModel = load_model(target_path, dtype, device, quantization)
+        check_tensor_parallel(self.target.quantization,
+                              (config or EngineConfig()).tensor_parallel_size)
         self.draft = (load_model(resolve_model(draft), dtype, device, quantization)
                       if draft else None)
         self.tokenizer = load_tokenizer(self.target.folder)

@@ -246,3 +246,9 @@ def test_a_daemon_with_quantization_q4_streams_what_the_in_process_q4_engine_doe
         assert asyncio.run(remote()) == expected
     finally:
         assert daemon.stop() == 0
+
+
+def test_tensor_parallel_refuses_a_quantized_target(ggufs: dict[str, Path]) -> None:
+    with pytest.raises(QuantizationError, match="tensor_parallel_size 2 shards dense weights "
+                                                "only; the target is quantized"):
+        LLM(ggufs["Q4_1"], None, EngineConfig(tensor_parallel_size=2), quantization="q4")

@@ -23,6 +23,15 @@ class QuantizationError(ModelLoadError, ValueError):
     asked; the message names it."""
 
 
+def check_tensor_parallel(applied: str, world: int) -> None:
+    """Tensor parallelism shards dense weights (specpage.parallel): a
+    quantized target is refused there, by name, rather than failing deep in
+    the sharding."""
+    if world > 1 and applied != "none":
+        raise QuantizationError(f"tensor_parallel_size {world} shards dense weights only; the "
+                                f"target is quantized ({applied}): use quantization none")
+
+
 @dataclass(frozen=True)
 class Quantization:
     kind: str  # "none" | "q4" | "auto"
