@@ -1,0 +1,42 @@
+"""The decoder's CPU products: whichever way a row count takes (padded
+W @ x.T or oneDNN's prepacked weight), the result is F.linear's, and a
+prepacked weight follows its module's weight through a dtype change."""
+
+import pytest
+import torch
+
+from specpage.models import cpu
+from specpage.models.decoder import Linear, PackedWeight, cpu_linear, uses_onednn
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 16, 32, 33, 100])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_row_count_gives_f_linear(rows, dtype):
+    torch.manual_seed(rows)
+    x = torch.randn(rows, 96).to(dtype)
+    weight, bias = torch.randn(200, 96).to(dtype), torch.randn(200).to(dtype)
+    ours = cpu_linear(x, weight, bias, PackedWeight())
+    assert ours.shape == (rows, 200) and ours.dtype == dtype
+    ref = torch.nn.functional.linear(x.float(), weight.float(), bias.float())
+    tolerance = {torch.float32: 1e-5, torch.bfloat16: 1e-2}[dtype]
+    torch.testing.assert_close(ours.float(), ref, rtol=tolerance, atol=tolerance * 10)
+
+
+def test_onednn_only_where_the_cpu_has_avx512():
+    weight = torch.zeros(8, 8)
+    assert uses_onednn(weight, 32) == (cpu.has_avx512() and torch.backends.mkldnn.is_available())
+    assert not uses_onednn(weight, 1)  # a single fp32 row stays on padded W @ x.T
+    assert not uses_onednn(weight.half(), 32)  # no table for fp16
+
+
+@torch.inference_mode()
+def test_a_packed_weight_follows_its_module_to_another_dtype():
+    torch.manual_seed(0)
+    linear = Linear(64, 48, bias=False)
+    x = torch.randn(8, 64)
+    first = linear(x)
+    torch.testing.assert_close(first, x @ linear.weight.T, rtol=1e-5, atol=1e-5)
+    linear = linear.to(torch.bfloat16)
+    second = linear(x.bfloat16())
+    assert second.dtype == torch.bfloat16
+    torch.testing.assert_close(second.float(), first, rtol=2e-2, atol=5e-2)
