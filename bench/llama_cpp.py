@@ -10,7 +10,9 @@ Facts of this peer, and what the benchmarks do about them:
 - Its server has no /health; GET /v1/models answers once the model is loaded.
 - It serves one request at a time (one slot, requests queue on a lock);
   llama-cpp-python has no parallel-slot setting, so 32 streams run through
-  that one slot: its best, and only, configuration.
+  that one slot: its best, and only, configuration. By default a new request
+  interrupts the one streaming (interrupt_requests); 32 concurrent streams
+  would then each get a token or two, so that is turned off.
 - It ignores vLLM's ``ignore_eos`` extension, which the benchmarks' client
   sends so that every request streams exactly max_tokens. The server is
   started through ``llama_cpp_server.py``, which gives the end-of-sequence
@@ -66,7 +68,8 @@ def server_argv(gguf: Path, alias: str, port: int, threads: int) -> list[str]:
     # -P: not bench/ first on sys.path, where this module would shadow llama_cpp
     return [str(PYTHON), "-P", str(WRAPPER), "--model", str(gguf), "--model_alias", alias,
             "--host", "127.0.0.1", "--port", str(port), "--n_threads", str(threads),
-            "--n_threads_batch", str(threads), "--n_ctx", str(N_CTX), "--verbose", "False"]
+            "--n_threads_batch", str(threads), "--n_ctx", str(N_CTX), "--verbose", "False",
+            "--interrupt_requests", "False"]
 
 
 def server_env(threads: int) -> dict[str, str]:
