@@ -44,7 +44,7 @@ class ModelRunner:
         self.block_size = block_size
         weight = self.model.embed_tokens.weight
         self.device, self.dtype = weight.device, weight.dtype
-        self.backend = backend or select_backend(self.device)
+        self.backend = backend or select_backend(self.device, self.config.head_dim)
         c = self.config
         # [layers, 2 (K, V), num_blocks, block_size, kv_heads, head_dim]
         self.kv_cache = torch.zeros(

@@ -24,10 +24,11 @@ def _private_cache() -> None:
     """Engines and daemons under test keep what they write (start-up cost
     timings) in a cache of this run's own, so no run reads another's timings
     and the user's cache is left alone; the models fetched into the user's
-    cache (SmolLM2 and its GGUF) are shared through links, fetched once."""
+    cache (SmolLM2 and its GGUF) and the native kernels built there are shared
+    through links, fetched or built once."""
     shared = cache_dir()
     private = Path(tempfile.mkdtemp(prefix="specpage-test-cache-"))
-    for name in ("models", "gguf"):
+    for name in ("models", "gguf", "kernels"):
         (shared / name).mkdir(parents=True, exist_ok=True)
         (private / name).symlink_to(shared / name, target_is_directory=True)
     os.environ["SPECPAGE_CACHE_DIR"] = str(private)  # inherited by daemon subprocesses

@@ -1,5 +1,5 @@
-"""The attention backend for a device: the Triton kernels on CUDA, the torch
-reference otherwise."""
+"""The attention backend for a device: the Triton kernels on CUDA, the native
+CPU kernel for short spans where it builds, the torch reference otherwise."""
 
 from __future__ import annotations
 
@@ -21,6 +21,12 @@ def _triton() -> AttentionBackend:
 BACKENDS: dict[str, Callable[[], AttentionBackend]] = {"cpu": TorchAttention, "cuda": _triton}
 
 
-def select_backend(device: torch.device) -> AttentionBackend:
-    """The Triton kernels on CUDA, the torch reference otherwise."""
+def select_backend(device: torch.device, head_dim: int | None = None) -> AttentionBackend:
+    """The Triton kernels on CUDA, the torch reference otherwise; on CPU, given
+    the model's head_dim, the native kernel where it was built for it."""
+    if device.type == "cpu" and head_dim is not None:
+        from specpage.attention.cpu import CpuAttention, cpu_backend_fits
+
+        if cpu_backend_fits(head_dim):
+            return CpuAttention()
     return BACKENDS.get(device.type, TorchAttention)()

@@ -1,0 +1,110 @@
+"""The CPU backend: decode tokens and verify spans attend through the native
+kernel (specpage/kernels/cpu/paged_attention.cpp), which reads each
+sequence's K/V blocks in place; prefill chunks, and everything where the
+kernel could not be built, gather blocks as the reference does."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specpage.attention.backend import AttentionMetadata, Span, lay_out_spans
+from specpage.attention.native import NATIVE_HEAD_DIMS, native_kernels
+from specpage.attention.reference import (
+    SHORT_SPAN,
+    TorchAttention,
+    TorchMetadata,
+    _group_by_span,
+    _padded_group,
+)
+
+
+@dataclass(frozen=True)
+class ShortSpans:
+    """The forward's spans of at most SHORT_SPAN tokens, as the kernel reads them."""
+
+    token_rows: torch.Tensor | None  # [tokens] rows of q; None: all, in order
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int64
+    query_start: torch.Tensor  # [num_seqs + 1] int64, first row of each span in q[token_rows]
+    context_lens: torch.Tensor  # [num_seqs] int64, KV after this forward's writes
+
+
+@dataclass(frozen=True)
+class CpuMetadata(TorchMetadata):
+    """The reference's metadata (its padded groups hold the longer spans only)
+    and the short spans the kernel reads."""
+
+    short: ShortSpans | None
+
+
+class CpuAttention(TorchAttention):
+    """TorchAttention with short spans on the native kernel. Select it only
+    where `native_kernels()` is not None and the head_dim is in NATIVE_HEAD_DIMS."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        kernels = native_kernels()
+        assert kernels is not None, "CpuAttention needs the native kernel"
+        self._kernel = kernels.paged_attention
+
+    def build_metadata(
+        self, spans: list[Span], block_size: int, groups: int, device: torch.device
+    ) -> CpuMetadata:
+        layout = lay_out_spans(spans, block_size)
+        grouped = _group_by_span(layout.query_lens)
+        short_members = grouped[0] if int(layout.query_lens[grouped[0][0]]) <= SHORT_SPAN else []
+        rest = grouped[1:] if short_members else grouped
+        short = None
+        if short_members:
+            index = torch.tensor(short_members, dtype=torch.int64)
+            query_lens = layout.query_lens[index]
+            all_rows = len(short_members) == len(spans)
+            token_rows = None
+            if not all_rows:
+                token_rows = torch.cat([
+                    torch.arange(int(layout.query_start[i]), int(layout.query_start[i + 1]))
+                    for i in short_members
+                ])
+            short = ShortSpans(
+                token_rows=token_rows,
+                block_tables=layout.block_tables[index].contiguous(),
+                query_start=torch.nn.functional.pad(query_lens.cumsum(0), (1, 0)),
+                context_lens=layout.context_lens[index].contiguous(),
+            )
+        padded = [_padded_group(members, layout, groups, not short and len(rest) == 1, device)
+                  for members in rest]
+        return CpuMetadata(slot_mapping=layout.slot_mapping.to(device), padded=padded,
+                           short=short)
+
+    def attend(
+        self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        """q [num_tokens, heads, head_dim] -> [num_tokens, heads * head_dim]."""
+        assert isinstance(meta, CpuMetadata), "metadata from another backend's build_metadata"
+        short = meta.short
+        if short is not None and short.token_rows is None:
+            return self._short(q, cache, short, scale)
+        if short is None and len(meta.padded) == 1:
+            return self._attend_group(q, cache, meta.padded[0], scale)
+        out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+        if short is not None:
+            assert short.token_rows is not None
+            rows = short.token_rows
+            out.index_copy_(0, rows, self._short(q[rows], cache, short, scale))
+        for group in meta.padded:
+            assert group.token_rows is not None
+            rows = group.token_rows
+            out.index_copy_(0, rows, self._attend_group(q[rows], cache, group, scale))
+        return out
+
+    def _short(
+        self, q: torch.Tensor, cache: torch.Tensor, short: ShortSpans, scale: float
+    ) -> torch.Tensor:
+        out: torch.Tensor = self._kernel(q.contiguous(), cache, short.block_tables,
+                                         short.query_start, short.context_lens, scale)
+        return out
+
+
+def cpu_backend_fits(head_dim: int) -> bool:
+    return head_dim in NATIVE_HEAD_DIMS and native_kernels() is not None

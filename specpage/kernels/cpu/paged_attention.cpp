@@ -1,0 +1,268 @@
+// Paged attention on CPU for short spans (decode tokens, verify spans): each
+// query row reads its sequence's K/V blocks in place through the block table,
+// instead of gathering them into a padded copy first.
+//
+// One work item is one (sequence, KV head): the query heads sharing that KV
+// head and the span's tokens form its rows, so each K/V row is loaded (and
+// widened to fp32) once for all of them. Scores are held for the whole
+// context (a few thousand floats per row at most), softmaxed, then V is
+// accumulated. Vectors are GCC vector types of 16 floats, which the compiler
+// lowers to whatever the CPU has (built with -march=native): one AVX-512
+// register, two AVX2 registers, or NEON quads.
+//
+// Registered as torch.ops.specpage_cpu.paged_attention; the Python side is
+// specpage/attention/native.py, which also holds the pure-torch reference.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kLanes = 16;
+typedef float vfloat __attribute__((vector_size(kLanes * 4)));
+typedef int32_t vint __attribute__((vector_size(kLanes * 4)));
+typedef uint32_t vuint __attribute__((vector_size(kLanes * 4)));
+typedef uint16_t vhalfword __attribute__((vector_size(kLanes * 2)));
+
+inline vfloat load(const float* p) {
+  vfloat v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline vfloat load(const c10::BFloat16* p) {
+  vhalfword h;
+  std::memcpy(&h, p, sizeof(h));
+  const vuint wide = __builtin_convertvector(h, vuint) << 16;  // bf16 is fp32's top half
+  vfloat v;
+  std::memcpy(&v, &wide, sizeof(v));
+  return v;
+}
+
+inline vfloat load(const c10::Half* p) {
+  float tmp[kLanes];
+  for (int64_t i = 0; i < kLanes; ++i) tmp[i] = static_cast<float>(p[i]);
+  return load(tmp);
+}
+
+inline float sum_lanes(vfloat v) {
+  float total = 0.0f;
+  for (int64_t i = 0; i < kLanes; ++i) total += v[i];
+  return total;
+}
+
+inline vfloat splat(float x) { return vfloat{} + x; }
+
+// exp of x <= 0 (scores minus their max): 2^(x log2 e) split into 2^n 2^f,
+// 2^f by a degree-6 polynomial (relative error about 2e-7).
+inline vfloat exp_nonpositive(vfloat x) {
+  vfloat t = x * 1.44269504088896341f;
+  t = t < -126.0f ? splat(-126.0f) : t;
+  const vint truncated = __builtin_convertvector(t, vint);  // toward zero: t <= 0
+  vfloat n = __builtin_convertvector(truncated, vfloat);
+  n = n > t ? n - 1.0f : n;  // floor
+  const vfloat f = t - n;
+  vfloat p = splat(1.535336188319500e-4f);
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.0f;
+  const vint bits = (__builtin_convertvector(n, vint) + 127) << 23;
+  vfloat scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+struct Item {
+  int64_t q_first, span, context, kv_head;
+  const int64_t* table;
+};
+
+struct Shape {
+  int64_t heads, kv_heads, groups, block_size, v_offset;
+  float scale;
+};
+
+// kChunks = head_dim / 16, fixed at compile time so each row lives in registers.
+template <typename scalar_t, int64_t kChunks>
+void attend_item(const scalar_t* q, const scalar_t* cache, scalar_t* out, const Item& item,
+                 const Shape& shape, std::vector<vfloat>& vectors, std::vector<float>& scores) {
+  constexpr int64_t head_dim = kChunks * kLanes;
+  const int64_t groups = shape.groups, span = item.span, context = item.context;
+  const int64_t rows = span * groups;
+  const int64_t padded_context = (context + kLanes - 1) / kLanes * kLanes;
+  vectors.resize(2 * rows * kChunks);
+  scores.resize(rows * padded_context);
+  vfloat* qv = vectors.data();  // [rows, kChunks], scaled
+  vfloat* acc = qv + rows * kChunks;  // [rows, kChunks]
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t t = r / groups, g = r % groups;
+    const scalar_t* src =
+        q + ((item.q_first + t) * shape.heads + item.kv_head * groups + g) * head_dim;
+    for (int64_t c = 0; c < kChunks; ++c) {
+      qv[r * kChunks + c] = load(src + c * kLanes) * shape.scale;
+      acc[r * kChunks + c] = vfloat{};
+    }
+  }
+  const int64_t row_stride = shape.kv_heads * head_dim;  // one position of one block
+  const int64_t head_offset = item.kv_head * head_dim;
+  for (int64_t p = 0; p < context; ++p) {
+    const scalar_t* k = cache + (item.table[p / shape.block_size] * shape.block_size
+                                 + p % shape.block_size) * row_stride + head_offset;
+    vfloat kv[kChunks];
+    for (int64_t c = 0; c < kChunks; ++c) kv[c] = load(k + c * kLanes);
+    for (int64_t r = 0; r < rows; ++r) {
+      vfloat dot = qv[r * kChunks] * kv[0];
+      for (int64_t c = 1; c < kChunks; ++c) dot += qv[r * kChunks + c] * kv[c];
+      scores[r * padded_context + p] = sum_lanes(dot);
+    }
+  }
+  // Row r (token t = r / groups of the span) sees positions 0 .. context - span + t.
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t visible = context - span + r / groups + 1;
+    float* s = scores.data() + r * padded_context;
+    for (int64_t p = visible; p < padded_context; ++p) s[p] = -std::numeric_limits<float>::infinity();
+    vfloat top = splat(-std::numeric_limits<float>::infinity());
+    for (int64_t p = 0; p < padded_context; p += kLanes) {
+      const vfloat x = load(s + p);
+      top = x > top ? x : top;
+    }
+    float max = top[0];
+    for (int64_t i = 1; i < kLanes; ++i) max = std::fmax(max, top[i]);
+    vfloat total = vfloat{};
+    for (int64_t p = 0; p < padded_context; p += kLanes) {
+      const vfloat e = exp_nonpositive(load(s + p) - max);
+      const vfloat w = load(s + p) == -std::numeric_limits<float>::infinity() ? vfloat{} : e;
+      std::memcpy(s + p, &w, sizeof(w));
+      total += w;
+    }
+    const float inv = 1.0f / sum_lanes(total);
+    for (int64_t p = 0; p < padded_context; p += kLanes) {
+      const vfloat w = load(s + p) * inv;
+      std::memcpy(s + p, &w, sizeof(w));
+    }
+  }
+  for (int64_t p = 0; p < context; ++p) {
+    const scalar_t* v = cache + shape.v_offset
+                        + (item.table[p / shape.block_size] * shape.block_size
+                           + p % shape.block_size) * row_stride + head_offset;
+    vfloat vv[kChunks];
+    for (int64_t c = 0; c < kChunks; ++c) vv[c] = load(v + c * kLanes);
+    for (int64_t r = 0; r < rows; ++r) {
+      const vfloat w = splat(scores[r * padded_context + p]);
+      for (int64_t c = 0; c < kChunks; ++c) acc[r * kChunks + c] += w * vv[c];
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t t = r / groups, g = r % groups;
+    scalar_t* dst = out + ((item.q_first + t) * shape.heads + item.kv_head * groups + g) * head_dim;
+    for (int64_t c = 0; c < kChunks; ++c) {
+      for (int64_t i = 0; i < kLanes; ++i) {
+        dst[c * kLanes + i] = static_cast<scalar_t>(acc[r * kChunks + c][i]);
+      }
+    }
+  }
+}
+
+template <typename scalar_t, int64_t kChunks>
+void attend_all(const at::Tensor& q, const at::Tensor& cache, at::Tensor& out,
+                const at::Tensor& block_tables, const at::Tensor& query_start,
+                const at::Tensor& context_lens, const Shape& shape) {
+  const scalar_t* q_ptr = q.data_ptr<scalar_t>();
+  const scalar_t* cache_ptr = cache.data_ptr<scalar_t>();
+  scalar_t* out_ptr = out.data_ptr<scalar_t>();
+  const int64_t* starts = query_start.data_ptr<int64_t>();
+  const int64_t* contexts = context_lens.data_ptr<int64_t>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t max_blocks = block_tables.size(1);
+  const int64_t num_items = context_lens.size(0) * shape.kv_heads;
+  at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
+    std::vector<vfloat> vectors;
+    std::vector<float> scores;
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t s = i / shape.kv_heads;
+      const Item item{starts[s], starts[s + 1] - starts[s], contexts[s], i % shape.kv_heads,
+                      tables + s * max_blocks};
+      attend_item<scalar_t, kChunks>(q_ptr, cache_ptr, out_ptr, item, shape, vectors, scores);
+    }
+  });
+}
+
+template <typename scalar_t>
+void by_head_dim(const at::Tensor& q, const at::Tensor& cache, at::Tensor& out,
+                 const at::Tensor& block_tables, const at::Tensor& query_start,
+                 const at::Tensor& context_lens, const Shape& shape) {
+  switch (q.size(2)) {
+    case 32: attend_all<scalar_t, 2>(q, cache, out, block_tables, query_start, context_lens, shape); break;
+    case 64: attend_all<scalar_t, 4>(q, cache, out, block_tables, query_start, context_lens, shape); break;
+    case 80: attend_all<scalar_t, 5>(q, cache, out, block_tables, query_start, context_lens, shape); break;
+    case 96: attend_all<scalar_t, 6>(q, cache, out, block_tables, query_start, context_lens, shape); break;
+    case 128: attend_all<scalar_t, 8>(q, cache, out, block_tables, query_start, context_lens, shape); break;
+    default: TORCH_CHECK(false, "head_dim ", q.size(2), " not built (32, 64, 80, 96, 128)");
+  }
+}
+
+// q [num_tokens, heads, head_dim]; cache [2, num_blocks, block_size, kv_heads,
+// head_dim]; block_tables [num_seqs, max_blocks] int64; query_start
+// [num_seqs + 1] int64; context_lens [num_seqs] int64 (KV after this
+// forward's writes). Returns [num_tokens, heads * head_dim] in q's dtype.
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& cache,
+                           const at::Tensor& block_tables, const at::Tensor& query_start,
+                           const at::Tensor& context_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be contiguous [tokens, heads, d]");
+  TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2 && cache.is_contiguous(),
+              "cache must be contiguous [2, blocks, block_size, kv_heads, d]");
+  TORCH_CHECK(cache.scalar_type() == q.scalar_type(), "q and cache dtypes differ");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kLong &&
+                  block_tables.is_contiguous(), "block_tables must be contiguous int64 [seqs, blocks]");
+  TORCH_CHECK(query_start.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong &&
+                  query_start.is_contiguous() && context_lens.is_contiguous(),
+              "query_start and context_lens must be contiguous int64");
+  const int64_t num_seqs = context_lens.size(0);
+  TORCH_CHECK(query_start.size(0) == num_seqs + 1 && block_tables.size(0) == num_seqs,
+              "query_start, context_lens and block_tables disagree on the sequences");
+  const int64_t heads = q.size(1), head_dim = q.size(2);
+  const int64_t block_size = cache.size(2), kv_heads = cache.size(3);
+  TORCH_CHECK(cache.size(4) == head_dim && heads % kv_heads == 0, "head shapes disagree");
+  const int64_t* starts = query_start.data_ptr<int64_t>();
+  const int64_t* contexts = context_lens.data_ptr<int64_t>();
+  TORCH_CHECK(starts[0] == 0 && starts[num_seqs] == q.size(0), "query_start must cover q's rows");
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t span = starts[s + 1] - starts[s];
+    TORCH_CHECK(span >= 1 && contexts[s] >= span &&
+                    contexts[s] <= block_tables.size(1) * block_size,
+                "sequence ", s, ": context ", contexts[s], " does not fit its span ", span,
+                " and block table");
+  }
+  const Shape shape{heads, kv_heads, heads / kv_heads, block_size, cache.stride(0),
+                    static_cast<float>(scale)};
+  at::Tensor out = at::empty({q.size(0), heads * head_dim}, q.options());
+  switch (q.scalar_type()) {
+    case at::kFloat: by_head_dim<float>(q, cache, out, block_tables, query_start, context_lens, shape); break;
+    case at::kBFloat16: by_head_dim<c10::BFloat16>(q, cache, out, block_tables, query_start, context_lens, shape); break;
+    case at::kHalf: by_head_dim<c10::Half>(q, cache, out, block_tables, query_start, context_lens, shape); break;
+    default: TORCH_CHECK(false, "paged_attention takes float32, bfloat16 or float16, got ", q.scalar_type());
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(specpage_cpu, m) {
+  m.def("paged_attention(Tensor q, Tensor cache, Tensor block_tables, Tensor query_start, "
+        "Tensor context_lens, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(specpage_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }

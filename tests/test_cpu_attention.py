@@ -1,0 +1,85 @@
+"""The native CPU paged-attention kernel against its pure-torch reference,
+the CPU backend against the gathering reference backend on mixed spans, and
+the fallback when the kernel is switched off."""
+
+import random
+
+import pytest
+import torch
+
+from specpage.attention import native
+from specpage.attention.cpu import CpuAttention
+from specpage.attention.native import native_kernels, paged_attention_ref
+from specpage.attention.reference import TorchAttention
+from specpage.attention.selection import select_backend
+
+CPU = torch.device("cpu")
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}  # fp32 sums in another order
+
+pytestmark = pytest.mark.skipif(native_kernels() is None, reason="native kernel not built")
+
+
+def random_spans(rng: random.Random, count: int, block_size: int, num_blocks: int,
+                 longest: int) -> list[tuple[int, int, list[int]]]:
+    free = rng.sample(range(num_blocks), num_blocks)
+    spans = []
+    for _ in range(count):
+        num_new, start = rng.randint(1, longest), rng.randint(0, 40)
+        blocks = -(-(start + num_new) // block_size)
+        spans.append((start, num_new, [free.pop() for _ in range(blocks)]))
+    return spans
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 32), (8, 1, 128)])
+def test_kernel_equals_its_reference(dtype, heads, kv_heads, head_dim):
+    torch.manual_seed(heads + head_dim)
+    rng = random.Random(head_dim)
+    block_size, num_blocks = 16, 64
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim).to(dtype)
+    spans = random_spans(rng, 6, block_size, num_blocks, longest=8)
+    q = torch.randn(sum(n for _, n, _ in spans), heads, head_dim).to(dtype)
+    width = max(len(t) for _, _, t in spans)
+    tables = torch.tensor([t + [0] * (width - len(t)) for _, _, t in spans])
+    query_start = torch.tensor([0] + [n for _, n, _ in spans]).cumsum(0)
+    context_lens = torch.tensor([s + n for s, n, _ in spans])
+    ours = native_kernels().paged_attention(q, cache, tables, query_start, context_lens, 0.1)
+    ref = paged_attention_ref(q, cache, tables, query_start, context_lens, 0.1)
+    assert ours.shape == (q.shape[0], heads * head_dim) and ours.dtype == dtype
+    assert float((ours.float() - ref.float()).abs().max()) < TOLERANCE[dtype]
+
+
+def test_kernel_rejects_a_context_its_table_cannot_hold():
+    cache = torch.zeros(2, 4, 4, 1, 32)
+    q = torch.zeros(1, 1, 32)
+    with pytest.raises(RuntimeError, match="does not fit"):
+        native_kernels().paged_attention(q, cache, torch.tensor([[0]]), torch.tensor([0, 1]),
+                                         torch.tensor([5]), 1.0)
+
+
+@pytest.mark.parametrize("longest", [1, 8, 40])  # decode only, verify spans, prefill beside them
+def test_cpu_backend_equals_the_reference_backend(longest):
+    torch.manual_seed(longest)
+    rng = random.Random(longest)
+    block_size, num_blocks, heads, kv_heads, head_dim = 4, 128, 6, 2, 64
+    spans = random_spans(rng, 7, block_size, num_blocks, longest)
+    spans[0] = (spans[0][0], 1, spans[0][2][: -(-(spans[0][0] + 1) // block_size)])
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim)
+    tokens = sum(n for _, n, _ in spans)
+    q = torch.randn(tokens, heads, head_dim)
+    k, v = torch.randn(tokens, kv_heads, head_dim), torch.randn(tokens, kv_heads, head_dim)
+    outputs = []
+    for backend in (CpuAttention(), TorchAttention()):
+        layer = cache.clone()
+        meta = backend.build_metadata(spans, block_size, heads // kv_heads, CPU)
+        backend.write_kv(layer, k, v, meta)
+        outputs.append(backend.attend(q, layer, meta, head_dim**-0.5))
+    assert float((outputs[0] - outputs[1]).abs().max()) < 1e-5
+
+
+def test_switched_off_the_cpu_takes_the_reference(monkeypatch):
+    assert type(select_backend(CPU, head_dim=64)) is CpuAttention
+    assert type(select_backend(CPU, head_dim=48)) is TorchAttention  # not instantiated
+    monkeypatch.setenv(native.DISABLE_ENV, "0")
+    assert native_kernels() is None
+    assert type(select_backend(CPU, head_dim=64)) is TorchAttention
