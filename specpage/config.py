@@ -31,7 +31,9 @@ SECRET_KEYS = frozenset({("server", "bearer_token")})
 class ModelSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     target: str = "smollm2-135m"  # HF folder, .gguf file or a known model name
     draft: str | None = None  # None: no speculation
-    dtype: str | None = None  # None: fp32 on CPU, bf16 on CUDA (loader.default_dtype)
+    # auto: bf16 on CUDA and on a CPU with AVX-512 BF16 or AMX, else fp32
+    # (loader.auto_dtype); None: the loader's default, fp32 on CPU.
+    dtype: str | None = "auto"
     device: str = "cpu"
     # Both models' linears (models/quant_names); auto: q4 where a model is a
     # Q4_0/Q4_1 GGUF, reusing its blocks, else as loaded.

@@ -41,15 +41,32 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
+AUTO = "auto"
+
+
+def auto_dtype(device: torch.device) -> torch.dtype:
+    """The fastest dtype for the device: bf16 on CUDA, and on a CPU whose bf16
+    matmuls are native (AVX-512 BF16 or AMX); fp32 elsewhere, where bf16
+    products are emulated and far slower."""
+    if device.type == "cpu":
+        from specpage.models import cpu
+
+        return torch.bfloat16 if cpu.has_fast_bf16() else torch.float32
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
 def resolve_dtype(name: str | torch.dtype | None, device: torch.device) -> torch.dtype:
     if name is None:
         return default_dtype(device)
+    if name == AUTO:
+        return auto_dtype(device)
     if isinstance(name, torch.dtype):
         return name
     try:
         return DTYPES[name]
     except KeyError:
-        raise ModelLoadError(f"unknown dtype {name!r}; known: {', '.join(DTYPES)}") from None
+        raise ModelLoadError(
+            f"unknown dtype {name!r}; known: {AUTO}, {', '.join(DTYPES)}") from None
 
 
 def load_model(
