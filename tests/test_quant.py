@@ -185,7 +185,7 @@ def test_unknown_quantization_names_it() -> None:
 
 
 def test_q8_is_refused_saying_why() -> None:
-    with pytest.raises(QuantizationError, match="q8 is not offered.*slower than the fp32"):
+    with pytest.raises(QuantizationError, match="q8 is not offered.*slower than q4"):
         load_model("no-such-folder", quantization="q8")
     with pytest.raises(ConfigError, match="q8 is not offered"):
         ModelSection(quantization="q8")

@@ -33,7 +33,8 @@ def add_parser(sub: Any, name: str) -> None:
     parser.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
                         help="weights of both models' linears: none (default, exact), q4 (int4, "
                              "a Q4_0/Q4_1 GGUF's own blocks or round-to-nearest), q4-g64, "
-                             "q4-g128, auto (q4 where the model is a Q4 GGUF); q8 is refused")
+                             "q4-g128, auto (q4 where the model is a Q4 GGUF); q8 is refused. "
+                             "A quantized model computes in bf16 unless --dtype says otherwise")
     parser.add_argument("--server", help="HOST:PORT of a running daemon (instead of in-process)")
     parser.add_argument("--token", help="bearer token for --server")
     parser.set_defaults(run=run)

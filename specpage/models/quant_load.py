@@ -4,14 +4,19 @@
     q4     int4, group 32 (q4-g64, q4-g128: larger groups). From a Q4_0/Q4_1
            GGUF its own blocks; otherwise round-to-nearest from the loaded
            weights, cached under <cache>/quantized/
-    q8     refused: torch's CPU int8 weight-only kernel is slower than fp32 here
+    q8     refused: torch's CPU int8 weight-only kernel is slower than q4 here,
+           and not consistently faster than fp32 (quant_names.Q8_REFUSED)
     auto   q4 where the checkpoint is a GGUF whose linears are all Q4_0/Q4_1
            (their blocks are reused, nothing is re-quantized), else none
 
 Only each layer's qkv_proj, o_proj, gate_up_proj and down_proj are swapped,
 after loading; norms, the embedding and the KV cache stay in the activation
-dtype. The tied embedding / LM head is left dense: see bench/quantization.py
-for the measured alternatives.
+dtype (bf16 for a quantized model unless a dtype is asked for). The tied
+embedding / LM head stays dense in that dtype: measured on the vocabulary
+projection alone (bench/quantization.py, head_alone), bf16 is level with
+fp32 on one row and ~3x faster on 32, while torch's int8 kernel (per-row
+scales, re-quantizing the GGUF's Q8_0 blocks) is ~2x faster on one row but
+~3x slower than bf16 on 32.
 """
 
 from __future__ import annotations

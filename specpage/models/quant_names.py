@@ -13,8 +13,9 @@ QUANTIZATIONS = ("none", "q4", "q4-g64", "q4-g128", "q8", "auto")
 DEFAULT_GROUP = 32  # the group of GGUF's Q4_0/Q4_1 blocks, and gpt-fast's smallest
 Q8_REFUSED = (
     "quantization q8 is not offered: torch's CPU int8 weight-only kernel "
-    "(_weight_int8pack_mm) is slower than the fp32 path on this machine at batch 32 "
-    "(bench/quantization.py measures it); use q4 or none"
+    "(_weight_int8pack_mm, one scale per row) was slower than q4 in every run here and "
+    "not consistently faster than fp32 at batch 32 (bench/quantization.py, linears_alone); "
+    "use q4 or none"
 )
 
 
