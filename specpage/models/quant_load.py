@@ -13,10 +13,11 @@ Only each layer's qkv_proj, o_proj, gate_up_proj and down_proj are swapped,
 after loading; norms, the embedding and the KV cache stay in the activation
 dtype (bf16 for a quantized model unless a dtype is asked for). The tied
 embedding / LM head stays dense in that dtype: measured on the vocabulary
-projection alone (bench/quantization.py, head_alone), bf16 is level with
-fp32 on one row and ~3x faster on 32, while torch's int8 kernel (per-row
-scales, re-quantizing the GGUF's Q8_0 blocks) is ~2x faster on one row but
-~3x slower than bf16 on 32.
+projection alone (bench/quantization.py, head_alone), bf16 was ~3x faster
+than fp32 on 32 rows in every run, and on one row between 0.5x and 1.5x
+fp32's speed as the shared machine's load changed; torch's int8 kernel (one
+scale per row, which would re-quantize the GGUF's Q8_0 blocks) was at best
+~2x faster on one row and ~3x slower than bf16 on 32.
 """
 
 from __future__ import annotations
