@@ -82,15 +82,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", default="fp32",
+                        help="specpage's dtype (fp32, bf16, auto); HF stays fp32")
+    parser.add_argument("--batches", default=None, help="decode batches, e.g. 1,32")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM
 
     folder = ensure_model("smollm2-135m")
-    loaded = load_model(folder)
+    loaded = load_model(folder, args.dtype)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     context = 128 if args.quick else 256
     batches = (1, 8) if args.quick else (1, 8, 32)
+    if args.batches:
+        batches = tuple(int(b) for b in args.batches.split(","))
     num_blocks = max(batches) * (-(-(context + 1) // BLOCK_SIZE)) + 8
     runner = ModelRunner(loaded, num_blocks, BLOCK_SIZE)
 
@@ -126,7 +131,7 @@ def main() -> None:
     floor_ms = weight_bytes / (2 * bandwidth) * 1e3
     result = {
         "bench": "model_runner",
-        "model": "SmolLM2-135M-Instruct fp32",
+        "model": f"SmolLM2-135M-Instruct {loaded.model.embed_tokens.weight.dtype}",
         "prefill": {"tokens": tokens, "ours_tok_s": tokens / ours_prefill,
                     "hf_tok_s": tokens / hf_prefill, "speedup": prefill["ratio"],
                     "verdict": prefill["verdict"], "ours_s": prefill["ours"],
