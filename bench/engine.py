@@ -41,6 +41,7 @@ from bench.prompts import chat_prompts  # noqa: E402
 from bench.vllm_cpu import VllmPeer, modes, start_peers  # noqa: E402
 from specpage.engine import EngineConfig  # noqa: E402
 from specpage.llm import LLM, chat_prompt  # noqa: E402
+from specpage.models.cpu import has_fast_bf16  # noqa: E402
 from specpage.models.fetch import ensure_model  # noqa: E402
 from specpage.request import SamplingParams  # noqa: E402
 
@@ -163,6 +164,9 @@ def main() -> None:
         "hf_static_batch": hf_static(hf, tok.pad_token_id),
         "hf_continuous_batching": hf_continuous(hf),
     }
+    if has_fast_bf16():  # the dtype the daemon picks here (model.dtype = "auto")
+        systems["specpage_bf16"] = Specpage(LLM(folder, dtype="bfloat16", config=EngineConfig(
+            num_blocks=2048, max_num_seqs=64, spec_k=0)))
     if (args.draft / "config.json").is_file():
         systems["specpage_with_draft"] = Specpage(LLM(folder, draft=args.draft, config=EngineConfig(
             num_blocks=2048, max_num_seqs=64, spec_k=6, adaptive_k=True)))
@@ -179,7 +183,8 @@ def main() -> None:
             peer.close()
     result: dict[str, Any] = {
         "bench": "engine",
-        "model": "SmolLM2-135M-Instruct, greedy; specpage and HF in fp32",
+        "model": "SmolLM2-135M-Instruct, greedy; specpage and HF in fp32, specpage_bf16 "
+                 "where the CPU has native bf16",
         "requests": count,
         "output_tokens": job.tokens,
         "rounds": rounds(args.quick),
@@ -199,6 +204,14 @@ def main() -> None:
     result["specpage_vs"] = {peer: compare(spreads["specpage"], spreads[peer])
                              for peer in ("hf_static_batch", "hf_continuous_batching",
                                           "vllm_cpu", *peers) if peer in spreads}
+    if "specpage_bf16" in spreads:
+        result["specpage_bf16_vs"] = {peer: compare(spreads["specpage_bf16"], spreads[peer])
+                                      for peer in ("specpage", "vllm_cpu") if peer in spreads}
+        if peers:
+            result["outputs_bf16_vs_vllm"] = {
+                name: agreement(systems["specpage_bf16"].outputs,  # type: ignore[attr-defined]
+                                systems[name].outputs)  # type: ignore[attr-defined]
+                for name in peers}
     if "specpage_with_draft" in spreads:
         result["specpage_with_draft_vs_specpage"] = compare(spreads["specpage_with_draft"],
                                                             spreads["specpage"])
