@@ -43,8 +43,11 @@ class Daemon:
             server += f"\nhttp_port = {self.http_port}\n"
         self.http_url = f"http://127.0.0.1:{self.http_port}"
         self.config = folder / f"specpage-{self.port}.toml"
+        # fp32, as the in-process references the tests compare with: the
+        # daemon's default (model.dtype = "auto") is bf16 on a CPU with native
+        # bf16, and a tiny random model's greedy tokens differ between the two.
         self.config.write_text(
-            f'[model]\ntarget = "{target}"\ndraft = "{draft}"\n'
+            f'[model]\ntarget = "{target}"\ndraft = "{draft}"\ndtype = "float32"\n'
             f"[engine]\nblock_size = 4\nnum_blocks = 512\nspec_k = 3\n{engine}\n"
             f'[server]\nhost = "127.0.0.1"\nport = {self.port}\n{server}\n'
         )

@@ -227,7 +227,9 @@ def test_a_daemon_with_quantization_q4_streams_what_the_in_process_q4_engine_doe
 
     greedy = {"max_tokens": 10, "temperature": 0.0, "ignore_eos": True}
     prompts = [[5, 17, 33, 8, 90], [120, 3, 44]]
-    daemon = Daemon(tmp_path, env={"SPECPAGE_MODEL_QUANTIZATION": "q4"})
+    # bf16 activations, as in process (the test daemons default to fp32)
+    daemon = Daemon(tmp_path, env={"SPECPAGE_MODEL_QUANTIZATION": "q4",
+                                   "SPECPAGE_MODEL_DTYPE": "bfloat16"})
     try:
         target, draft = tiny_pair(tmp_path / "models")
         local = LLM(target, draft, EngineConfig(block_size=4, num_blocks=512, spec_k=3),
