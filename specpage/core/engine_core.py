@@ -131,9 +131,11 @@ class EngineCore:
         """This step's work for the executor; `apply` takes its result."""
         assert self._plan is None, "the last step's result was never applied"
         plan = self.scheduler.schedule(time.monotonic())
-        plan = self._plan = plan._replace(scheduled=[
-            ScheduledSeq(e.seq, *ledger.head_span(e.seq, e.num_new, e.k, self.draft_kind))
-            for e in plan.scheduled])
+        if self.draft_kind is DraftKind.HEAD:  # a draft model runs what was scheduled
+            plan = plan._replace(scheduled=[
+                ScheduledSeq(e.seq, *ledger.head_span(e.seq, e.num_new, e.k, self.draft_kind))
+                for e in plan.scheduled])
+        self._plan = plan
         return StepBatch([self._work(e) for e in plan.scheduled], plan.copies)
 
     def apply(self, result: StepResult) -> list[RequestOutput]:
