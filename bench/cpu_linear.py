@@ -82,7 +82,9 @@ def head_ways(dtype: torch.dtype, rows: int) -> dict[str, Callable[[], object]]:
     }
 
 
-def measure(ways: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
+def measure(ways: dict[str, Callable[[], object]],
+            rounds: int) -> dict[str, dict[str, float]]:
+    """Per way, the median of its rounds with the min-max spread, in ms."""
     figures: dict[str, list[float]] = {name: [] for name in ways}
     names = list(ways)
     for fn in ways.values():
@@ -90,7 +92,8 @@ def measure(ways: dict[str, Callable[[], object]], rounds: int) -> dict[str, flo
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
             figures[name].append(least_ms(ways[name], PASSES))
-    return {name: statistics.median(values) for name, values in figures.items()}
+    return {name: {"median": statistics.median(values), "min": min(values), "max": max(values)}
+            for name, values in figures.items()}
 
 
 def main() -> None:
@@ -115,9 +118,11 @@ def main() -> None:
             table[str(rows)] = {"layers_ms": measure(layer_ways(dtype, rows), rounds),
                                 "head_ms": measure(head_ways(dtype, rows), rounds)}
             print(f"{name} rows {rows:>2}: layers "
-                  + " ".join(f"{k} {v:6.2f}" for k, v in table[str(rows)]["layers_ms"].items())
+                  + " ".join(f"{k} {v['median']:6.2f}"
+                             for k, v in table[str(rows)]["layers_ms"].items())
                   + " | head "
-                  + " ".join(f"{k} {v:5.2f}" for k, v in table[str(rows)]["head_ms"].items()),
+                  + " ".join(f"{k} {v['median']:5.2f}"
+                             for k, v in table[str(rows)]["head_ms"].items()),
                   file=sys.stderr, flush=True)
         results[name] = table
     finish("cpu_linear", {"bench": "cpu_linear", "ms": results, "rounds": rounds,
