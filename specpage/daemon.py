@@ -32,7 +32,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from specpage import systemd
 from specpage.config import Config, ConfigError, read_bearer_token
 from specpage.engine import Engine, EngineStats, RequestOutput
-from specpage.engine.async_engine import AsyncEngine
+from specpage.engine.async_engine import AsyncEngine, step_thread
 from specpage.frontend import Frontend
 from specpage.llm import load_tokenizer, resolve_model
 from specpage.metrics import Metrics, MetricsServer
@@ -248,14 +248,17 @@ async def serve(config: Config) -> int:
         listeners = await listen(config, metrics)
     except Exception as error:  # noqa: BLE001 (every start-up failure ends in one line)
         return startup_failed(error)
+    # Everything that runs torch runs on this one thread (see step_thread).
+    torch_thread = step_thread()
+    loop = asyncio.get_running_loop()
     try:
-        built = await asyncio.to_thread(build_engine, config)
+        built = await loop.run_in_executor(torch_thread, build_engine, config)
     except Exception as error:  # noqa: BLE001
+        torch_thread.shutdown(wait=False)
         await listeners.close()
         return startup_failed(error)
     service, port = listeners.service, listeners.port
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
 
@@ -266,7 +269,7 @@ async def serve(config: Config) -> int:
         loop.call_soon_threadsafe(stop.set)
 
     built.on_fault(on_fault)
-    engine = AsyncEngine(built, s.max_queue, s.max_prompt_tokens)
+    engine = AsyncEngine(built, s.max_queue, s.max_prompt_tokens, torch_thread)
     metrics.update_engine(engine.stats())  # the pool's blocks, all free, before any step
     engine.step_observers.append(MetricsObserver(metrics))
     service.attach(engine)
@@ -292,7 +295,8 @@ async def serve(config: Config) -> int:
         await listeners.health.enter_graceful_shutdown()
         await frontend.wait_idle(s.drain_grace_s)  # gRPC calls and HTTP requests alike
         await engine.stop()  # aborts what is left, drops the prompts queued for tokenizing
-        await asyncio.to_thread(built.close)  # stops the tensor-parallel ranks
+        await loop.run_in_executor(torch_thread, built.close)  # stops tensor-parallel ranks
+        torch_thread.shutdown(wait=False)
         await listeners.server.stop(grace=1.0)
         if listeners.http is not None:
             await listeners.http.stop()

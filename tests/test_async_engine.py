@@ -199,3 +199,78 @@ async def test_submissions_behind_waiting_sequences_count_each_sample(tmp_path):
     async_engine.submit(Request("pair", (1, 2, 3), SamplingParams(max_tokens=4, n=2)))
     assert async_engine.num_queued == 3  # the waiting sequence and both samples
     await async_engine.stop(timeout=1)
+
+
+@pytest.mark.asyncio
+async def test_the_engine_is_built_and_stepped_on_one_thread(tmp_path):
+    """torch runs on one thread only: the engine built on step_thread() is
+    stepped there, and the step thread runs ahead of the event loop without
+    losing or reordering a token."""
+    import threading
+
+    from specpage.engine import Engine, EngineConfig
+    from specpage.engine.async_engine import AsyncEngine, step_thread
+    from specpage.models.loader import load_model
+    from specpage.request import Request, SamplingParams
+    from tests.models_util import tiny_checkpoint
+
+    tiny_checkpoint(tmp_path)
+    thread = step_thread()
+    loop = asyncio.get_running_loop()
+
+    def build():
+        return threading.get_ident(), Engine(load_model(tmp_path), None, None,
+                                             EngineConfig(block_size=4, num_blocks=64))
+
+    built_on, engine = await loop.run_in_executor(thread, build)
+    stepped_on = set()
+    step = engine.step
+
+    def recorded_step():
+        stepped_on.add(threading.get_ident())
+        return step()
+
+    engine.step = recorded_step
+    async_engine = AsyncEngine(engine, thread=thread)
+    async_engine.start()
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    streams = [async_engine.submit(Request(f"r{i}", (1, 2, 3 + i), params)) for i in range(3)]
+    for stream in streams:
+        events = [e async for e in stream.events()]
+        tokens = [t for e in events[:-1] for t in e.token_ids]
+        assert len(tokens) == 24 and events[-1].finish_reasons == ["length"]
+    await async_engine.stop(timeout=1)
+    assert stepped_on == {built_on}
+    thread.shutdown()
+
+
+@pytest.mark.asyncio
+async def test_a_failure_outside_the_step_fails_the_streams(tmp_path):
+    """A bug that ends the step thread's loop itself (not a step) fails every
+    open stream and stops admission, rather than leaving them waiting."""
+    from specpage.engine import Engine, EngineConfig
+    from specpage.engine.async_engine import AsyncEngine, DrainingError, EngineFaultError
+    from specpage.models.loader import load_model
+    from specpage.request import Request, SamplingParams
+    from tests.models_util import tiny_checkpoint
+
+    tiny_checkpoint(tmp_path)
+    engine = Engine(load_model(tmp_path), None, None, EngineConfig(block_size=4, num_blocks=64))
+
+    def broken():
+        raise RuntimeError("has_unfinished broke")
+
+    engine.has_unfinished = broken
+    async_engine = AsyncEngine(engine)
+    stream = async_engine.submit(Request("r", (1, 2, 3), SamplingParams(max_tokens=4)))
+    async_engine.start()
+    with pytest.raises(EngineFaultError, match="has_unfinished broke"):
+        async for _ in stream.events():
+            pass
+    for _ in range(500):  # the step's own fault handling comes first, then the loop ends
+        if async_engine.draining:
+            break
+        await asyncio.sleep(0.01)
+    with pytest.raises(DrainingError):
+        async_engine.submit(Request("s", (1, 2, 3), SamplingParams(max_tokens=4)))
+    await async_engine.stop(timeout=1)

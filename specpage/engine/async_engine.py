@@ -1,5 +1,6 @@
-"""The asyncio bridge: one task owns the engine and runs each step in a worker
-thread, so the event loop keeps serving while the models compute.
+"""The asyncio bridge: one thread owns the engine and steps it while there is
+work, so the event loop keeps serving while the models compute, and streams
+one step's tokens while the next step runs.
 
 Submissions and aborts are queued and reach the engine at the next step
 boundary. Each request has a stream whose pending tokens are merged per
@@ -21,9 +22,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +44,24 @@ log = logging.getLogger("specpage.engine")
 PREPARE_CONCURRENCY = 2
 PREPARE_THREAD_NAME = "specpage-prepare"
 STEP_THREAD_NAME = "specpage-step"
+# Steps the step thread may run ahead of the event loop's delivery of their
+# outputs: 1 would make every step wait for the last one's tokens to be
+# handed to their streams; a bound keeps a starved loop from queueing
+# outputs without end.
+UNDELIVERED_STEPS = 2
+THREAD_POLL_S = 0.1  # how often the step thread, blocked, checks for stop
+
+
+def step_thread() -> ThreadPoolExecutor:
+    """The one thread that runs torch for an AsyncEngine: build the engine on
+    it (`loop.run_in_executor(thread, ...)`), then hand it to AsyncEngine.
+
+    libgomp (torch's OpenMP) keeps a team of worker threads per thread that
+    ever ran a parallel op, and once it manages more threads than there are
+    cores it stops letting idle workers spin: every op then waits for its
+    workers to wake. Loading the models on one thread and stepping on
+    another made a batch-1 decode step about 1.5x slower on 2 cores."""
+    return ThreadPoolExecutor(1, thread_name_prefix=STEP_THREAD_NAME)
 
 
 class QueueFullError(Exception):
@@ -146,19 +167,26 @@ class AsyncEngine:
     else, text by its bytes before tokenizing); None: the model's context."""
 
     def __init__(self, engine: Engine, max_queue: int = 256,
-                 max_prompt_tokens: int | None = None) -> None:
+                 max_prompt_tokens: int | None = None,
+                 thread: ThreadPoolExecutor | None = None) -> None:
+        """thread: from step_thread(), the one the engine was built on; its
+        owner shuts it down. None: a thread of its own, shut down by stop()."""
         self.engine = engine
         self.max_queue = max_queue
         self.streams: dict[str, RequestStream] = {}
         self._submissions: deque[Request] = deque()
         self._aborts: deque[str] = deque()
-        self._work = asyncio.Event()
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix=STEP_THREAD_NAME)
+        self._work = threading.Event()  # wakes the step thread
+        self._undelivered = threading.BoundedSemaphore(UNDELIVERED_STEPS)
+        self._closing = False  # the step thread ends
+        self._own_thread = thread is None
+        self._thread = step_thread() if thread is None else thread
+        self._running: asyncio.Future[None] | None = None  # the step thread's loop
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._preparer = Preparer(
             engine, engine.max_context if max_prompt_tokens is None else max_prompt_tokens)
         self._preparing = ThreadPoolExecutor(PREPARE_CONCURRENCY,
                                              thread_name_prefix=PREPARE_THREAD_NAME)
-        self._task: asyncio.Task[None] | None = None
         self._stats = engine.stats()
         self.draining = False
         self._stopping = False  # stop() aborts what is left: those requests did not end OK
@@ -168,7 +196,23 @@ class AsyncEngine:
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="engine")
+        """Start the step thread; outputs are delivered on the running loop."""
+        self._loop = asyncio.get_running_loop()
+        self._running = self._loop.run_in_executor(self._thread, self._run_steps)
+        self._running.add_done_callback(self._steps_ended)
+
+    def _steps_ended(self, running: asyncio.Future[None]) -> None:
+        """The step thread's loop ended: by stop(), or by a bug outside the
+        engine's own fault handling, which must not leave streams hanging."""
+        error = None if running.cancelled() else running.exception()
+        if error is None:
+            return
+        log.error("the step thread failed; the engine stops admitting requests",
+                  exc_info=error)
+        self.draining = True
+        for stream in self.streams.values():
+            stream.fail(EngineFaultError(f"engine fault: {error}"))
+        self.streams.clear()
 
     async def stop(self, timeout: float = 10.0) -> None:
         """Drop the prompts queued for tokenizing, abort whatever is left,
@@ -182,18 +226,21 @@ class AsyncEngine:
         for request_id in list(self.streams):
             self.abort(request_id)
         end = asyncio.get_running_loop().time() + timeout
-        while self.streams and self._task is not None and not self._task.done():
+        running = self._running
+        while self.streams and running is not None and not running.done():
             if asyncio.get_running_loop().time() > end:
                 break
             await asyncio.sleep(0.01)
         for stream in self.streams.values():
             stream.fail(DrainingError("the server stopped"))
         self.streams.clear()
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        self._executor.shutdown(wait=True)
+        self._closing = True
+        self._work.set()
+        if running is not None:
+            with contextlib.suppress(Exception):  # logged by _steps_ended
+                await running  # the step in flight ends first
+        if self._own_thread:
+            self._thread.shutdown(wait=False)
 
     # ------------------------------------------------------------------ requests
 
@@ -298,40 +345,79 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ the loop
 
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
+    def _run_steps(self) -> None:
+        """The step thread: steps while there is work, handing each step's
+        outputs to the event loop without waiting for them to be delivered,
+        so the next step's forward runs while the loop streams the last
+        step's tokens. At most UNDELIVERED_STEPS steps wait for the loop."""
+        while not self._closing:
             if not (self._submissions or self._aborts or self.engine.has_unfinished()):
+                self._work.wait()
                 self._work.clear()
-                await self._work.wait()
+                continue
+            if not self._undelivered.acquire(timeout=THREAD_POLL_S):
+                continue
             try:
-                outputs, stats = await loop.run_in_executor(self._executor, self._step)
+                outputs, stats = self._step()
             except Exception as error:  # noqa: BLE001 (an engine fault must not stop serving)
-                log.exception("engine step failed; failing the requests in flight")
-                fault = EngineFaultError(f"engine fault: {error}")
-                try:
-                    outputs, stats = await loop.run_in_executor(self._executor, self._recover)
-                except Exception:  # noqa: BLE001
-                    log.exception("recovery failed; the engine stops admitting requests")
-                    self.draining = True
-                    outputs, stats = [], self._stats
-                self._deliver(outputs, fault)
-                # Streams whose request the engine no longer knows (lost mid-step,
-                # or never submitted) end with the fault rather than never; a
-                # submission left behind by a failed submit goes with its
-                # stream, or it would run with no reader and block a retry.
-                for request_id in [r for r in self.streams if r not in self.engine.requests]:
-                    self.streams.pop(request_id).fail(fault)
-                self._submissions = deque(
-                    r for r in self._submissions if r.request_id in self.streams)
+                self._undelivered.release()
+                self._fault(error)
             else:
-                self._deliver(outputs, None)
-            self._stats = stats
-            for observer in self.step_observers:
-                observer(outputs, stats)
+                self._post(self._delivered, outputs, stats)
+
+    def _post(self, callback: Callable[..., None], *args: Any) -> None:
+        """Run callback on the event loop (nothing, once the loop is closed)."""
+        if self._loop is not None:
+            with contextlib.suppress(RuntimeError):
+                self._loop.call_soon_threadsafe(callback, *args)
+
+    def _delivered(self, outputs: list[RequestOutput], stats: EngineStats) -> None:
+        self._undelivered.release()
+        self._deliver(outputs, None)
+        self._observe(outputs, stats)
+
+    def _observe(self, outputs: list[RequestOutput], stats: EngineStats) -> None:
+        self._stats = stats
+        for observer in self.step_observers:
+            observer(outputs, stats)
+
+    def _fault(self, error: Exception) -> None:
+        """On the step thread: fail what was in flight, then wait until the
+        event loop has failed the streams the engine no longer knows, before
+        another step can take a submission whose stream is gone."""
+        log.error("engine step failed; failing the requests in flight", exc_info=error)
+        fault = EngineFaultError(f"engine fault: {error}")
+        try:
+            outputs, stats = self._recover()
+        except Exception:  # noqa: BLE001
+            log.exception("recovery failed; the engine stops admitting requests")
+            self.draining = True
+            outputs, stats = [], self._stats
+        handled: Future[None] = Future()
+        self._post(self._faulted, outputs, stats, fault, set(self.engine.requests), handled)
+        while not self._closing:
+            with contextlib.suppress(FutureTimeout):
+                handled.result(timeout=THREAD_POLL_S)
+                return
+
+    def _faulted(self, outputs: list[RequestOutput], stats: EngineStats,
+                 fault: EngineFaultError, known: set[str], handled: Future[None]) -> None:
+        try:
+            self._deliver(outputs, fault)
+            # Streams whose request the engine no longer knows (lost mid-step,
+            # or never submitted) end with the fault rather than never; a
+            # submission left behind by a failed submit goes with its
+            # stream, or it would run with no reader and block a retry.
+            for request_id in [r for r in self.streams if r not in known]:
+                self.streams.pop(request_id).fail(fault)
+            self._submissions = deque(
+                r for r in self._submissions if r.request_id in self.streams)
+            self._observe(outputs, stats)
+        finally:
+            handled.set_result(None)
 
     def _step(self) -> tuple[list[RequestOutput], EngineStats]:
-        # Runs in the one worker thread: the engine is only ever touched here.
+        # Runs on the step thread: the engine is only ever touched there.
         while self._submissions:
             self.engine.submit(self._submissions.popleft())
         while self._aborts:
