@@ -20,24 +20,26 @@ pytestmark = pytest.mark.skipif(native_kernels() is None, reason="native kernel 
 
 
 def random_spans(rng: random.Random, count: int, block_size: int, num_blocks: int,
-                 longest: int) -> list[tuple[int, int, list[int]]]:
+                 longest: int, furthest: int = 40) -> list[tuple[int, int, list[int]]]:
     free = rng.sample(range(num_blocks), num_blocks)
     spans = []
     for _ in range(count):
-        num_new, start = rng.randint(1, longest), rng.randint(0, 40)
+        num_new, start = rng.randint(1, longest), rng.randint(0, furthest)
         blocks = -(-(start + num_new) // block_size)
         spans.append((start, num_new, [free.pop() for _ in range(blocks)]))
     return spans
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 32), (8, 1, 128)])
-def test_kernel_equals_its_reference(dtype, heads, kv_heads, head_dim):
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size", "furthest"),
+                         [(9, 3, 64, 16, 40), (4, 4, 32, 16, 40), (8, 1, 128, 16, 40),
+                          (9, 3, 64, 5, 300)])  # long contexts, blocks across score groups
+def test_kernel_equals_its_reference(dtype, heads, kv_heads, head_dim, block_size, furthest):
     torch.manual_seed(heads + head_dim)
-    rng = random.Random(head_dim)
-    block_size, num_blocks = 16, 64
+    rng = random.Random(head_dim + furthest)
+    num_blocks = 6 * (-(-(furthest + 8) // block_size))
     cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim).to(dtype)
-    spans = random_spans(rng, 6, block_size, num_blocks, longest=8)
+    spans = random_spans(rng, 6, block_size, num_blocks, longest=8, furthest=furthest)
     q = torch.randn(sum(n for _, n, _ in spans), heads, head_dim).to(dtype)
     width = max(len(t) for _, _, t in spans)
     tables = torch.tensor([t + [0] * (width - len(t)) for _, _, t in spans])

@@ -1,78 +1,16 @@
-"""The native CPU paged-attention kernel (specpage/kernels/cpu/paged_attention.cpp):
-built once per machine with torch's cpp_extension into the specpage cache,
-loaded from there afterwards, and its pure-torch reference.
-
-The build is optional: without a compiler, ninja or a CPU build of torch it
-fails, the failure is logged once, and the CPU backend gathers blocks as the
-reference does (`native_kernels()` returns None).
-"""
+"""The native CPU paged-attention kernel's contract
+(specpage/kernels/cpu/paged_attention.cpp, built by specpage.kernels.native):
+the head sizes it is built for and its pure-torch reference."""
 
 from __future__ import annotations
 
-import hashlib
-import logging
-import os
-import threading
-from pathlib import Path
-from typing import Any
-
 import torch
 
-from specpage.models import cpu
+from specpage.kernels.native import DISABLE_ENV, native_kernels
 
-log = logging.getLogger(__name__)
+__all__ = ["DISABLE_ENV", "NATIVE_HEAD_DIMS", "native_kernels", "paged_attention_ref"]
 
-SOURCE = Path(__file__).resolve().parent.parent / "kernels" / "cpu" / "paged_attention.cpp"
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fopenmp-simd", "-std=c++17"]
-DISABLE_ENV = "SPECPAGE_NATIVE_KERNELS"  # "0": never build or load them
 NATIVE_HEAD_DIMS = (32, 64, 80, 96, 128)  # the head sizes the kernel is instantiated for
-
-_lock = threading.Lock()
-_loaded: dict[str, Any] = {}
-
-
-def build_key() -> str:
-    """Names one build: the source, flags, torch and the CPU's instruction set
-    (the build is -march=native, so a cache shared by machines of different
-    CPUs keeps their builds apart)."""
-    digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), torch.__version__.encode(),
-                 cpu.describe().encode()):
-        digest.update(part)
-    return digest.hexdigest()[:16]
-
-
-def native_kernels() -> Any:
-    """The built extension, or None where it cannot be built (reason logged once)."""
-    if os.environ.get(DISABLE_ENV) == "0":
-        return None
-    with _lock:
-        if "module" not in _loaded:
-            _loaded["module"] = _build()
-        return _loaded["module"]
-
-
-def _build() -> Any:
-    from torch.utils import cpp_extension
-
-    from specpage.models.fetch import cache_dir
-
-    key = build_key()
-    folder = cache_dir() / "kernels" / f"paged_attention-{key}"
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        if not any(folder.glob("*.so")):
-            log.info("building the native CPU attention kernel into %s (once, ~30 s)", folder)
-        cpp_extension.load(
-            name=f"specpage_paged_attention_{key}", sources=[str(SOURCE)],
-            extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], build_directory=str(folder),
-            is_python_module=False, verbose=False,
-        )
-        return torch.ops.specpage_cpu
-    except Exception as error:  # noqa: BLE001 (any build failure means: use the fallback)
-        log.warning("native CPU attention kernel unavailable, gathering blocks instead: %s",
-                    str(error).strip().splitlines()[-1] if str(error).strip() else error)
-        return None
 
 
 def paged_attention_ref(

@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from specpage.attention.backend import AttentionBackend, AttentionMetadata
-from specpage.models import cpu
+from specpage.models import cpu, fused
 from specpage.models.config import ModelConfig
-from specpage.models.rope import apply_rope, cos_sin, inverse_frequencies
+from specpage.models.rope import cos_sin, inverse_frequencies
 
 
 class RMSNorm(nn.Module):
@@ -23,10 +23,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalised in fp32 and cast back before the weight, as HF does.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return fused.rms_norm(x, self.weight, self.eps)
+
+    def after_add(self, x: torch.Tensor,
+                  residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + residual, that sum normed)."""
+        return fused.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 # On CPU, BLAS is slow for a few rows against a large weight: F.linear packs
@@ -149,23 +151,21 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,  # [num_tokens, hidden]
+        x: torch.Tensor,  # [num_tokens, hidden], the residual stream entering the layer
+        normed: torch.Tensor,  # x through input_layernorm (fused with the add that made x)
         rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin [num_tokens, head_dim]
         cache: torch.Tensor,  # [2, num_blocks, block_size, kv_heads, head_dim]
         meta: AttentionMetadata,
         backend: AttentionBackend,
-    ) -> torch.Tensor:
-        n = x.shape[0]
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        qkv = self.qkv_proj(self.input_layernorm(x))
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = apply_rope(q.view(n, self.num_heads, self.head_dim), *rope)
-        k = apply_rope(k.view(n, self.num_kv_heads, self.head_dim), *rope)
-        backend.write_kv(cache, k, v.view(n, self.num_kv_heads, self.head_dim), meta)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stream after attention, and the MLP's branch, which the next
+        layer's norm (or the final one) adds to it: the layer's output is
+        their sum."""
+        q, k, v = fused.rope_qk(self.qkv_proj(normed), *rope, self.num_heads, self.num_kv_heads)
+        backend.write_kv(cache, k, v, meta)
         attn = backend.attend(q, cache, meta, self.head_dim**-0.5)
-        x = x + self.o_proj(attn)
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
-        return x + self.down_proj(F.silu(gate) * up)
+        x, normed = self.post_attention_layernorm.after_add(self.o_proj(attn), x)
+        return x, self.down_proj(fused.silu_and_mul(self.gate_up_proj(normed)))
 
 
 class LayerTap:
@@ -215,11 +215,17 @@ class DecoderModel(nn.Module):
         """Logits [num_logits, vocab] in fp32 for the tokens in logits_index."""
         x = self.embed_tokens(input_ids)
         rope = cos_sin(self.inv_freq, positions, x.dtype)
+        branch: torch.Tensor | None = None  # the last layer's MLP output, not yet added
         for index, (layer, cache) in enumerate(zip(self.layers, caches, strict=True)):
+            norm = layer.input_layernorm
+            x, normed = (x, norm(x)) if branch is None else norm.after_add(branch, x)
             if tap is not None:
                 tap.see(index, x)
-            x = layer(x, rope, cache, meta, backend)
-        x = self.norm(x[logits_index])
+            x, branch = layer(x, normed, rope, cache, meta, backend)
+        if branch is None:
+            x = self.norm(x[logits_index])
+        else:
+            _, x = self.norm.after_add(branch[logits_index], x[logits_index])
         head = self._head()
         if x.shape[0] == 1 and head.device.type == "cpu" and head.dtype == torch.float32:
             logits = (x @ self._transposed_head(head)).float()

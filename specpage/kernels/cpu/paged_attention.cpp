@@ -6,9 +6,7 @@
 // head and the span's tokens form its rows, so each K/V row is loaded (and
 // widened to fp32) once for all of them. Scores are held for the whole
 // context (a few thousand floats per row at most), softmaxed, then V is
-// accumulated. Vectors are GCC vector types of 16 floats, which the compiler
-// lowers to whatever the CPU has (built with -march=native): one AVX-512
-// register, two AVX2 registers, or NEON quads.
+// accumulated. Vectors are vec.h's 16 floats.
 //
 // Registered as torch.ops.specpage_cpu.paged_attention; the Python side is
 // specpage/attention/native.py, which also holds the pure-torch reference.
@@ -22,68 +20,16 @@
 
 #include <cmath>
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
 #include <limits>
 #include <vector>
 
+#include "vec.h"
+
 namespace {
 
-constexpr int64_t kLanes = 16;
-typedef float vfloat __attribute__((vector_size(kLanes * 4)));
-typedef int32_t vint __attribute__((vector_size(kLanes * 4)));
-typedef uint32_t vuint __attribute__((vector_size(kLanes * 4)));
-typedef uint16_t vhalfword __attribute__((vector_size(kLanes * 2)));
-
-inline vfloat load(const float* p) {
-  vfloat v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline vfloat load(const c10::BFloat16* p) {
-  vhalfword h;
-  std::memcpy(&h, p, sizeof(h));
-  const vuint wide = __builtin_convertvector(h, vuint) << 16;  // bf16 is fp32's top half
-  vfloat v;
-  std::memcpy(&v, &wide, sizeof(v));
-  return v;
-}
-
-inline vfloat load(const c10::Half* p) {
-  float tmp[kLanes];
-  for (int64_t i = 0; i < kLanes; ++i) tmp[i] = static_cast<float>(p[i]);
-  return load(tmp);
-}
-
-inline float sum_lanes(vfloat v) {
-  float total = 0.0f;
-  for (int64_t i = 0; i < kLanes; ++i) total += v[i];
-  return total;
-}
-
-inline vfloat splat(float x) { return vfloat{} + x; }
-
-// exp of x <= 0 (scores minus their max): 2^(x log2 e) split into 2^n 2^f,
-// 2^f by a degree-6 polynomial (relative error about 2e-7).
-inline vfloat exp_nonpositive(vfloat x) {
-  vfloat t = x * 1.44269504088896341f;
-  t = t < -126.0f ? splat(-126.0f) : t;
-  const vint truncated = __builtin_convertvector(t, vint);  // toward zero: t <= 0
-  vfloat n = __builtin_convertvector(truncated, vfloat);
-  n = n > t ? n - 1.0f : n;  // floor
-  const vfloat f = t - n;
-  vfloat p = splat(1.535336188319500e-4f);
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.0f;
-  const vint bits = (__builtin_convertvector(n, vint) + 127) << 23;
-  vfloat scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
+using namespace specpage_cpu;
 
 struct Item {
   int64_t q_first, span, context, kv_head;
@@ -98,12 +44,13 @@ struct Shape {
 // kChunks = head_dim / 16, fixed at compile time so each row lives in registers.
 template <typename scalar_t, int64_t kChunks>
 void attend_item(const scalar_t* q, const scalar_t* cache, scalar_t* out, const Item& item,
-                 const Shape& shape, std::vector<vfloat>& vectors, std::vector<float>& scores) {
+                 const Shape& shape, std::vector<vfloat>& vectors, std::vector<float>& scores,
+                 std::vector<const scalar_t*>& keys) {
   constexpr int64_t head_dim = kChunks * kLanes;
   const int64_t groups = shape.groups, span = item.span, context = item.context;
   const int64_t rows = span * groups;
   const int64_t padded_context = (context + kLanes - 1) / kLanes * kLanes;
-  vectors.resize(2 * rows * kChunks);
+  vectors.resize(2 * rows * kChunks + rows * kLanes);
   scores.resize(rows * padded_context);
   vfloat* qv = vectors.data();  // [rows, kChunks], scaled
   vfloat* acc = qv + rows * kChunks;  // [rows, kChunks]
@@ -117,16 +64,32 @@ void attend_item(const scalar_t* q, const scalar_t* cache, scalar_t* out, const 
     }
   }
   const int64_t row_stride = shape.kv_heads * head_dim;  // one position of one block
-  const int64_t head_offset = item.kv_head * head_dim;
-  for (int64_t p = 0; p < context; ++p) {
-    const scalar_t* k = cache + (item.table[p / shape.block_size] * shape.block_size
-                                 + p % shape.block_size) * row_stride + head_offset;
-    vfloat kv[kChunks];
-    for (int64_t c = 0; c < kChunks; ++c) kv[c] = load(k + c * kLanes);
+  // Each position's K row, walking the block table (no division per position);
+  // its V row lies shape.v_offset further.
+  keys.resize(context);
+  for (int64_t p = 0, block = 0; p < context; ++block) {
+    const scalar_t* row = cache + item.table[block] * shape.block_size * row_stride
+                          + item.kv_head * head_dim;
+    for (int64_t o = 0; o < shape.block_size && p < context; ++o, ++p) keys[p] = row + o * row_stride;
+  }
+  // Scores sixteen positions at a time: each row's sixteen dot products are
+  // summed across their lanes together (sum_lanes16), a few shuffles per
+  // score instead of fifteen dependent adds.
+  vfloat* dots = acc + rows * kChunks;  // [rows, kLanes]: per position, partial sums
+  for (int64_t p0 = 0; p0 < context; p0 += kLanes) {
+    const int64_t count = std::min(kLanes, context - p0);
+    const scalar_t* const* k = keys.data() + p0;
     for (int64_t r = 0; r < rows; ++r) {
-      vfloat dot = qv[r * kChunks] * kv[0];
-      for (int64_t c = 1; c < kChunks; ++c) dot += qv[r * kChunks + c] * kv[c];
-      scores[r * padded_context + p] = sum_lanes(dot);
+      const vfloat* qr = qv + r * kChunks;
+      vfloat* d = dots + r * kLanes;
+      for (int64_t j = 0; j < count; ++j) {
+        vfloat dot = qr[0] * load(k[j]);
+        for (int64_t c = 1; c < kChunks; ++c) dot += qr[c] * load(k[j] + c * kLanes);
+        d[j] = dot;
+      }
+      for (int64_t j = count; j < kLanes; ++j) d[j] = vfloat{};
+      const vfloat total = sum_lanes16(d);
+      std::memcpy(scores.data() + r * padded_context + p0, &total, sizeof(total));
     }
   }
   // Row r (token t = r / groups of the span) sees positions 0 .. context - span + t.
@@ -143,7 +106,7 @@ void attend_item(const scalar_t* q, const scalar_t* cache, scalar_t* out, const 
     for (int64_t i = 1; i < kLanes; ++i) max = std::fmax(max, top[i]);
     vfloat total = vfloat{};
     for (int64_t p = 0; p < padded_context; p += kLanes) {
-      const vfloat e = exp_nonpositive(load(s + p) - max);
+      const vfloat e = vexp(load(s + p) - max);
       const vfloat w = load(s + p) == -std::numeric_limits<float>::infinity() ? vfloat{} : e;
       std::memcpy(s + p, &w, sizeof(w));
       total += w;
@@ -155,9 +118,7 @@ void attend_item(const scalar_t* q, const scalar_t* cache, scalar_t* out, const 
     }
   }
   for (int64_t p = 0; p < context; ++p) {
-    const scalar_t* v = cache + shape.v_offset
-                        + (item.table[p / shape.block_size] * shape.block_size
-                           + p % shape.block_size) * row_stride + head_offset;
+    const scalar_t* v = keys[p] + shape.v_offset;
     vfloat vv[kChunks];
     for (int64_t c = 0; c < kChunks; ++c) vv[c] = load(v + c * kLanes);
     for (int64_t r = 0; r < rows; ++r) {
@@ -191,11 +152,13 @@ void attend_all(const at::Tensor& q, const at::Tensor& cache, at::Tensor& out,
   at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
     std::vector<vfloat> vectors;
     std::vector<float> scores;
+    std::vector<const scalar_t*> keys;
     for (int64_t i = begin; i < end; ++i) {
       const int64_t s = i / shape.kv_heads;
       const Item item{starts[s], starts[s + 1] - starts[s], contexts[s], i % shape.kv_heads,
                       tables + s * max_blocks};
-      attend_item<scalar_t, kChunks>(q_ptr, cache_ptr, out_ptr, item, shape, vectors, scores);
+      attend_item<scalar_t, kChunks>(q_ptr, cache_ptr, out_ptr, item, shape, vectors, scores,
+                                     keys);
     }
   });
 }

@@ -1,0 +1,225 @@
+// A decoder layer's elementwise work on CPU, one pass each instead of torch's
+// chain of ops: RMSNorm (alone, or after the residual add), SiLU-and-mul and
+// the rotary embedding of q and k. In a one-token step the chains' per-op
+// overhead is most of what is not a product; in a 32-row step their passes
+// over memory are.
+//
+// Each kernel rounds to the tensor's dtype where torch's chain rounds (bf16
+// after every op), so a bf16 model takes the tokens of its torch ops but for
+// the last bit of an fp32 sum or exp. Rows are split over threads only when
+// there are enough of them to pay for waking the threads (prefill).
+//
+// Registered as torch.ops.specpage_cpu.*; the Python side and the pure-torch
+// references are in specpage/models/fused.py.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <tuple>
+
+#include "vec.h"
+
+namespace {
+
+using namespace specpage_cpu;
+
+constexpr int64_t kSerialElements = 1 << 16;  // below this many, one thread
+
+// f(scalar_t{}) for the dtypes the kernels take (check_rows has checked it).
+template <typename F>
+void by_dtype(at::ScalarType type, F&& f) {
+  if (type == at::kFloat) {
+    f(float{});
+  } else {
+    f(c10::BFloat16{});
+  }
+}
+
+int64_t row_grain(int64_t width) { return std::max<int64_t>(1, kSerialElements / width); }
+
+void check_rows(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % kLanes == 0, name,
+              " must be [rows, width] with unit column stride and width a multiple of ",
+              kLanes);
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, name,
+              " must be float32 or bfloat16, got ", x.scalar_type());
+}
+
+// out = weight * (x * rsqrt(mean(x^2) + eps)) as specpage's RMSNorm computes
+// it: the sum in fp32, x * rsqrt rounded to the dtype, then the weight.
+template <typename scalar_t>
+void norm_row(const scalar_t* x, const scalar_t* weight, scalar_t* out, int64_t width,
+              float eps) {
+  vfloat squares = vfloat{};
+  for (int64_t i = 0; i < width; i += kLanes) {
+    const vfloat v = load(x + i);
+    squares += v * v;
+  }
+  const float inv = 1.0f / std::sqrt(sum_lanes(squares) / static_cast<float>(width) + eps);
+  for (int64_t i = 0; i < width; i += kLanes) {
+    const vfloat normed = rounded<scalar_t>(load(x + i) * inv);
+    store(out + i, load(weight + i) * normed);
+  }
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, "x");
+  TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.size(0) == x.size(1) &&
+                  weight.scalar_type() == x.scalar_type(),
+              "weight must be contiguous [width] in x's dtype");
+  const int64_t rows = x.size(0), width = x.size(1);
+  at::Tensor out = at::empty({rows, width}, x.options());
+  by_dtype(x.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t* src = x.data_ptr<scalar_t>();
+    const scalar_t* w = weight.data_ptr<scalar_t>();
+    scalar_t* dst = out.data_ptr<scalar_t>();
+    const int64_t stride = x.stride(0);
+    at::parallel_for(0, rows, row_grain(width), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        norm_row(src + r * stride, w, dst + r * width, width, static_cast<float>(eps));
+      }
+    });
+  });
+  return out;
+}
+
+// (x + residual, rms_norm(x + residual)): the sum rounded to the dtype, as
+// torch's add, and normed from the rounded sum.
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps) {
+  check_rows(x, "x");
+  check_rows(residual, "residual");
+  TORCH_CHECK(x.sizes() == residual.sizes() && x.scalar_type() == residual.scalar_type(),
+              "x and residual must have one shape and dtype");
+  TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.size(0) == x.size(1) &&
+                  weight.scalar_type() == x.scalar_type(),
+              "weight must be contiguous [width] in x's dtype");
+  const int64_t rows = x.size(0), width = x.size(1);
+  at::Tensor sum = at::empty({rows, width}, x.options());
+  at::Tensor out = at::empty({rows, width}, x.options());
+  by_dtype(x.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t* a = x.data_ptr<scalar_t>();
+    const scalar_t* b = residual.data_ptr<scalar_t>();
+    const scalar_t* w = weight.data_ptr<scalar_t>();
+    scalar_t* s = sum.data_ptr<scalar_t>();
+    scalar_t* dst = out.data_ptr<scalar_t>();
+    const int64_t stride_a = x.stride(0), stride_b = residual.stride(0);
+    at::parallel_for(0, rows, row_grain(width), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        scalar_t* row = s + r * width;
+        for (int64_t i = 0; i < width; i += kLanes) {
+          store(row + i, load(a + r * stride_a + i) + load(b + r * stride_b + i));
+        }
+        norm_row(row, w, dst + r * width, width, static_cast<float>(eps));
+      }
+    });
+  });
+  return {sum, out};
+}
+
+// gate_up [rows, 2 * width] (gate, then up) -> silu(gate) * up [rows, width],
+// silu rounded to the dtype before the product, as F.silu(gate) * up.
+at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+  check_rows(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.size(1) % (2 * kLanes) == 0, "gate_up's width must be a multiple of ",
+              2 * kLanes);
+  const int64_t rows = gate_up.size(0), width = gate_up.size(1) / 2;
+  at::Tensor out = at::empty({rows, width}, gate_up.options());
+  by_dtype(gate_up.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t* src = gate_up.data_ptr<scalar_t>();
+    scalar_t* dst = out.data_ptr<scalar_t>();
+    const int64_t stride = gate_up.stride(0);
+    at::parallel_for(0, rows, row_grain(width), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const scalar_t* gate = src + r * stride;
+        const scalar_t* up = gate + width;
+        for (int64_t i = 0; i < width; i += kLanes) {
+          const vfloat g = load(gate + i);
+          const vfloat silu = rounded<scalar_t>(g / (1.0f + vexp(-g)));
+          store(dst + r * width + i, silu * load(up + i));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// x * cos + rotate_half(x) * sin for one head, each product rounded to the
+// dtype before the sum, as torch's ops.
+template <typename scalar_t>
+void rotate_head(const scalar_t* x, const scalar_t* cos, const scalar_t* sin, scalar_t* out,
+                 int64_t head_dim) {
+  const int64_t half = head_dim / 2;
+  for (int64_t i = 0; i < half; i += kLanes) {
+    const vfloat lo = load(x + i), hi = load(x + half + i);
+    store(out + i, rounded<scalar_t>(lo * load(cos + i))
+                       + rounded<scalar_t>(-hi * load(sin + i)));
+    store(out + half + i, rounded<scalar_t>(hi * load(cos + half + i))
+                              + rounded<scalar_t>(lo * load(sin + half + i)));
+  }
+}
+
+// qkv [tokens, (heads + 2 kv_heads) * head_dim] -> (q [tokens, heads, head_dim],
+// k [tokens, kv_heads, head_dim]) rotated by cos, sin [tokens, head_dim].
+std::tuple<at::Tensor, at::Tensor> rope_qk(const at::Tensor& qkv, const at::Tensor& cos,
+                                           const at::Tensor& sin, int64_t heads,
+                                           int64_t kv_heads) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "qkv must be [tokens, width]");
+  TORCH_CHECK(qkv.scalar_type() == at::kFloat || qkv.scalar_type() == at::kBFloat16,
+              "qkv must be float32 or bfloat16, got ", qkv.scalar_type());
+  const int64_t tokens = qkv.size(0), head_dim = cos.size(1);
+  TORCH_CHECK(head_dim % (2 * kLanes) == 0, "head_dim must be a multiple of ", 2 * kLanes);
+  TORCH_CHECK(qkv.size(1) == (heads + 2 * kv_heads) * head_dim, "qkv's width is not ",
+              "(heads + 2 kv_heads) * head_dim");
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.size(0) == tokens && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.scalar_type() == qkv.scalar_type() &&
+                  sin.scalar_type() == qkv.scalar_type(),
+              "cos and sin must be contiguous [tokens, head_dim] in qkv's dtype");
+  at::Tensor q = at::empty({tokens, heads, head_dim}, qkv.options());
+  at::Tensor k = at::empty({tokens, kv_heads, head_dim}, qkv.options());
+  by_dtype(qkv.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t* src = qkv.data_ptr<scalar_t>();
+    const scalar_t* c = cos.data_ptr<scalar_t>();
+    const scalar_t* s = sin.data_ptr<scalar_t>();
+    scalar_t* q_out = q.data_ptr<scalar_t>();
+    scalar_t* k_out = k.data_ptr<scalar_t>();
+    const int64_t stride = qkv.stride(0), rotated = heads + kv_heads;
+    at::parallel_for(0, tokens, row_grain(rotated * head_dim), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        for (int64_t h = 0; h < rotated; ++h) {
+          scalar_t* dst = h < heads ? q_out + (t * heads + h) * head_dim
+                                    : k_out + (t * kv_heads + h - heads) * head_dim;
+          rotate_head(src + t * stride + h * head_dim, c + t * head_dim, s + t * head_dim, dst,
+                      head_dim);
+        }
+      }
+    });
+  });
+  return {q, k};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(specpage_cpu, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("silu_and_mul(Tensor gate_up) -> Tensor");
+  m.def("rope_qk(Tensor qkv, Tensor cos, Tensor sin, int heads, int kv_heads) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(specpage_cpu, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("rope_qk", &rope_qk);
+}

@@ -1,0 +1,81 @@
+"""The native CPU kernels (the C++ sources in specpage/kernels/cpu/, one
+extension registering torch.ops.specpage_cpu): built once per machine with
+torch's cpp_extension into the specpage cache, loaded from there afterwards.
+
+- paged_attention.cpp: attention over KV blocks read in place
+  (specpage/attention/cpu.py; its reference is in specpage/attention/native.py);
+- fused_ops.cpp: RMSNorm (with the residual add), SiLU-and-mul and rotary
+  embeddings, one pass each (specpage/models/fused.py, which holds their
+  references).
+
+The build is optional: without a compiler, ninja or a CPU build of torch it
+fails, the failure is logged once, and every caller takes its pure-torch way
+(`native_kernels()` returns None).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specpage.models import cpu
+
+log = logging.getLogger(__name__)
+
+SOURCES = sorted((Path(__file__).resolve().parent / "cpu").glob("*.cpp"))
+HEADERS = sorted((Path(__file__).resolve().parent / "cpu").glob("*.h"))
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fopenmp-simd", "-std=c++17"]
+DISABLE_ENV = "SPECPAGE_NATIVE_KERNELS"  # "0": never build or load them
+
+_lock = threading.Lock()
+_loaded: dict[str, Any] = {}
+
+
+def build_key() -> str:
+    """Names one build: the sources and headers, flags, torch and the CPU's instruction set
+    (the build is -march=native, so a cache shared by machines of different
+    CPUs keeps their builds apart)."""
+    digest = hashlib.sha256()
+    for part in (*(path.read_bytes() for path in SOURCES + HEADERS), " ".join(FLAGS).encode(),
+                 torch.__version__.encode(), cpu.describe().encode()):
+        digest.update(part)
+    return digest.hexdigest()[:16]
+
+
+def native_kernels() -> Any:
+    """The built extension, or None where it cannot be built (reason logged once)."""
+    if os.environ.get(DISABLE_ENV) == "0":
+        return None
+    with _lock:
+        if "module" not in _loaded:
+            _loaded["module"] = _build()
+        return _loaded["module"]
+
+
+def _build() -> Any:
+    from torch.utils import cpp_extension
+
+    from specpage.models.fetch import cache_dir
+
+    key = build_key()
+    folder = cache_dir() / "kernels" / f"cpu-{key}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        if not any(folder.glob("*.so")):
+            log.info("building the native CPU kernels into %s (once, ~30 s)", folder)
+        cpp_extension.load(
+            name=f"specpage_cpu_{key}", sources=[str(source) for source in SOURCES],
+            extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], build_directory=str(folder),
+            is_python_module=False, verbose=False,
+        )
+        return torch.ops.specpage_cpu
+    except Exception as error:  # noqa: BLE001 (any build failure means: use the fallback)
+        log.warning("native CPU kernels unavailable, using torch ops instead: %s",
+                    str(error).strip().splitlines()[-1] if str(error).strip() else error)
+        return None
