@@ -46,7 +46,7 @@ from specpage.engine import EngineConfig  # noqa: E402
 from specpage.llm import LLM  # noqa: E402
 from specpage.model_runner import ModelRunner, SeqSpan  # noqa: E402
 from specpage.models.loader import LoadedModel  # noqa: E402
-from specpage.models.quant import Int4Linear  # noqa: E402
+from specpage.models.quant import Int4Linear, keeps_dense_copy  # noqa: E402
 from specpage.request import SamplingParams  # noqa: E402
 
 BLOCK_SIZE = 16
@@ -171,9 +171,11 @@ LAYERS_TIMED = 30  # each with weights of its own, so they stream from memory as
 
 def linears_alone(quick: bool) -> dict[str, Any]:
     """All 30 layers' projections (weights of their own, as in a decode
-    step) on 1 and 32 rows: fp32 dense (the decoder's few-rows path), q8
-    (torch's _weight_int8pack_mm, per-row int8, bf16 input) and q4 (int4
-    group 32, bf16 input): the measurement behind refusing q8."""
+    step) on 1 to 32 rows: fp32 dense (the decoder's few-rows path), q8
+    (torch's _weight_int8pack_mm, per-row int8, bf16 input), q4 (the int4
+    kernel, group 32, bf16 input) and, where Int4Linear keeps one, its dense
+    bf16 copy on oneDNN: the measurements behind refusing q8 and behind
+    quant.DENSE_FROM_ROWS."""
     from specpage.models.quant import quantize_rtn
 
     layers = []
@@ -186,7 +188,7 @@ def linears_alone(quick: bool) -> dict[str, Any]:
                              scales.bfloat16(), Int4Linear(quantize_rtn(weight, 32))))
         layers.append(products)
     out: dict[str, Any] = {}
-    for rows in (1, 32):
+    for rows in (1, 4, 8, 32) if quick else (1, 2, 4, 6, 8, 12, 16, 32):
         inputs = {cols: torch.randn(rows, cols) for _, cols in LAYER_SHAPES}
         spreads = rotated(_linear_systems(layers, inputs), None, None, rounds(quick))
         out[f"rows_{rows}_ms"] = {k: v.median * 1e3 for k, v in spreads.items()}
@@ -210,10 +212,17 @@ def _linear_systems(layers: list[list[tuple[Any, ...]]], inputs: dict[int, torch
     def q4() -> None:
         for layer in layers:
             for w, _, _, module in layer:
-                module(inputs[w.shape[1]].bfloat16())
+                module.int4_product(inputs[w.shape[1]].bfloat16())
 
-    return {name: (lambda _, fn=fn: median_seconds(fn, CALLS, 0))
-            for name, fn in (("fp32", fp32), ("q8", q8), ("q4", q4))}
+    def q4_dense_copy() -> None:
+        for layer in layers:
+            for w, _, _, module in layer:
+                module.dense_product(inputs[w.shape[1]].bfloat16())
+
+    ways = [("fp32", fp32), ("q8", q8), ("q4", q4)]
+    if keeps_dense_copy():
+        ways.append(("q4_dense_copy", q4_dense_copy))
+    return {name: (lambda _, fn=fn: median_seconds(fn, CALLS, 0)) for name, fn in ways}
 
 
 def main() -> None:

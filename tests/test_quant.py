@@ -12,9 +12,10 @@ import torch
 from specpage.config import ConfigError, ModelSection
 from specpage.engine import EngineConfig
 from specpage.llm import LLM
+from specpage.models import quant
 from specpage.models.gguf_blocks import GGUF_PARTS, GGUFWeights
 from specpage.models.loader import LoadedModel, load_model
-from specpage.models.quant import Int4Linear, quantize_rtn
+from specpage.models.quant import DENSE_FROM_ROWS, Int4Linear, keeps_dense_copy, quantize_rtn
 from specpage.models.quant_load import PROJECTIONS
 from specpage.models.quant_names import QuantizationError
 from specpage.request import SamplingParams
@@ -138,6 +139,28 @@ def test_one_int4_linear_matches_the_fp32_linear_within_bf16(ggufs: dict[str, Pa
         assert error < 2**-6, (name, float(error))
 
 
+@pytest.mark.skipif(not keeps_dense_copy(), reason="no native bf16 products on this CPU")
+def test_many_rows_take_the_dense_copy_of_the_kernels_own_weights(
+        ggufs: dict[str, Path]) -> None:
+    """From DENSE_FROM_ROWS rows a product runs on the dense bf16 copy: the
+    kernel's weights (q - 8) * scale + zero, dequantized; its results agree
+    with the int4 kernel's within bf16, below and above the threshold."""
+    quantized = loaded(ggufs["Q4_1"], "q4")
+    torch.manual_seed(1)
+    for name in PROJECTIONS:
+        module = getattr(quantized.model.layers[0], name)
+        assert module.dense is not None
+        eye = torch.eye(module.in_features, dtype=torch.bfloat16)
+        kernel_weights = module.int4_product(eye).T.float()  # column j: W @ e_j
+        assert torch.allclose(module.dense.float(), kernel_weights, rtol=2**-7, atol=1e-6)
+        for rows in (DENSE_FROM_ROWS - 1, DENSE_FROM_ROWS, 32):
+            x = torch.randn(rows, module.in_features, dtype=torch.bfloat16)
+            int4, dense = module.int4_product(x).float(), module.dense_product(x).float()
+            assert float((int4 - dense).abs().max() / int4.abs().max()) < 2**-6
+            chosen = module(x).float()
+            assert torch.equal(chosen, dense if rows >= DENSE_FROM_ROWS else int4)
+
+
 def test_q4_from_float_weights_rounds_to_nearest_and_is_cached(tmp_path: Path) -> None:
     tiny_checkpoint(tmp_path / "hf", num_hidden_layers=1)
     dense = loaded(tmp_path / "hf")
@@ -159,8 +182,13 @@ def test_q4_from_float_weights_rounds_to_nearest_and_is_cached(tmp_path: Path) -
 
 
 def test_q4_target_and_draft_speculating_equal_q4_without_speculation(
-    ggufs: dict[str, Path], tmp_path: Path
+    ggufs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Speculation adds nothing of its own: with one kernel for every product
+    the tokens are those of the target alone. (The dense copy that many-row
+    products take rounds differently from the int4 kernel, and verification
+    brings more rows than decoding, so it is kept out of the comparison.)"""
+    monkeypatch.setattr(quant, "DENSE_FROM_ROWS", 10**9)
     draft = write_gguf(tmp_path / "draft.Q4_0.gguf", "Q4_0", seed=1)
     prompts = [[40, 41, 42, 43, 44], [50, 60, 70], [100, 101, 102, 103, 104, 105, 106]]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)

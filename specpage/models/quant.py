@@ -13,6 +13,15 @@ a 3072×576 product on one row took ~20 ms with fp32 or fp16 inputs against
 and the result cast back: the rest of the model, KV included, stays in the
 activation dtype. The scale and zero are bf16 (the kernel requires the
 activation dtype), which rounds GGML's float16 d and m to 8 significant bits.
+
+The kernel reads 4 bits a weight, so it wins while a product is bound by
+reading the weights (a few rows); with more rows its unpacking costs more
+than the bytes it saves. Where oneDNN runs bf16 natively (AVX-512 BF16 or
+AMX), each layer also keeps its weights dense in bf16, dequantized from the
+very values the kernel reads, and products of DENSE_FROM_ROWS rows or more
+take them: a one-stream step reads the int4 weights, a 32-stream step the
+dense ones. That costs 2 bytes a weight of memory more (212 MB for
+SmolLM2-135M's projections).
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from specpage.models.decoder import PackedWeight, cpu_linear, uses_onednn
 from specpage.models.gguf_blocks import Int4Blocks
 from specpage.models.quant_names import QuantizationError
 
@@ -29,6 +39,16 @@ KERNEL_DTYPE = torch.bfloat16  # the only activation dtype the CPU kernel is fas
 # it beyond validation, and gpt-fast/torchao pass 1 on CPU.
 INNER_K_TILES = 1
 Q_OFFSET = 8  # the kernel reads q − 8
+# The row count from which the dense bf16 copy is faster. bench/quantization.py
+# (linears_alone), SmolLM2-135M's 30 layers of products, 2 AVX-512 BF16 cores,
+# ms int4 / dense bf16 on oneDNN: 1 row 4.8 / 11.3, 2: 5.5 / 12.0,
+# 4: 7.1 / 10.5, 6: 12.1 / 10.5, 8: 12.3 / 12.3, 16: 22.4 / 15.8, 32: 42.4 / 23.7.
+DENSE_FROM_ROWS = 6
+
+
+def keeps_dense_copy() -> bool:
+    """Whether Int4Linear keeps a dense bf16 copy for many rows (see above)."""
+    return uses_onednn(torch.empty(0, dtype=KERNEL_DTYPE), DENSE_FROM_ROWS)
 
 
 def check_shape(name: str, in_features: int, group: int) -> None:
@@ -61,12 +81,28 @@ class Int4Linear(nn.Module):
         self.register_buffer("packed", packed)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(),
                                                            requires_grad=False)
+        # Not a buffer: never saved, and CPU-only, as the kernel is.
+        self.dense = dequantize(blocks) if keeps_dense_copy() else None
+        self._dense_packed = PackedWeight()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x.to(KERNEL_DTYPE), self.packed, self.group_size, self.scales_and_zeros)
+        if self.dense is not None and x.shape[0] >= DENSE_FROM_ROWS:
+            y = self.dense_product(x)
+        else:
+            y = self.int4_product(x)
         y = y.to(x.dtype)
         return y if self.bias is None else y + self.bias
+
+    def int4_product(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W.T by the int4 kernel, in KERNEL_DTYPE, no bias."""
+        y: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.to(KERNEL_DTYPE), self.packed, self.group_size, self.scales_and_zeros)
+        return y
+
+    def dense_product(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W.T on the dense copy, in KERNEL_DTYPE, no bias."""
+        assert self.dense is not None, "no dense copy on this CPU (keeps_dense_copy)"
+        return cpu_linear(x.to(KERNEL_DTYPE), self.dense, None, self._dense_packed)
 
     @property
     def nbytes(self) -> int:
@@ -77,6 +113,18 @@ class Int4Linear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"group_size={self.group_size}, bias={self.bias is not None}")
+
+
+def dequantize(blocks: Int4Blocks) -> torch.Tensor:
+    """The weights the kernel computes with, [out, in] in KERNEL_DTYPE:
+    (q − 8)·scale + zero with scale and zero rounded to KERNEL_DTYPE as the
+    kernel holds them, then the weight rounded too."""
+    rows, cols = blocks.q.shape
+    scale = blocks.scale.to(KERNEL_DTYPE).float()  # [rows, groups]
+    zero = (blocks.offset + Q_OFFSET * blocks.scale).to(KERNEL_DTYPE).float()
+    q = blocks.q.float().view(rows, cols // blocks.group, blocks.group)
+    w = (q - Q_OFFSET) * scale[..., None] + zero[..., None]
+    return w.view(rows, cols).to(KERNEL_DTYPE).contiguous()
 
 
 def quantize_rtn(weight: torch.Tensor, group: int = 32, name: str = "weight") -> Int4Blocks:
