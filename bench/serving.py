@@ -39,6 +39,7 @@ spreads; a ratio whose spreads overlap is "level" (bench/common.py).
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import socket
@@ -76,8 +77,10 @@ RUN_TIMEOUT_S = 900.0
 STOP_TIMEOUT_S = 60.0  # specpage drains in-flight work on SIGTERM; nothing is in flight
 HEALTH_POLL_S = 0.5
 # What each workload reports; "tok_s" is aggregate output tokens per second.
-METRICS = ("tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s")
+# cpu_per_wall: the server's CPU-seconds per second of the run (2.0 keeps both cores busy).
+METRICS = ("tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "cpu_per_wall")
 HIGHER_IS_BETTER = {"tok_s": True, "ttft_p50_s": False, "ttft_p99_s": False, "tpot_p50_s": False}
+# (cpu_per_wall is reported, not compared: using more of the cores is no win by itself)
 OURS = ("specpage", "specpage_no_draft", "specpage_q4", "specpage_q4_no_draft")
 COMPARED_PROMPTS = 8  # greedy answers fetched from every server after its timed runs
 COMPARED_TOKENS = 32
@@ -195,6 +198,20 @@ class Running:
             time.sleep(HEALTH_POLL_S)
         raise BenchError(f"{self.spec.name} not healthy within {STARTUP_TIMEOUT_S:.0f} s")
 
+    def cpu_seconds(self) -> float:
+        """CPU time (user + system) its processes have used so far: every
+        live process of its session (vLLM's engine core is a child process,
+        llama.cpp's server a grandchild)."""
+        ticks = 0
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:  # the process ended meanwhile
+                continue
+            if int(fields[3]) == self.process.pid:  # field 6: the session id
+                ticks += int(fields[11]) + int(fields[12])  # fields 14, 15: utime, stime
+        return ticks / os.sysconf("SC_CLK_TCK")
+
     def stop(self) -> None:
         if self.process.poll() is None:
             # The whole session: vLLM's engine core is a child process of its own.
@@ -207,8 +224,11 @@ class Running:
         self._log_file.close()
 
 
-def drive(url: str, job: Workload, folder: Path) -> dict[str, float]:
-    """One loadgen run of `job` against `url`; its figures, every request checked."""
+def drive(url: str, job: Workload, folder: Path,
+          server: Running | None = None) -> dict[str, float]:
+    """One loadgen run of `job` against `url`; its figures, every request
+    checked, and the server's CPU-seconds per second of the run's window."""
+    cpu_before = server.cpu_seconds() if server is not None else 0.0
     trace = job.write_trace(folder / f"{job.name}.jsonl")
     # loadgen takes --chat only with a prompts file, though a trace's own
     # prompts are used as they are; the file holds the same prompts.
@@ -230,7 +250,8 @@ def drive(url: str, job: Workload, folder: Path) -> dict[str, float]:
                          f"{summary['output_tokens']} of {expected} tokens, errors "
                          f"{counts['errors_by_status']}")
     latency = summary["latency"]
-    return {"tok_s": summary["output_token_throughput"],
+    cpu = server.cpu_seconds() - cpu_before if server is not None else math.nan
+    return {"tok_s": summary["output_token_throughput"], "cpu_per_wall": cpu / summary["window_s"],
             "ttft_p50_s": latency["ttft_s"]["p50"], "ttft_p99_s": latency["ttft_s"]["p99"],
             "tpot_p50_s": latency["tpot_s"]["p50"],
             "cached_tokens": summary["cached_tokens"], "prompt_tokens": summary["prompt_tokens"]}
@@ -247,7 +268,7 @@ def one_round(spec: ServerSpec, jobs: list[Workload], warmups: list[Workload]) -
         try:
             for warmup in warmups:
                 drive(spec.url, warmup, folder)
-            figures = {job.name: drive(spec.url, job, folder) for job in jobs}
+            figures = {job.name: drive(spec.url, job, folder, server) for job in jobs}
             figures["outputs"] = greedy_answers(spec.url, jobs[0].prompts[:COMPARED_PROMPTS])
         finally:
             server.stop()
@@ -312,17 +333,17 @@ def spreads(runs: list[Figures], job: str) -> dict[str, Spread]:
 def ratios(ours: dict[str, Spread], theirs: dict[str, Spread]) -> dict[str, Any]:
     """compare() per metric: above 1 means specpage is better (for latencies,
     vLLM's over specpage's)."""
-    return {metric: compare(ours[metric], theirs[metric], HIGHER_IS_BETTER[metric])
-            for metric in METRICS}
+    return {metric: compare(ours[metric], theirs[metric], better)
+            for metric, better in HIGHER_IS_BETTER.items()}
 
 
 def print_table(table: dict[str, dict[str, dict[str, dict[str, Any]]]]) -> None:
     """The figures a person reads: medians with [min–max] over the rounds."""
     units = {"tok_s": ("tok/s", 1.0), "ttft_p50_s": ("ms", 1e3), "ttft_p99_s": ("ms", 1e3),
-             "tpot_p50_s": ("ms", 1e3)}
+             "tpot_p50_s": ("ms", 1e3), "cpu_per_wall": ("cpu/s", 1.0)}
     for name, jobs in table.items():
         for job, metrics in jobs.items():
-            cells = [f"{metric[:-2] if metric != 'tok_s' else metric} "
+            cells = [f"{metric if metric == 'tok_s' else metric.removesuffix('_s')} "
                      f"{m['median'] * units[metric][1]:.1f} "
                      f"[{m['min'] * units[metric][1]:.1f}–{m['max'] * units[metric][1]:.1f}] "
                      f"{units[metric][0]}" for metric, m in metrics.items()]
