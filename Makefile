@@ -29,7 +29,7 @@ test: lint
 
 # Every benchmark in its short form, then docs/BENCHMARKS.md from the results.
 # vllm_cpu goes first: it sets up vLLM's own venv (.venv-vllm, once, ~3.4 GB).
-BENCHES := vllm_cpu block_pool model_runner engine speculation adaptive memory overhead quantization serving kernels_gpu
+BENCHES := vllm_cpu block_pool model_runner engine speculation adaptive memory overhead quantization compile serving kernels_gpu
 bench: $(STAMP)
 	$(VENV)/bin/specpage models fetch smollm2-135m
 	for b in $(BENCHES); do $(PY) bench/$$b.py --quick || exit 1; done

@@ -189,9 +189,11 @@ def serving(r: dict) -> list[str]:
         best = " (vLLM's best here)" if key == r.get("vllm_best") else ""
         for load, label in workloads.items():
             m = r["systems"][key][load]
+            cpu = (f"; {spread(m['cpu_per_wall'], 2)} CPU-s/s" if "cpu_per_wall" in m
+                   else "")
             rows.append(f"| {name}{best}, {label}, {r['output_tokens']} tokens each | "
                         f"{spread(m['tok_s'])} tok/s; TTFT p50 {spread(ms(m['ttft_p50_s']), 0)}"
-                        f" ms; TPOT p50 {spread(ms(m['tpot_p50_s']))} ms | |")
+                        f" ms; TPOT p50 {spread(ms(m['tpot_p50_s']))} ms{cpu} | |")
     for key, name in (("specpage_vs_vllm", "specpage, default pair"),
                       ("specpage_no_draft_vs_vllm", "specpage, target alone"),
                       ("specpage_q4_vs_vllm", "specpage q4, default pair"),
@@ -253,14 +255,30 @@ def quantization(r: dict) -> list[str]:
                 f" MB) | {fmt(f['q4_gguf']['floor_ms'], 1)} ms | measured step is "
                 f"{fmt(s['q4_vs_floor'], 1)}× the floor (fp32: {f['fp32']['bytes'] / 1e6:.0f} "
                 f"MB, {fmt(f['fp32']['floor_ms'], 1)} ms) |")
+    for rows_key, h in s.get("linears_alone", {}).items():
+        label = rows_key.removeprefix("rows_").removesuffix("_ms")
+        rows.append(f"| 30 layers' projections alone, {label} rows | "
+                    + ", ".join(f"{k} {fmt(v, 1)} ms" for k, v in h.items()) + " | |")
     for rows_key, label in (("rows_1_ms", "1 row"), ("rows_32_ms", "32 rows")):
-        if "linears_alone" in s:
-            h = s["linears_alone"][rows_key]
-            rows.append(f"| 30 layers' projections alone, {label} | "
-                        + ", ".join(f"{k} {fmt(v, 1)} ms" for k, v in h.items()) + " | |")
         h = s["head_alone"][rows_key]
         rows.append(f"| vocabulary projection alone, {label} | "
                     + ", ".join(f"{k} {fmt(v, 1)} ms" for k, v in h.items()) + " | |")
+    return rows
+
+
+def compile_(r: dict) -> list[str]:
+    """torch.compile against the runner's eager path, the step without attention."""
+    rows = []
+    for case in r["cases"]:
+        label = f"{case['dtype'].removeprefix('torch.')}, {case['rows']} rows"
+        rows.append(f"| step without attention, {label}: eager with fused kernels (the runner) | "
+                    f"{spread(case['ms']['eager_fused'], 2)} ms | |")
+        for way, c in case["eager_fused_vs"].items():
+            took = case["compile_s"].get(way)
+            rows.append(f"| {label}: {way.replace('_', ' ')} | "
+                        f"{spread(case['ms'][way], 2)} ms"
+                        + (f" (compile {took:.0f} s)" if took is not None else "")
+                        + f" | eager fused {verdict(c)} |")
     return rows
 
 
@@ -273,7 +291,8 @@ def rows(render: Callable[[dict], list[str]], result: dict) -> list[str]:
 
 SECTIONS = {"block_pool": block_pool, "model_runner": model_runner, "engine": engine,
             "speculation": speculation, "adaptive": adaptive, "memory": memory,
-            "overhead": overhead, "serving": serving, "quantization": quantization}
+            "overhead": overhead, "serving": serving, "quantization": quantization,
+            "compile": compile_}
 
 
 def main() -> None:
