@@ -79,14 +79,18 @@ void attend_item(const scalar_t* q, const scalar_t* cache, scalar_t* out, const 
   for (int64_t p0 = 0; p0 < context; p0 += kLanes) {
     const int64_t count = std::min(kLanes, context - p0);
     const scalar_t* const* k = keys.data() + p0;
-    for (int64_t r = 0; r < rows; ++r) {
-      const vfloat* qr = qv + r * kChunks;
-      vfloat* d = dots + r * kLanes;
-      for (int64_t j = 0; j < count; ++j) {
-        vfloat dot = qr[0] * load(k[j]);
-        for (int64_t c = 1; c < kChunks; ++c) dot += qr[c] * load(k[j] + c * kLanes);
-        d[j] = dot;
+    for (int64_t j = 0; j < count; ++j) {
+      vfloat kv[kChunks];  // widened once for all rows
+      for (int64_t c = 0; c < kChunks; ++c) kv[c] = load(k[j] + c * kLanes);
+      for (int64_t r = 0; r < rows; ++r) {
+        const vfloat* qr = qv + r * kChunks;
+        vfloat dot = qr[0] * kv[0];
+        for (int64_t c = 1; c < kChunks; ++c) dot += qr[c] * kv[c];
+        dots[r * kLanes + j] = dot;
       }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      vfloat* d = dots + r * kLanes;
       for (int64_t j = count; j < kLanes; ++j) d[j] = vfloat{};
       const vfloat total = sum_lanes16(d);
       std::memcpy(scores.data() + r * padded_context + p0, &total, sizeof(total));
@@ -129,11 +133,7 @@ void attend_item(const scalar_t* q, const scalar_t* cache, scalar_t* out, const 
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t t = r / groups, g = r % groups;
     scalar_t* dst = out + ((item.q_first + t) * shape.heads + item.kv_head * groups + g) * head_dim;
-    for (int64_t c = 0; c < kChunks; ++c) {
-      for (int64_t i = 0; i < kLanes; ++i) {
-        dst[c * kLanes + i] = static_cast<scalar_t>(acc[r * kChunks + c][i]);
-      }
-    }
+    for (int64_t c = 0; c < kChunks; ++c) store(dst + c * kLanes, acc[r * kChunks + c]);
   }
 }
 
