@@ -5,8 +5,17 @@ prepacked weight follows its module's weight through a dtype change."""
 import pytest
 import torch
 
+from specpage.kernels.native import native_kernels
 from specpage.models import cpu
-from specpage.models.decoder import Linear, PackedWeight, cpu_linear, uses_onednn
+from specpage.models.decoder import (
+    GEMV_MAX_ROWS,
+    Linear,
+    PackedWeight,
+    _gemv_kernels,
+    cpu_linear,
+    uses_gemv,
+    uses_onednn,
+)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 16, 32, 33, 100])
@@ -40,3 +49,38 @@ def test_a_packed_weight_follows_its_module_to_another_dtype():
     second = linear(x.bfloat16())
     assert second.dtype == torch.bfloat16
     torch.testing.assert_close(second.float(), first, rtol=2e-2, atol=5e-2)
+
+
+gemv = pytest.mark.skipif(_gemv_kernels() is None, reason="no AVX-512 BF16 kernel in this build")
+
+
+@gemv
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize(("out", "inputs"), [(208, 96), (576, 1536), (960, 576)])
+def test_few_bf16_rows_on_the_native_kernel_give_f_linear(rows, out, inputs):
+    """bf16 products of up to GEMV_MAX_ROWS rows run on the native kernel
+    (fp32 sums of exact bf16 products, then rounded): F.linear's result in
+    fp32, rounded to bf16, within a bf16 step of the output's size."""
+    torch.manual_seed(rows + out)
+    x = torch.randn(rows, inputs).bfloat16()
+    weight, bias = (torch.randn(out, inputs) * 0.05).bfloat16(), torch.randn(out).bfloat16()
+    with torch.inference_mode():
+        assert uses_gemv(x, weight) == (rows <= GEMV_MAX_ROWS)
+        ours = cpu_linear(x, weight, bias, PackedWeight())
+    ref = torch.nn.functional.linear(x.float(), weight.float()) + bias.float()
+    assert ours.shape == (rows, out) and ours.dtype == torch.bfloat16
+    assert float((ours.float() - ref).abs().max()) <= float(ref.abs().max()) * 2**-7
+
+
+@gemv
+def test_the_native_product_refuses_what_it_cannot_take_by_name():
+    kernels = native_kernels()
+    x = torch.zeros(1, 96, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        kernels.bf16_gemv(x, torch.zeros(200, 96, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="1 to 16 rows"):
+        kernels.bf16_gemv(torch.zeros(17, 96, dtype=torch.bfloat16),
+                          torch.zeros(208, 96, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="x must be contiguous bf16"):
+        kernels.bf16_gemv(x.float(), torch.zeros(208, 96, dtype=torch.bfloat16))
+    assert not uses_gemv(x, torch.zeros(208, 96))  # an fp32 weight stays on oneDNN/BLAS

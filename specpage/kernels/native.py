@@ -6,7 +6,10 @@ torch's cpp_extension into the specpage cache, loaded from there afterwards.
   (specpage/attention/cpu.py; its reference is in specpage/attention/native.py);
 - fused_ops.cpp: RMSNorm (with the residual add), SiLU-and-mul and rotary
   embeddings, one pass each (specpage/models/fused.py, which holds their
-  references).
+  references);
+- bf16_gemv.cpp: bf16 products of a few rows on AVX-512 BF16
+  (specpage/models/decoder.py cpu_linear; where the build lacks the
+  instructions, has_bf16_gemv() is false and oneDNN takes them).
 
 The build is optional: without a compiler, ninja or a CPU build of torch it
 fails, the failure is logged once, and every caller takes its pure-torch way

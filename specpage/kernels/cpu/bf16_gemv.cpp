@@ -1,0 +1,132 @@
+// Products of a few bf16 rows by a bf16 weight on a CPU with AVX-512 BF16:
+// y [rows, out] = x [rows, in] @ weight [out, in].T, for the one-token and
+// verify steps of one stream, where a product is bound by reading the weight
+// once. Each output's dot product runs on vdpbf16ps (pairs of bf16 products,
+// exact in fp32, accumulated in fp32) along the weight's own rows, sixteen
+// outputs at a time, whose lane sums are taken together (vec.h's
+// sum_lanes16). Output blocks are split over threads; each block reads its
+// sixteen weight rows once from memory for all of x's rows (they stay in
+// cache between rows).
+//
+// Registered as torch.ops.specpage_cpu.bf16_gemv, and
+// torch.ops.specpage_cpu.has_bf16_gemv says whether this build has it
+// (it needs the instructions at build time: -march=native).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+#include "vec.h"
+
+namespace {
+
+using namespace specpage_cpu;
+
+constexpr int64_t kBlock = 16;  // outputs per block: one sum_lanes16
+constexpr int64_t kDepth = 32;  // bf16 inputs per vdpbf16ps
+constexpr int64_t kMaxRows = 16;
+constexpr int64_t kRowGroup = 4;  // x rows sharing one read of a weight row
+
+#if defined(__AVX512BF16__)
+// One output's partial sums (16 lanes): weight row w against x, in two chains.
+inline __m512 dot_row(const uint16_t* w, const uint16_t* x, int64_t in) {
+  __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 2 * kDepth <= in; i += 2 * kDepth) {
+    even = _mm512_dpbf16_ps(even, (__m512bh)_mm512_loadu_si512(w + i),
+                            (__m512bh)_mm512_loadu_si512(x + i));
+    odd = _mm512_dpbf16_ps(odd, (__m512bh)_mm512_loadu_si512(w + i + kDepth),
+                           (__m512bh)_mm512_loadu_si512(x + i + kDepth));
+  }
+  if (i < in) {
+    even = _mm512_dpbf16_ps(even, (__m512bh)_mm512_loadu_si512(w + i),
+                            (__m512bh)_mm512_loadu_si512(x + i));
+  }
+  return _mm512_add_ps(even, odd);
+}
+#endif
+
+bool has_bf16_gemv() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(has_bf16_gemv(), "bf16_gemv: built without AVX-512 BF16");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
+              "x must be contiguous bf16 [rows, in]");
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() &&
+                  weight.scalar_type() == at::kBFloat16 && weight.size(1) == x.size(1),
+              "weight must be contiguous bf16 [out, in] with x's in");
+  const int64_t rows = x.size(0), in = x.size(1), out = weight.size(0);
+  TORCH_CHECK(rows >= 1 && rows <= kMaxRows, "bf16_gemv takes 1 to ", kMaxRows, " rows, got ",
+              rows);
+  TORCH_CHECK(in % kDepth == 0 && out % kBlock == 0, "bf16_gemv needs in a multiple of ",
+              kDepth, " and out a multiple of ", kBlock, ", got ", in, " and ", out);
+  at::Tensor y = at::empty({rows, out}, x.options());
+#if defined(__AVX512BF16__)
+  const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
+  const auto* ws = reinterpret_cast<const uint16_t*>(weight.data_ptr<c10::BFloat16>());
+  c10::BFloat16* ys = y.data_ptr<c10::BFloat16>();
+  // Blocks per task: enough that a task reads ~64 KB of weight.
+  const int64_t grain = std::max<int64_t>(1, (64 << 10) / (kBlock * in * 2));
+  at::parallel_for(0, out / kBlock, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const uint16_t* w = ws + b * kBlock * in;
+      for (int64_t r0 = 0; r0 < rows; r0 += kRowGroup) {
+        const int64_t group = std::min(kRowGroup, rows - r0);
+        vfloat lanes[kRowGroup][kBlock];
+        for (int64_t o = 0; o < kBlock; ++o) {
+          // Each weight row read front to back (the block is one run of
+          // memory) once for the group's rows; one row keeps two chains of
+          // adds, so they do not wait on each other.
+          const uint16_t* wo = w + o * in;
+          if (group == 1) {
+            lanes[0][o] = (vfloat)dot_row(wo, xs + r0 * in, in);
+            continue;
+          }
+          __m512 acc[kRowGroup];
+          for (int64_t r = 0; r < group; ++r) acc[r] = _mm512_setzero_ps();
+          for (int64_t i = 0; i < in; i += kDepth) {
+            const __m512bh wv = (__m512bh)_mm512_loadu_si512(wo + i);
+            for (int64_t r = 0; r < group; ++r) {
+              acc[r] = _mm512_dpbf16_ps(
+                  acc[r], wv, (__m512bh)_mm512_loadu_si512(xs + (r0 + r) * in + i));
+            }
+          }
+          for (int64_t r = 0; r < group; ++r) lanes[r][o] = (vfloat)acc[r];
+        }
+        for (int64_t r = 0; r < group; ++r) {
+          store(ys + (r0 + r) * out + b * kBlock, sum_lanes16(lanes[r]));
+        }
+      }
+    }
+  });
+#endif
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(specpage_cpu, m) {
+  m.def("bf16_gemv(Tensor x, Tensor weight) -> Tensor");
+  m.def("has_bf16_gemv() -> bool");
+}
+
+TORCH_LIBRARY_IMPL(specpage_cpu, CPU, m) { m.impl("bf16_gemv", &bf16_gemv); }
+
+TORCH_LIBRARY_IMPL(specpage_cpu, CompositeExplicitAutograd, m) {
+  m.impl("has_bf16_gemv", &has_bf16_gemv);
+}
