@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 
 from specpage.cli import main
+from specpage.config import ModelSection
+from specpage.models import cpu
 from specpage.models.loader import load_model
 from tests.models_util import tiny_checkpoint
 
@@ -24,14 +26,15 @@ def test_the_draft_is_priced_in_the_dtype_the_daemon_loads_it_in(
     draft = tmp_path / "draft"
     tiny_checkpoint(draft, num_hidden_layers=1)  # 2 KV heads of 16
     config = json.loads((draft / "config.json").read_text())
-    # A checkpoint saved in bf16: the daemon still runs it in fp32 on a CPU.
-    (draft / "config.json").write_text(json.dumps({**config, "torch_dtype": "bfloat16"}))
-    loaded = load_model(draft)  # as the daemon does with model.dtype unset
+    # Saved in fp16: the daemon runs it in its own dtype all the same (bf16 on
+    # a CPU with native bf16 products, else fp32), and so keeps its KV.
+    (draft / "config.json").write_text(json.dumps({**config, "torch_dtype": "float16"}))
+    loaded = load_model(draft, ModelSection().dtype)  # as the daemon does by default
 
     got = plan(capsys, "--draft", str(draft))
 
     itemsize = next(loaded.model.parameters()).dtype.itemsize
-    assert itemsize == 4
-    assert got == {"draft": 2 * 1 * 2 * 16 * itemsize, "sum": 256}
+    assert itemsize == (2 if cpu.has_fast_bf16() else 4)
+    assert got == {"draft": 2 * 1 * 2 * 16 * itemsize, "sum": 2 * 1 * 2 * 16 * itemsize}
     assert plan(capsys, "--draft", str(draft), "--device", "cuda")["draft"] == 128  # bf16
     assert plan(capsys, "--draft", str(draft), "--dtype", "fp16")["draft"] == 128

@@ -26,7 +26,7 @@ def add_parser(sub: Any, name: str) -> None:
     parser.add_argument("--kv-heads", type=int, help="target KV heads")
     parser.add_argument("--head-dim", type=int, help="target head dim")
     parser.add_argument("--dtype", help="KV dtype of both models (fp32, bf16, fp16, fp8); "
-                        "default: the daemon's with model.dtype unset on --device")
+                        "default: the daemon's at its default model.dtype on --device")
     parser.add_argument("--device", default="cpu", help="the daemon's model.device (default cpu)")
     parser.add_argument("--budget", type=kv_layout.parse_bytes, help="KV bytes, e.g. 8GiB")
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
@@ -88,13 +88,16 @@ def render(plan: dict[str, Any]) -> str:
 
 
 def daemon_dtype(device: str) -> str:
-    """The dtype the daemon loads both models in, and so keeps their KV in, when
-    model.dtype is unset: the loader's rule, not the checkpoint's torch_dtype."""
+    """The dtype the daemon loads both models in, and so keeps their KV in, at
+    its default model.dtype ("auto": bf16 where the device computes it
+    natively, else fp32): the loader's rule, not the checkpoint's torch_dtype."""
     import torch  # only here: the arithmetic alone needs no torch
 
+    from specpage.config import ModelSection
     from specpage.models.loader import resolve_dtype
 
-    return str(resolve_dtype(None, torch.device(device))).removeprefix("torch.")
+    dtype = resolve_dtype(ModelSection().dtype, torch.device(device))
+    return str(dtype).removeprefix("torch.")
 
 
 def _models(args: argparse.Namespace) -> dict[str, KvShape]:
