@@ -15,6 +15,7 @@ import torch
 
 from specpage.attention.backend import AttentionBackend
 from specpage.attention.selection import select_backend
+from specpage.kernels.native import native_kernels
 from specpage.models.decoder import LayerTap
 from specpage.models.loader import LoadedModel
 
@@ -44,6 +45,8 @@ class ModelRunner:
         self.block_size = block_size
         weight = self.model.embed_tokens.weight
         self.device, self.dtype = weight.device, weight.dtype
+        if self.device.type == "cpu":
+            native_kernels()  # built (once per machine) or loaded now, not in a timed forward
         self.backend = backend or select_backend(self.device, self.config.head_dim)
         c = self.config
         # [layers, 2 (K, V), num_blocks, block_size, kv_heads, head_dim]

@@ -4,7 +4,9 @@ A daemon restarted on the same machine with the same models times the same
 forwards again; the cache skips that. The key names everything the timings
 depend on: both models (their identity digests), the machine (CPU model, the
 instruction sets kernels dispatch on, torch's version and threads, the GPU),
-the dtype and block size, and what was timed (sizes, rows, context). Only a
+the dtype and block size, what was timed (sizes, rows, context), and
+specpage's own code (its Python and kernel sources: a faster forward makes
+the old timings wrong, and the policy would price proposals by them). Only a
 measurement that timed every size is stored; timings from a busy moment are
 corrected online by the policy either way.
 
@@ -14,6 +16,7 @@ Files live under the specpage cache directory (`models.fetch.cache_dir`):
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -28,7 +31,7 @@ import torch
 from specpage.models.fetch import cache_dir
 from specpage.spec.calibrate import Plan
 
-VERSION = 1  # of the key and the file's content; bump when either changes meaning
+VERSION = 2  # of the key and the file's content; bump when either changes meaning
 # CPU flags kernels dispatch on (oneDNN, BLAS, torch's vectorised ops).
 KERNEL_FLAGS = frozenset({
     "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16",
@@ -68,12 +71,25 @@ def machine() -> dict[str, object]:
     }
 
 
+@functools.cache
+def code_digest() -> str:
+    """A digest of specpage's sources (.py, and the native kernels' .cpp, .h)."""
+    root = Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*")):
+        if path.suffix in (".py", ".cpp", ".h") and "__pycache__" not in path.parts:
+            digest.update(str(path.relative_to(root)).encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
 def cache_path(identities: tuple[bytes, bytes], plan: Plan, dtype: torch.dtype,
                block_size: int) -> Path:
     key = {
         "version": VERSION,
         "models": [identity.hex() for identity in identities],
         "machine": machine(),
+        "code": code_digest(),
         "dtype": str(dtype),
         "block_size": block_size,
         "plan": asdict(plan),
