@@ -55,7 +55,7 @@ gemv = pytest.mark.skipif(_gemv_kernels() is None, reason="no AVX-512 BF16 kerne
 
 
 @gemv
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 9])
 @pytest.mark.parametrize(("out", "inputs"), [(208, 96), (576, 1536), (960, 576)])
 def test_few_bf16_rows_on_the_native_kernel_give_f_linear(rows, out, inputs):
     """bf16 products of up to GEMV_MAX_ROWS rows run on the native kernel
@@ -84,3 +84,14 @@ def test_the_native_product_refuses_what_it_cannot_take_by_name():
     with pytest.raises(RuntimeError, match="x must be contiguous bf16"):
         kernels.bf16_gemv(x.float(), torch.zeros(208, 96, dtype=torch.bfloat16))
     assert not uses_gemv(x, torch.zeros(208, 96))  # an fp32 weight stays on oneDNN/BLAS
+
+
+@gemv
+def test_the_native_product_takes_up_to_16_rows_in_groups():
+    """More rows than one group of the kernel (8) share reads group by group."""
+    torch.manual_seed(12)
+    x = torch.randn(12, 576).bfloat16()
+    weight = (torch.randn(960, 576) * 0.05).bfloat16()
+    ours = native_kernels().bf16_gemv(x, weight).float()
+    ref = x.float() @ weight.float().T
+    assert float((ours - ref).abs().max()) <= float(ref.abs().max()) * 2**-7

@@ -118,9 +118,10 @@ class PackedWeight:
 # (kernels/cpu/bf16_gemv.cpp) where the CPU has AVX-512 BF16: reading each
 # weight row once, front to back. SmolLM2-135M's 30 layers of products, ms,
 # native / oneDNN: 1 row 7.8 / 11.3, 2: 7.5 / 13.4, 4: 9.9 / 10.8,
-# 5: 11.7 / 11.2, 8: 13.9 / 12.9; the vocabulary projection 1 row 0.84 / 1.24,
-# 4: 1.63 / 1.42 (2 AVX-512 BF16 cores).
-GEMV_MAX_ROWS = 4
+# 5: 10.5-11.2 / 12.3-12.5 (a verify span of k = 4), 6: 12.5-13.2 / 12.4;
+# the vocabulary projection 1 row 0.84 / 1.24 (2 AVX-512 BF16 cores; the
+# machine was shared, so these are indications, repeated where close).
+GEMV_MAX_ROWS = 5
 
 
 def uses_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:

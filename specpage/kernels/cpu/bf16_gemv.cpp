@@ -34,7 +34,7 @@ using namespace specpage_cpu;
 constexpr int64_t kBlock = 16;  // outputs per block: one sum_lanes16
 constexpr int64_t kDepth = 32;  // bf16 inputs per vdpbf16ps
 constexpr int64_t kMaxRows = 16;
-constexpr int64_t kRowGroup = 4;  // x rows sharing one read of a weight row
+constexpr int64_t kRowGroup = 8;  // x rows sharing one read of a weight row (registers)
 
 #if defined(__AVX512BF16__)
 // One output's partial sums (16 lanes): weight row w against x, in two chains.
