@@ -1,6 +1,7 @@
 """The paged model runner against HF transformers on SmolLM2-135M fp32, same
 inputs, one run: prefill tokens/s and decode step time at batch 1, 8 and 32,
-with the memory-bandwidth floor of a batch-1 decode step. Each case runs both
+with the memory-bandwidth floor of a batch-1 decode step, and one sequence
+verifying 5 positions (k = 4) against its batch-1 decode step. Each case runs both
 in rotated order over several rounds after the same warm-up call
 (bench/common.py); a round's figure is the median of a few calls, and a
 speed-up whose spreads overlap is "level".
@@ -38,6 +39,7 @@ from specpage.models.loader import load_model  # noqa: E402
 BLOCK_SIZE = 16
 CALLS = 3  # calls per round; a round's figure is their median
 ROUNDS = 5  # rounds of a full run: its cases take milliseconds each
+VERIFY_SPAN = 5  # a verify step of k = 4 proposals
 
 
 def per_call(fn: Callable[[], object]) -> Callable[[None], float]:
@@ -60,6 +62,15 @@ def ours_decode(runner: ModelRunner, batch: int, context: int) -> Callable[[], o
     prompts = [[(7 * i + j) % 40000 + 100 for j in range(context)] for i in range(batch)]
     runner.forward([SeqSpan(p, 0, t, 1) for p, t in zip(prompts, tables, strict=True)])
     spans = [SeqSpan([5], context, t, 1) for t in tables]
+    return lambda: runner.forward(spans)
+
+
+def ours_verify(runner: ModelRunner, span: int, context: int) -> Callable[[], object]:
+    """One sequence verifying `span` positions (k = span - 1 proposals), logits for each."""
+    blocks = -(-(context + span) // BLOCK_SIZE)
+    table = list(range(blocks))
+    runner.forward([SeqSpan([(3 * j) % 40000 + 100 for j in range(context)], 0, table, 1)])
+    spans = [SeqSpan([5] * span, context, table, span)]
     return lambda: runner.forward(spans)
 
 
@@ -126,6 +137,14 @@ def main() -> None:
         print(f"decode batch {batch:>2}: ours {ours * 1e3:7.2f} ms, HF {theirs * 1e3:7.2f} ms, "
               f"{case['ratio']:.2f}x ({case['verdict']})", file=sys.stderr)
 
+    # Verifying k + 1 = 5 positions of one sequence against decoding one token.
+    verify = rotated({"verify_5": per_call(ours_verify(runner, VERIFY_SPAN, context)),
+                      "decode_1": per_call(ours_decode(runner, 1, context))}, None, None,
+                     rounds(args.quick, full=ROUNDS))
+    verify_ratio = verify["verify_5"].median / verify["decode_1"].median
+    print(f"verify {VERIFY_SPAN} positions: {verify['verify_5'].median * 1e3:.2f} ms, "
+          f"{verify_ratio:.2f}x a batch-1 decode step", file=sys.stderr)
+
     weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
     bandwidth = copy_bandwidth()
     floor_ms = weight_bytes / (2 * bandwidth) * 1e3
@@ -143,6 +162,8 @@ def main() -> None:
         "weight_mb": weight_bytes / 1e6,
         "batch1_floor_ms": floor_ms,
         "batch1_over_floor": rows[0]["ours_ms"] / floor_ms,
+        "verify": {"span": VERIFY_SPAN, "ours_s": verify["verify_5"].as_json(),
+                   "decode_1_s": verify["decode_1"].as_json(), "over_decode_1": verify_ratio},
         "machine": machine(),
     }
     print(f"prefill: ours {tokens / ours_prefill:.0f} tok/s, HF {tokens / hf_prefill:.0f} tok/s; "

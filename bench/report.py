@@ -46,7 +46,8 @@ def model_runner(r: dict) -> list[str]:
         return ", level (spreads overlap)" if case.get("verdict") == "level" else ""
 
     p = r["prefill"]
-    rows = [f"| prefill, {p['tokens']} tokens | {fmt(p['ours_tok_s'], 0)} "
+    rows = [f"| specpage's model | {r['model'].replace('torch.', '')} | HF in float32 |",
+            f"| prefill, {p['tokens']} tokens | {fmt(p['ours_tok_s'], 0)} "
             f"tok/s | HF {fmt(p['hf_tok_s'], 0)} tok/s: **{fmt(p['speedup'])}×**{level(p)} |"]
     for d in r["decode"]:
         rows.append(f"| decode step, batch {d['batch']}, context {r['decode_context']} | "
@@ -54,6 +55,11 @@ def model_runner(r: dict) -> list[str]:
                     f"**{fmt(d['speedup'])}×**{level(d)} |")
     rows.append(f"| batch-1 decode floor (weights / copy traffic) | {fmt(r['batch1_floor_ms'], 1)}"
                 f" ms | measured step is {fmt(r['batch1_over_floor'], 1)}× the floor |")
+    if "verify" in r:
+        v = r["verify"]
+        rows.append(f"| one sequence verifying {v['span']} positions | "
+                    f"{spread(ms(v['ours_s']))} ms | {fmt(v['over_decode_1'])}× its batch-1 "
+                    f"decode step ({spread(ms(v['decode_1_s']))} ms) |")
     return rows
 
 
