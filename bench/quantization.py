@@ -8,8 +8,9 @@ SmolLM2-135M-Instruct, one run:
   input cast to bf16) and q4 re-quantized round-to-nearest from the fp32
   weights; greedy agreement with fp32 over chat prompts (prompts whose whole
   answer is the same, and tokens before the first difference); and how far
-  the kernel's weights are from the GGUF's: its scale and zero are bf16, so
-  GGML's float16 d and m are rounded to 8 significant bits;
+  torch's int4 kernel's weights are from the GGUF's: its scale and zero are
+  bf16, so GGML's float16 d and m are rounded to 8 significant bits (the
+  native kernel, where it runs, keeps them exact);
 - speed: batch-1 decode step, q4 vs fp32 vs bf16 weights, and batch 32 q4 vs
   fp32, rotated rounds (bench/common.py); the q4 step's bandwidth floor from
   the bytes it reads (packed weights, scales and zeros, the embedding/LM head

@@ -11,7 +11,7 @@ from specpage.models.decoder import (
     GEMV_MAX_ROWS,
     Linear,
     PackedWeight,
-    _gemv_kernels,
+    bf16_kernels,
     cpu_linear,
     uses_gemv,
     uses_onednn,
@@ -51,7 +51,7 @@ def test_a_packed_weight_follows_its_module_to_another_dtype():
     torch.testing.assert_close(second.float(), first, rtol=2e-2, atol=5e-2)
 
 
-gemv = pytest.mark.skipif(_gemv_kernels() is None, reason="no AVX-512 BF16 kernel in this build")
+gemv = pytest.mark.skipif(bf16_kernels() is None, reason="no AVX-512 BF16 kernel in this build")
 
 
 @gemv
@@ -84,6 +84,12 @@ def test_the_native_product_refuses_what_it_cannot_take_by_name():
     with pytest.raises(RuntimeError, match="x must be contiguous bf16"):
         kernels.bf16_gemv(x.float(), torch.zeros(208, 96, dtype=torch.bfloat16))
     assert not uses_gemv(x, torch.zeros(208, 96))  # an fp32 weight stays on oneDNN/BLAS
+    nibbles, scale = torch.zeros(208, 48, dtype=torch.uint8), torch.zeros(208, 3)
+    with pytest.raises(RuntimeError, match="in a multiple of 64"):
+        kernels.int4_gemv(x, nibbles, scale, scale)
+    with pytest.raises(RuntimeError, match="scale and bias must be contiguous float32"):
+        kernels.int4_gemv(torch.zeros(1, 128, dtype=torch.bfloat16),
+                          torch.zeros(208, 64, dtype=torch.uint8), scale, scale)
 
 
 @gemv

@@ -9,7 +9,9 @@ torch's cpp_extension into the specpage cache, loaded from there afterwards.
   references);
 - bf16_gemv.cpp: bf16 products of a few rows on AVX-512 BF16
   (specpage/models/decoder.py cpu_linear; where the build lacks the
-  instructions, has_bf16_gemv() is false and oneDNN takes them).
+  instructions, has_bf16_gemv() is false and oneDNN takes them);
+- int4_gemv.cpp: group-wise int4 products of a few rows on AVX-512 BF16
+  (specpage/models/quant.py; torch's int4 kernel elsewhere).
 
 The build is optional: without a compiler, ninja or a CPU build of torch it
 fails, the failure is logged once, and every caller takes its pure-torch way

@@ -129,11 +129,13 @@ def uses_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (x.shape[0] <= GEMV_MAX_ROWS and x.dtype == weight.dtype == torch.bfloat16
             and weight.shape[0] % 16 == 0 and weight.shape[1] % 32 == 0
             and weight.is_contiguous() and not torch.is_grad_enabled()
-            and _gemv_kernels() is not None)
+            and bf16_kernels() is not None)
 
 
 @functools.cache
-def _gemv_kernels() -> object | None:
+def bf16_kernels() -> object | None:
+    """The native kernels where this build has AVX-512 BF16 (bf16_gemv, and
+    int4_gemv for models/quant.py); None elsewhere."""
     kernels = native_kernels()
     return kernels if kernels is not None and kernels.has_bf16_gemv() else None
 
@@ -142,7 +144,7 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                packed: PackedWeight) -> torch.Tensor:
     """x [rows, in] @ weight.T [+ bias] the fastest way this CPU has for the rows."""
     if x.device.type == "cpu" and uses_gemv(x, weight):
-        y = _gemv_kernels().bf16_gemv(x.contiguous(), weight)  # type: ignore[union-attr]
+        y = bf16_kernels().bf16_gemv(x.contiguous(), weight)  # type: ignore[union-attr]
         return y if bias is None else y + bias
     if x.device.type == "cpu" and uses_onednn(weight, x.shape[0]):
         y: torch.Tensor = torch.ops.mkldnn._linear_pointwise(

@@ -53,6 +53,44 @@ inline __m512 dot_row(const uint16_t* w, const uint16_t* x, int64_t in) {
   }
   return _mm512_add_ps(even, odd);
 }
+
+struct Operands {
+  const uint16_t* x;  // bf16 [rows, in]: the group's first row
+  const uint16_t* w;  // bf16 [out, in]
+  c10::BFloat16* y;   // [rows, out]: the group's first row
+  int64_t in, out;
+};
+
+// Output blocks [begin, end) for kRows rows of x, the rows a compile-time
+// count so that every accumulator stays in a register. Each weight row is
+// read front to back (a block is one run of memory) once for all the rows.
+template <int64_t kRows>
+void blocks(const Operands& p, int64_t begin, int64_t end) {
+  for (int64_t b = begin; b < end; ++b) {
+    const uint16_t* w = p.w + b * kBlock * p.in;
+    vfloat lanes[kRows][kBlock];
+    for (int64_t o = 0; o < kBlock; ++o) {
+      const uint16_t* wo = w + o * p.in;
+      if constexpr (kRows == 1) {
+        lanes[0][o] = (vfloat)dot_row(wo, p.x, p.in);
+      } else {
+        __m512 acc[kRows];
+        for (int64_t r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
+        for (int64_t i = 0; i < p.in; i += kDepth) {
+          const __m512bh wv = (__m512bh)_mm512_loadu_si512(wo + i);
+          for (int64_t r = 0; r < kRows; ++r) {
+            acc[r] = _mm512_dpbf16_ps(acc[r], wv,
+                                      (__m512bh)_mm512_loadu_si512(p.x + r * p.in + i));
+          }
+        }
+        for (int64_t r = 0; r < kRows; ++r) lanes[r][o] = (vfloat)acc[r];
+      }
+    }
+    for (int64_t r = 0; r < kRows; ++r) {
+      store(p.y + r * p.out + b * kBlock, sum_lanes16(lanes[r]));
+    }
+  }
+}
 #endif
 
 bool has_bf16_gemv() {
@@ -83,34 +121,17 @@ at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& weight) {
   // Blocks per task: enough that a task reads ~64 KB of weight.
   const int64_t grain = std::max<int64_t>(1, (64 << 10) / (kBlock * in * 2));
   at::parallel_for(0, out / kBlock, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const uint16_t* w = ws + b * kBlock * in;
-      for (int64_t r0 = 0; r0 < rows; r0 += kRowGroup) {
-        const int64_t group = std::min(kRowGroup, rows - r0);
-        vfloat lanes[kRowGroup][kBlock];
-        for (int64_t o = 0; o < kBlock; ++o) {
-          // Each weight row read front to back (the block is one run of
-          // memory) once for the group's rows; one row keeps two chains of
-          // adds, so they do not wait on each other.
-          const uint16_t* wo = w + o * in;
-          if (group == 1) {
-            lanes[0][o] = (vfloat)dot_row(wo, xs + r0 * in, in);
-            continue;
-          }
-          __m512 acc[kRowGroup];
-          for (int64_t r = 0; r < group; ++r) acc[r] = _mm512_setzero_ps();
-          for (int64_t i = 0; i < in; i += kDepth) {
-            const __m512bh wv = (__m512bh)_mm512_loadu_si512(wo + i);
-            for (int64_t r = 0; r < group; ++r) {
-              acc[r] = _mm512_dpbf16_ps(
-                  acc[r], wv, (__m512bh)_mm512_loadu_si512(xs + (r0 + r) * in + i));
-            }
-          }
-          for (int64_t r = 0; r < group; ++r) lanes[r][o] = (vfloat)acc[r];
-        }
-        for (int64_t r = 0; r < group; ++r) {
-          store(ys + (r0 + r) * out + b * kBlock, sum_lanes16(lanes[r]));
-        }
+    for (int64_t r0 = 0; r0 < rows; r0 += kRowGroup) {
+      const Operands p{xs + r0 * in, ws, ys + r0 * out, in, out};
+      switch (std::min(kRowGroup, rows - r0)) {
+        case 1: blocks<1>(p, begin, end); break;
+        case 2: blocks<2>(p, begin, end); break;
+        case 3: blocks<3>(p, begin, end); break;
+        case 4: blocks<4>(p, begin, end); break;
+        case 5: blocks<5>(p, begin, end); break;
+        case 6: blocks<6>(p, begin, end); break;
+        case 7: blocks<7>(p, begin, end); break;
+        default: blocks<8>(p, begin, end); break;
       }
     }
   });
