@@ -123,16 +123,8 @@ at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& weight) {
   at::parallel_for(0, out / kBlock, grain, [&](int64_t begin, int64_t end) {
     for (int64_t r0 = 0; r0 < rows; r0 += kRowGroup) {
       const Operands p{xs + r0 * in, ws, ys + r0 * out, in, out};
-      switch (std::min(kRowGroup, rows - r0)) {
-        case 1: blocks<1>(p, begin, end); break;
-        case 2: blocks<2>(p, begin, end); break;
-        case 3: blocks<3>(p, begin, end); break;
-        case 4: blocks<4>(p, begin, end); break;
-        case 5: blocks<5>(p, begin, end); break;
-        case 6: blocks<6>(p, begin, end); break;
-        case 7: blocks<7>(p, begin, end); break;
-        default: blocks<8>(p, begin, end); break;
-      }
+      with_rows(std::min(kRowGroup, rows - r0),
+                [&](auto group) { blocks<decltype(group)::value>(p, begin, end); });
     }
   });
 #endif

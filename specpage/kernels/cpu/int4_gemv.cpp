@@ -139,16 +139,7 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Te
   const int64_t grain = std::max<int64_t>(1, (32 << 10) / (kBlock * in / 2));
   const Operands ops{xs, qs, ss, bs, xsum.data(), ys, in, groups, out};
   at::parallel_for(0, out / kBlock, grain, [&](int64_t begin, int64_t end) {
-    switch (rows) {
-      case 1: blocks<1>(ops, begin, end); break;
-      case 2: blocks<2>(ops, begin, end); break;
-      case 3: blocks<3>(ops, begin, end); break;
-      case 4: blocks<4>(ops, begin, end); break;
-      case 5: blocks<5>(ops, begin, end); break;
-      case 6: blocks<6>(ops, begin, end); break;
-      case 7: blocks<7>(ops, begin, end); break;
-      default: blocks<8>(ops, begin, end); break;
-    }
+    with_rows(rows, [&](auto count) { blocks<decltype(count)::value>(ops, begin, end); });
   });
 #else
   TORCH_CHECK(false, "int4_gemv: built without AVX-512 BF16");

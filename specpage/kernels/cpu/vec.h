@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace specpage_cpu {
 
@@ -126,6 +127,23 @@ inline vfloat vexp(vfloat x) {
   vfloat scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return y * scale;
+}
+
+// f(std::integral_constant<int64_t, R>{}) with R = rows, 1 to 8 (more: 8):
+// a row count the compiler knows, so that per-row accumulators stay in
+// registers (indexed by a runtime count they live in memory).
+template <typename F>
+void with_rows(int64_t rows, F&& f) {
+  switch (rows) {
+    case 1: f(std::integral_constant<int64_t, 1>{}); break;
+    case 2: f(std::integral_constant<int64_t, 2>{}); break;
+    case 3: f(std::integral_constant<int64_t, 3>{}); break;
+    case 4: f(std::integral_constant<int64_t, 4>{}); break;
+    case 5: f(std::integral_constant<int64_t, 5>{}); break;
+    case 6: f(std::integral_constant<int64_t, 6>{}); break;
+    case 7: f(std::integral_constant<int64_t, 7>{}); break;
+    default: f(std::integral_constant<int64_t, 8>{}); break;
+  }
 }
 
 }  // namespace specpage_cpu
