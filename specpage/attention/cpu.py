@@ -92,10 +92,7 @@ class CpuAttention(TorchAttention):
             assert short.token_rows is not None
             rows = short.token_rows
             out.index_copy_(0, rows, self._short(q[rows], cache, short, scale))
-        for group in meta.padded:
-            assert group.token_rows is not None
-            rows = group.token_rows
-            out.index_copy_(0, rows, self._attend_group(q[rows], cache, group, scale))
+        self._attend_groups_into(out, q, cache, meta.padded, scale)
         return out
 
     def _short(

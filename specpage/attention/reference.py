@@ -84,11 +84,16 @@ class TorchAttention:
         if len(meta.padded) == 1:
             return self._attend_group(q, cache, meta.padded[0], scale)
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
-        for group in meta.padded:
+        self._attend_groups_into(out, q, cache, meta.padded, scale)
+        return out
+
+    def _attend_groups_into(self, out: torch.Tensor, q: torch.Tensor, cache: torch.Tensor,
+                            groups: list[PaddedGroup], scale: float) -> None:
+        """Attend each group's rows of q and write them to the same rows of out."""
+        for group in groups:
             assert group.token_rows is not None
             rows = group.token_rows
             out.index_copy_(0, rows, self._attend_group(q[rows], cache, group, scale))
-        return out
 
     def _attend_group(
         self, q: torch.Tensor, cache: torch.Tensor, group: PaddedGroup, scale: float

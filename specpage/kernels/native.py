@@ -20,6 +20,7 @@ fails, the failure is logged once, and every caller takes its pure-torch way
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -61,6 +62,14 @@ def native_kernels() -> Any:
         if "module" not in _loaded:
             _loaded["module"] = _build()
         return _loaded["module"]
+
+
+@functools.cache
+def loaded_kernels() -> Any:
+    """native_kernels() looked up once per process, for calls on a step's hot
+    path: native_kernels() reads the environment and takes a lock, a few
+    microseconds that each of a step's hundreds of calls would pay."""
+    return native_kernels()
 
 
 def _build() -> Any:

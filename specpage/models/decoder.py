@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specpage.attention.backend import AttentionBackend, AttentionMetadata
-from specpage.kernels.native import native_kernels
+from specpage.kernels.native import loaded_kernels
 from specpage.models import cpu, fused
 from specpage.models.config import ModelConfig
 from specpage.models.rope import cos_sin, inverse_frequencies
@@ -136,7 +136,7 @@ def uses_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def bf16_kernels() -> object | None:
     """The native kernels where this build has AVX-512 BF16 (bf16_gemv, and
     int4_gemv for models/quant.py); None elsewhere."""
-    kernels = native_kernels()
+    kernels = loaded_kernels()
     return kernels if kernels is not None and kernels.has_bf16_gemv() else None
 
 

@@ -12,12 +12,10 @@ bits (tests/test_fused_ops.py bounds both).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
-from specpage.kernels.native import native_kernels
+from specpage.kernels.native import loaded_kernels
 from specpage.models.rope import apply_rope
 
 LANES = 16  # the kernels' vector width: widths must be multiples of it
@@ -29,14 +27,7 @@ def _native(x: torch.Tensor, width: int) -> object | None:
     if (x.device.type != "cpu" or x.dtype not in FUSED_DTYPES or width % LANES
             or torch.is_grad_enabled()):
         return None
-    return _kernels()
-
-
-@functools.cache
-def _kernels() -> object | None:
-    """native_kernels(), looked up once: it reads the environment and takes a
-    lock, a few microseconds that every one of a step's hundreds of calls paid."""
-    return native_kernels()
+    return loaded_kernels()
 
 
 def _unit_columns(x: torch.Tensor) -> torch.Tensor:
