@@ -16,7 +16,10 @@ Ways, one run, rotated rounds (bench/common.py):
   weights in as constants and prepacks the products for oneDNN.
 
 Compile time is reported beside each compiled way (first call, including
-dynamo's tracing; inductor's on-disk cache may shorten a rerun).
+dynamo's tracing; inductor's on-disk cache may shorten a rerun), and each
+way's output is compared with eager_torch's (max absolute difference over
+the output's largest value; the stack has no attention to tame its growth,
+so bf16 rounding differences compound over the 30 layers).
 
     python bench/compile.py [--quick]
 """
@@ -127,9 +130,15 @@ def main() -> None:
                 made = ways(model, rows, dt, compile_s)
                 spreads = rotated({k: lambda _, f=f: median_seconds(f, CALLS, warmup=1)
                                    for k, f in made.items()}, None, None, rounds(args.quick))
+            with torch.no_grad():
+                reference = made["eager_torch"]().float()
+                scale = float(reference.abs().max())
+                differences = {k: float((f().float() - reference).abs().max()) / scale
+                               for k, f in made.items() if k != "eager_torch"}
             ours = spreads["eager_fused"]
             case: dict[str, Any] = {
                 "dtype": str(dt), "rows": rows, "compile_s": compile_s,
+                "max_diff_vs_eager_torch_relative": differences,
                 "ms": {k: {"median": v.median * 1e3, "min": v.low * 1e3, "max": v.high * 1e3}
                        for k, v in spreads.items()},
                 "eager_fused_vs": {k: compare(ours, v, higher_is_better=False)

@@ -281,9 +281,12 @@ def compile_(r: dict) -> list[str]:
                     f"{spread(case['ms']['eager_fused'], 2)} ms | |")
         for way, c in case["eager_fused_vs"].items():
             took = case["compile_s"].get(way)
+            differs = case.get("max_diff_vs_eager_torch_relative", {}).get(way)
             rows.append(f"| {label}: {way.replace('_', ' ')} | "
                         f"{spread(case['ms'][way], 2)} ms"
                         + (f" (compile {took:.0f} s)" if took is not None else "")
+                        + (f"; output vs eager torch: max difference {differs:.1e} of the"
+                           " largest value" if differs is not None else "")
                         + f" | eager fused {verdict(c)} |")
     return rows
 
