@@ -10,7 +10,9 @@ Ways: F.linear (MKL sgemm, or oneDNN for bf16); W @ x.T with the rows
 padded to a count BLAS is fast at (specpage.models.decoder.few_rows_linear);
 oneDNN with the weight reordered once into its blocked layout
 (torch.ops.mkldnn._linear_pointwise); for the vocabulary projection also
-x @ W.T with W.T held contiguous.
+x @ W.T with W.T held contiguous; for bf16, where the CPU has AVX-512 BF16,
+specpage's native kernel (kernels/cpu/bf16_gemv.cpp) up to its 16 rows.
+This is how decoder.py's GEMV_MAX_ROWS was chosen.
 """
 
 from __future__ import annotations
@@ -29,13 +31,22 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import finish, machine  # noqa: E402
-from specpage.models.decoder import few_rows_linear  # noqa: E402
+from specpage.models.decoder import bf16_kernels, few_rows_linear  # noqa: E402
 
 # SmolLM2-135M: (out, in) of each layer's products, 30 layers, vocabulary 49,152.
 LAYER_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
 LAYERS = 30
 VOCAB, HIDDEN = 49152, 576
 PASSES = 6  # passes per round; a round keeps the least
+NATIVE_MAX_ROWS = 16
+
+
+def native_gemv(dtype: torch.dtype, rows: int) -> Any:
+    """The native bf16 product where it applies to these products, else None."""
+    kernels = bf16_kernels()
+    if dtype != torch.bfloat16 or rows > NATIVE_MAX_ROWS or kernels is None:
+        return None
+    return kernels.bf16_gemv
 
 
 def least_ms(fn: Callable[[], object], passes: int) -> float:
@@ -61,12 +72,16 @@ def layer_ways(dtype: torch.dtype, rows: int) -> dict[str, Callable[[], object]]
                     product(inputs[i], layer, j)
         return run
 
-    return {
+    ways = {
         "linear": every(lambda x, layer, j: F.linear(x, weights[layer][j])),
         "wxt": every(lambda x, layer, j: few_rows_linear(x, weights[layer][j])),
         "onednn": every(lambda x, layer, j: torch.ops.mkldnn._linear_pointwise(
             x, packed[layer][j], None, "none", [], "")),
     }
+    gemv = native_gemv(dtype, rows)
+    if gemv is not None:
+        ways["native"] = every(lambda x, layer, j: gemv(x, weights[layer][j]))
+    return ways
 
 
 def head_ways(dtype: torch.dtype, rows: int) -> dict[str, Callable[[], object]]:
@@ -74,12 +89,16 @@ def head_ways(dtype: torch.dtype, rows: int) -> dict[str, Callable[[], object]]:
     head_t = head.T.contiguous()
     packed = torch.ops.mkldnn._reorder_linear_weight(head, rows)
     x = torch.randn(rows, HIDDEN, dtype=dtype)
-    return {
+    ways = {
         "linear": lambda: F.linear(x, head),
         "wxt": lambda: few_rows_linear(x, head),
         "xwt": lambda: x @ head_t,
         "onednn": lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
     }
+    gemv = native_gemv(dtype, rows)
+    if gemv is not None:
+        ways["native"] = lambda: gemv(x, head)
+    return ways
 
 
 def measure(ways: dict[str, Callable[[], object]],

@@ -55,7 +55,7 @@ gemv = pytest.mark.skipif(bf16_kernels() is None, reason="no AVX-512 BF16 kernel
 
 
 @gemv
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 9])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 9, 16, 17])
 @pytest.mark.parametrize(("out", "inputs"), [(208, 96), (576, 1536), (960, 576)])
 def test_few_bf16_rows_on_the_native_kernel_give_f_linear(rows, out, inputs):
     """bf16 products of up to GEMV_MAX_ROWS rows run on the native kernel

@@ -116,17 +116,19 @@ class PackedWeight:
 
 # A bf16 product of at most this many rows runs on the native kernel
 # (kernels/cpu/bf16_gemv.cpp) where the CPU has AVX-512 BF16: reading each
-# weight row once, front to back. SmolLM2-135M's 30 layers of products, ms,
-# native / oneDNN: 1 row 7.8 / 11.3, 2: 7.5 / 13.4, 4: 9.9 / 10.8,
-# 5: 10.5-11.2 / 12.3-12.5 (a verify span of k = 4), 6: 12.5-13.2 / 12.4;
-# the vocabulary projection 1 row 0.84 / 1.24 (2 AVX-512 BF16 cores; the
-# machine was shared, so these are indications, repeated where close).
-GEMV_MAX_ROWS = 5
+# weight row once, front to back, prefetching ahead. bench/cpu_linear.py,
+# SmolLM2-135M's 30 layers of products, ms, native / oneDNN: 1 row 6.3 / 10.9,
+# 2: 6.0 / 11.7, 4: 6.7 / 10.1, 5: 6.8 / 10.3, 8: 7.3 / 12.2, 12: 10.3 / 13.6,
+# 16: 13.2 / 15.3; the vocabulary projection: 1 row 0.96 / 1.30,
+# 5: 1.14 / 1.61, 8: 1.63 / 2.14, but 12: 2.70 / 2.52 and 16: 3.29 / 3.10,
+# so it stops at 8 there (2 AVX-512 BF16 cores, medians of 4 rounds).
+GEMV_MAX_ROWS = 16
+HEAD_GEMV_MAX_ROWS = 8
 
 
-def uses_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def uses_gemv(x: torch.Tensor, weight: torch.Tensor, max_rows: int = GEMV_MAX_ROWS) -> bool:
     """Whether this CPU product runs on the native bf16 kernel."""
-    return (x.shape[0] <= GEMV_MAX_ROWS and x.dtype == weight.dtype == torch.bfloat16
+    return (x.shape[0] <= max_rows and x.dtype == weight.dtype == torch.bfloat16
             and weight.shape[0] % 16 == 0 and weight.shape[1] % 32 == 0
             and weight.is_contiguous() and not torch.is_grad_enabled()
             and bf16_kernels() is not None)
@@ -141,9 +143,9 @@ def bf16_kernels() -> object | None:
 
 
 def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-               packed: PackedWeight) -> torch.Tensor:
+               packed: PackedWeight, gemv_max_rows: int = GEMV_MAX_ROWS) -> torch.Tensor:
     """x [rows, in] @ weight.T [+ bias] the fastest way this CPU has for the rows."""
-    if x.device.type == "cpu" and uses_gemv(x, weight):
+    if x.device.type == "cpu" and uses_gemv(x, weight, gemv_max_rows):
         y = bf16_kernels().bf16_gemv(x.contiguous(), weight)  # type: ignore[union-attr]
         return y if bias is None else y + bias
     if x.device.type == "cpu" and uses_onednn(weight, x.shape[0]):
@@ -260,7 +262,7 @@ class DecoderModel(nn.Module):
         if x.shape[0] == 1 and head.device.type == "cpu" and head.dtype == torch.float32:
             logits = (x @ self._transposed_head(head)).float()
         else:
-            logits = cpu_linear(x, head, None, self._head_packed).float()
+            logits = cpu_linear(x, head, None, self._head_packed, HEAD_GEMV_MAX_ROWS).float()
         if self.output_vocab is None:
             return logits
         full = logits.new_full((logits.shape[0], self.config.vocab_size), float("-inf"))

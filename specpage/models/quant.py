@@ -45,11 +45,12 @@ KERNEL_DTYPE = torch.bfloat16  # the only activation dtype the CPU kernel is fas
 # it beyond validation, and gpt-fast/torchao pass 1 on CPU.
 INNER_K_TILES = 1
 Q_OFFSET = 8  # the kernel reads q − 8
-# The row count from which the dense bf16 copy is faster. bench/quantization.py
-# (linears_alone), SmolLM2-135M's 30 layers of products, 2 AVX-512 BF16 cores,
-# ms int4 / dense bf16 on oneDNN: 1 row 4.8 / 11.3, 2: 5.5 / 12.0,
-# 4: 7.1 / 10.5, 6: 12.1 / 10.5, 8: 12.3 / 12.3, 16: 22.4 / 15.8, 32: 42.4 / 23.7.
-DENSE_FROM_ROWS = 6
+# The row count from which the dense bf16 copy is faster. SmolLM2-135M's 30
+# layers of products (as bench/quantization.py's linears_alone times them),
+# 2 AVX-512 BF16 cores, ms, native int4 / dense bf16 (native kernel up to 16
+# rows, oneDNN above): 1 row 3.7 / 8.6, 2: 4.9 / 8.0, 3: 6.2 / 8.1,
+# 4: 7.5 / 8.1, 5: 8.7 / 8.1, 6: 10.1 / 8.3, 32: 42.4 / 23.7.
+DENSE_FROM_ROWS = 5
 
 
 def keeps_dense_copy() -> bool:

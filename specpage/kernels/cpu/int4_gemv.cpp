@@ -40,6 +40,11 @@ using namespace specpage_cpu;
 constexpr int64_t kGroup = 32;  // inputs per scale: one vdpbf16ps
 constexpr int64_t kBlock = 16;  // outputs per block: one sum_lanes16
 constexpr int64_t kMaxRows = 8;
+// Bytes of the weights read ahead into L2 as the kernel goes, and rows of
+// scale/bias ahead: without it the hardware prefetcher lets reading and
+// multiplying take turns (as in bf16_gemv.cpp).
+constexpr int64_t kPrefetchAhead = 8192;
+constexpr int64_t kScaleRowsAhead = 16;
 
 #if defined(__AVX512BF16__)
 struct Operands {
@@ -65,9 +70,15 @@ void blocks(const Operands& p, int64_t begin, int64_t end) {
       const uint8_t* q = p.q + row * (p.in / 2);
       const float* s = p.scale + row * p.groups;
       const float* c = p.bias + row * p.groups;
+      for (const float* ahead : {s + kScaleRowsAhead * p.groups, c + kScaleRowsAhead * p.groups}) {
+        _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + p.groups) - 1, _MM_HINT_T1);
+      }
       __m512 even[kRows], odd[kRows];  // two chains of adds per row
       for (int64_t r = 0; r < kRows; ++r) even[r] = odd[r] = _mm512_setzero_ps();
       for (int64_t g = 0; g < p.groups; g += 2) {
+        _mm_prefetch(reinterpret_cast<const char*>(q + g * (kGroup / 2)) + kPrefetchAhead,
+                     _MM_HINT_T1);
         const __m512i bytes = _mm512_cvtepu8_epi16(
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + g * (kGroup / 2))));
         const __m512i first = _mm512_or_si512(_mm512_and_si512(bytes, low_nibble), bf16_128);
