@@ -95,6 +95,13 @@ class CpuAttention(TorchAttention):
         self._attend_groups_into(out, q, cache, meta.padded, scale)
         return out
 
+    def all_short(self, meta: AttentionMetadata) -> ShortSpans | None:
+        """The kernel's operands where every span of the forward is short
+        (attend then makes one kernel call), else None."""
+        assert isinstance(meta, CpuMetadata), "metadata from another backend's build_metadata"
+        short = meta.short
+        return short if short is not None and short.token_rows is None else None
+
     def _short(
         self, q: torch.Tensor, cache: torch.Tensor, short: ShortSpans, scale: float
     ) -> torch.Tensor:

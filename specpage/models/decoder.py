@@ -5,6 +5,8 @@ interface. Q/K/V and gate/up projections are fused into one matmul each."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -12,7 +14,7 @@ from torch import nn
 
 from specpage.attention.backend import AttentionBackend, AttentionMetadata
 from specpage.kernels.native import loaded_kernels
-from specpage.models import cpu, fused
+from specpage.models import cpu, fused, native_stack
 from specpage.models.config import ModelConfig
 from specpage.models.rope import cos_sin, inverse_frequencies
 
@@ -128,10 +130,16 @@ HEAD_GEMV_MAX_ROWS = 8
 
 def uses_gemv(x: torch.Tensor, weight: torch.Tensor, max_rows: int = GEMV_MAX_ROWS) -> bool:
     """Whether this CPU product runs on the native bf16 kernel."""
-    return (x.shape[0] <= max_rows and x.dtype == weight.dtype == torch.bfloat16
+    return (x.shape[0] <= max_rows and x.dtype == torch.bfloat16
+            and not torch.is_grad_enabled() and gemv_takes(weight, x.shape[0], max_rows))
+
+
+def gemv_takes(weight: torch.Tensor, rows: int, max_rows: int = GEMV_MAX_ROWS) -> bool:
+    """Whether the native bf16 kernel takes bf16 x of `rows` rows by this
+    weight (it has no autograd: callers check that too)."""
+    return (rows <= max_rows and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
             and weight.shape[0] % 16 == 0 and weight.shape[1] % 32 == 0
-            and weight.is_contiguous() and not torch.is_grad_enabled()
-            and bf16_kernels() is not None)
+            and weight.is_contiguous() and bf16_kernels() is not None)
 
 
 @functools.cache
@@ -164,6 +172,13 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return cpu_linear(x, self.weight, self.bias, self.packed)
+
+    def direct_product(self, rows: int) -> native_stack.Product | None:
+        """The native kernel call for x of `rows` bf16 rows (models/native_stack.py)."""
+        weight = self.weight
+        if self.bias is not None or not gemv_takes(weight, rows):
+            return None
+        return bf16_kernels().bf16_gemv.default, (weight,)  # type: ignore[union-attr]
 
 
 class DecoderLayer(nn.Module):
@@ -226,6 +241,9 @@ class DecoderModel(nn.Module):
         )
         self._head_t: torch.Tensor | None = None
         self._head_packed = PackedWeight()
+        # native_stack.layer_calls by row count, made on first use; cleared
+        # when the model's tensors are replaced (.to() and the like).
+        self._direct_calls: dict[int, list[tuple[Any, ...]] | None] = {}
         # A draft may propose from part of the vocabulary only: its projection
         # then reads only those rows (see restrict_output_vocab).
         self.output_vocab: torch.Tensor | None = None
@@ -247,13 +265,11 @@ class DecoderModel(nn.Module):
         """Logits [num_logits, vocab] in fp32 for the tokens in logits_index."""
         x = self.embed_tokens(input_ids)
         rope = cos_sin(self.inv_freq, positions, x.dtype)
-        branch: torch.Tensor | None = None  # the last layer's MLP output, not yet added
-        for index, (layer, cache) in enumerate(zip(self.layers, caches, strict=True)):
-            norm = layer.input_layernorm
-            x, normed = (x, norm(x)) if branch is None else norm.after_add(branch, x)
-            if tap is not None:
-                tap.see(index, x)
-            x, branch = layer(x, normed, rope, cache, meta, backend)
+        # The stream after the last layer's attention, and that layer's MLP
+        # branch, not yet added (None without layers).
+        ran = native_stack.run_layers(self, x, rope, caches, meta, backend, tap)
+        x, branch = ran if ran is not None else self._run_layers(x, rope, caches, meta, backend,
+                                                                 tap)
         if branch is None:
             x = self.norm(x[logits_index])
         else:
@@ -267,6 +283,30 @@ class DecoderModel(nn.Module):
             return logits
         full = logits.new_full((logits.shape[0], self.config.vocab_size), float("-inf"))
         return full.index_copy_(1, self.output_vocab, logits)
+
+    def direct_calls(self, rows: int) -> list[tuple[Any, ...]] | None:
+        """The layers' direct kernel calls for `rows` rows (models/native_stack.py)."""
+        if rows not in self._direct_calls:
+            self._direct_calls[rows] = native_stack.layer_calls(self.layers, rows)
+        return self._direct_calls[rows]
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True
+               ) -> DecoderModel:
+        self._direct_calls = {}
+        return super()._apply(fn, recurse)
+
+    def _run_layers(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], caches: list[torch.Tensor],
+        meta: AttentionMetadata, backend: AttentionBackend, tap: LayerTap | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        branch: torch.Tensor | None = None
+        for index, (layer, cache) in enumerate(zip(self.layers, caches, strict=True)):
+            norm = layer.input_layernorm
+            x, normed = (x, norm(x)) if branch is None else norm.after_add(branch, x)
+            if tap is not None:
+                tap.see(index, x)
+            x, branch = layer(x, normed, rope, cache, meta, backend)
+        return x, branch
 
     def restrict_output_vocab(self, token_ids: torch.Tensor | None) -> None:
         """Score only these tokens; every other one gets logit -inf, so is

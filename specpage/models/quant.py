@@ -35,7 +35,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specpage.models.decoder import PackedWeight, bf16_kernels, cpu_linear, uses_onednn
+from specpage.models.decoder import (
+    PackedWeight,
+    bf16_kernels,
+    cpu_linear,
+    gemv_takes,
+    uses_onednn,
+)
+from specpage.models.native_stack import Product
 from specpage.models.gguf_blocks import Int4Blocks
 from specpage.models.quant_names import QuantizationError
 
@@ -126,6 +133,20 @@ class Int4Linear(nn.Module):
             y = self.int4_product(x)
         y = y.to(x.dtype)
         return y if self.bias is None else y + self.bias
+
+    def direct_product(self, rows: int) -> Product | None:
+        """The native kernel call for x of `rows` bf16 rows, as forward
+        chooses it (models/native_stack.py)."""
+        if self.bias is not None:
+            return None
+        if self.dense is not None and rows >= DENSE_FROM_ROWS:
+            if not gemv_takes(self.dense, rows):
+                return None
+            return bf16_kernels().bf16_gemv.default, (self.dense,)  # type: ignore[union-attr]
+        if not self.native or rows > NATIVE_ROWS:
+            return None
+        return (bf16_kernels().int4_gemv.default,  # type: ignore[union-attr]
+                (self.nibbles, self.scale, self.group_bias))
 
     def int4_product(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W.T by the int4 kernel, in KERNEL_DTYPE, no bias."""
