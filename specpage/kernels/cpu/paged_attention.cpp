@@ -41,6 +41,21 @@ struct Shape {
   float scale;
 };
 
+// Positions ahead whose K (or V) row is asked for while this one is read:
+// the rows of one KV head lie a position's width apart, in blocks scattered
+// through the pool, which the hardware prefetcher does not follow. bf16,
+// 32 sequences, 30 layers' caches read cold as in a step: 128 positions
+// 424 -> 248 us a layer, 512 positions 1878 -> 900 us (2 cores).
+constexpr int64_t kAhead = 16;
+
+template <typename scalar_t, int64_t kChunks>
+inline void prefetch_row(const scalar_t* row) {
+  constexpr int64_t bytes = kChunks * kLanes * sizeof(scalar_t);
+  for (int64_t b = 0; b < bytes; b += 64) {
+    __builtin_prefetch(reinterpret_cast<const char*>(row) + b, 0, 3);
+  }
+}
+
 // kChunks = head_dim / 16, fixed at compile time so each row lives in registers.
 template <typename scalar_t, int64_t kChunks>
 void attend_item(const scalar_t* q, const scalar_t* cache, scalar_t* out, const Item& item,
@@ -80,6 +95,7 @@ void attend_item(const scalar_t* q, const scalar_t* cache, scalar_t* out, const 
     const int64_t count = std::min(kLanes, context - p0);
     const scalar_t* const* k = keys.data() + p0;
     for (int64_t j = 0; j < count; ++j) {
+      if (p0 + j + kAhead < context) prefetch_row<scalar_t, kChunks>(k[j + kAhead]);
       vfloat kv[kChunks];  // widened once for all rows
       for (int64_t c = 0; c < kChunks; ++c) kv[c] = load(k[j] + c * kLanes);
       for (int64_t r = 0; r < rows; ++r) {
@@ -122,6 +138,7 @@ void attend_item(const scalar_t* q, const scalar_t* cache, scalar_t* out, const 
     }
   }
   for (int64_t p = 0; p < context; ++p) {
+    if (p + kAhead < context) prefetch_row<scalar_t, kChunks>(keys[p + kAhead] + shape.v_offset);
     const scalar_t* v = keys[p] + shape.v_offset;
     vfloat vv[kChunks];
     for (int64_t c = 0; c < kChunks; ++c) vv[c] = load(v + c * kLanes);
