@@ -163,6 +163,20 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return few_rows_linear(x, weight, bias)
 
 
+def direct_bf16_product(weight: torch.Tensor, packed: PackedWeight,
+                        rows: int) -> native_stack.Product | None:
+    """The one kernel call cpu_linear makes for bf16 x of `rows` rows by this
+    weight (no bias), with its weight operands; None where it makes another."""
+    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
+        return None
+    if gemv_takes(weight, rows):
+        return bf16_kernels().bf16_gemv.default, (weight,)  # type: ignore[union-attr]
+    if uses_onednn(weight, rows):
+        return (torch.ops.mkldnn._linear_pointwise.default,
+                (packed.of(weight), None, "none", [], ""))
+    return None
+
+
 class Linear(nn.Linear):
     """nn.Linear (same parameters) with the CPU's fastest product for the rows."""
 
@@ -174,11 +188,9 @@ class Linear(nn.Linear):
         return cpu_linear(x, self.weight, self.bias, self.packed)
 
     def direct_product(self, rows: int) -> native_stack.Product | None:
-        """The native kernel call for x of `rows` bf16 rows (models/native_stack.py)."""
-        weight = self.weight
-        if self.bias is not None or not gemv_takes(weight, rows):
-            return None
-        return bf16_kernels().bf16_gemv.default, (weight,)  # type: ignore[union-attr]
+        """The kernel call for x of `rows` bf16 rows (models/native_stack.py)."""
+        return None if self.bias is not None else direct_bf16_product(self.weight, self.packed,
+                                                                      rows)
 
 
 class DecoderLayer(nn.Module):

@@ -39,7 +39,7 @@ from specpage.models.decoder import (
     PackedWeight,
     bf16_kernels,
     cpu_linear,
-    gemv_takes,
+    direct_bf16_product,
     uses_onednn,
 )
 from specpage.models.native_stack import Product
@@ -135,14 +135,12 @@ class Int4Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def direct_product(self, rows: int) -> Product | None:
-        """The native kernel call for x of `rows` bf16 rows, as forward
-        chooses it (models/native_stack.py)."""
+        """The kernel call for x of `rows` bf16 rows, as forward chooses it
+        (models/native_stack.py)."""
         if self.bias is not None:
             return None
         if self.dense is not None and rows >= DENSE_FROM_ROWS:
-            if not gemv_takes(self.dense, rows):
-                return None
-            return bf16_kernels().bf16_gemv.default, (self.dense,)  # type: ignore[union-attr]
+            return direct_bf16_product(self.dense, self._dense_packed, rows)
         if not self.native or rows > NATIVE_ROWS:
             return None
         return (bf16_kernels().int4_gemv.default,  # type: ignore[union-attr]
