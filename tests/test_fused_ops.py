@@ -72,6 +72,31 @@ def test_rope_equals_the_torch_ops(dtype, heads, kv_heads, head_dim):
     assert torch.equal(v, qkv[:, q_size + kv_size:].view(tokens, kv_heads, head_dim))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_into_the_cache_writes_rope_qks_k_and_v_at_their_slots(dtype):
+    """rope_qk_into_cache (the direct layer loop's) gives rope_qk's q, and
+    leaves in the cache what rope_qk's k and v written by slot would."""
+    torch.manual_seed(1)
+    heads, kv_heads, head_dim, tokens = 9, 3, 64, 4
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim).to(dtype)
+    positions = torch.tensor([3, 40, 41, 700])
+    cos, sin = cos_sin(inverse_frequencies(RopeConfig(theta=10000.0), head_dim), positions, dtype)
+    slots = torch.tensor([5, 37, 0, 63])  # out of order, across blocks of 16
+    cache = torch.randn(2, 4, 16, kv_heads, head_dim).to(dtype)
+    expected = cache.clone()
+    kernels = native_kernels()
+    with torch.inference_mode():
+        q, k, v = fused.rope_qk(qkv, cos, sin, heads, kv_heads)
+        ours = kernels.rope_qk_into_cache(qkv, cos, sin, heads, kv_heads, cache, slots)
+    flat = expected.view(2, -1, kv_heads, head_dim)
+    flat[0][slots], flat[1][slots] = k, v
+    assert torch.equal(ours, q)
+    assert torch.equal(cache, expected)
+    with pytest.raises(RuntimeError, match="slot 64 of token 3 is outside the cache's 64 slots"):
+        kernels.rope_qk_into_cache(qkv, cos, sin, heads, kv_heads, cache,
+                                   torch.tensor([0, 1, 2, 64]))
+
+
 def test_what_the_kernels_do_not_take_runs_the_torch_ops():
     """fp16, widths that are not whole vectors and autograd take the torch
     ops, with the same results as the references."""

@@ -54,10 +54,13 @@ def run_layers(
         return None
     kernels = loaded_kernels()
     rms_norm, add_rms_norm = kernels.rms_norm.default, kernels.add_rms_norm.default
-    rope_qk, silu_and_mul = kernels.rope_qk.default, kernels.silu_and_mul.default
+    # rope_qk with its k and the v written into the cache at the forward's slots,
+    # as the CPU backend's write_kv puts them
+    rope_into_cache = kernels.rope_qk_into_cache.default
+    silu_and_mul = kernels.silu_and_mul.default
     attention = kernels.paged_attention.default
     heads, kv_heads, head_dim, eps = c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps
-    q_size, kv_size, scale = heads * head_dim, kv_heads * head_dim, head_dim**-0.5
+    scale = head_dim**-0.5
     cos, sin = rope
     block_tables, query_start, context_lens = spans
     branch: torch.Tensor | None = None
@@ -70,9 +73,7 @@ def run_layers(
         if tap is not None:
             tap.see(index, x)
         mixed = qkv[0](normed, *qkv[1])
-        q, k = rope_qk(mixed, cos, sin, heads, kv_heads)
-        v = mixed[:, q_size + kv_size:].view(-1, kv_heads, head_dim)
-        backend.write_kv(cache, k, v, meta)
+        q = rope_into_cache(mixed, cos, sin, heads, kv_heads, cache, meta.slot_mapping)
         attended = attention(q, cache, block_tables, query_start, context_lens, scale)
         x, normed = add_rms_norm(o[0](attended, *o[1]), x, post_norm, eps)
         branch = down[0](silu_and_mul(gate_up[0](normed, *gate_up[1])), *down[1])

@@ -208,6 +208,65 @@ std::tuple<at::Tensor, at::Tensor> rope_qk(const at::Tensor& qkv, const at::Tens
   return {q, k};
 }
 
+// rope_qk that writes its k, and v, into a layer's paged KV cache instead of
+// returning k: cache [2, blocks, block_size, kv_heads, head_dim] (K, then V),
+// token t's at flat slot slot_mapping[t] (block * block_size + offset), as
+// the attention backends' write_kv puts them. Returns q.
+at::Tensor rope_qk_into_cache(const at::Tensor& qkv, const at::Tensor& cos,
+                              const at::Tensor& sin, int64_t heads, int64_t kv_heads,
+                              at::Tensor& cache, const at::Tensor& slot_mapping) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "qkv must be [tokens, width]");
+  TORCH_CHECK(qkv.scalar_type() == at::kFloat || qkv.scalar_type() == at::kBFloat16,
+              "qkv must be float32 or bfloat16, got ", qkv.scalar_type());
+  const int64_t tokens = qkv.size(0), head_dim = cos.size(1);
+  TORCH_CHECK(head_dim % (2 * kLanes) == 0, "head_dim must be a multiple of ", 2 * kLanes);
+  TORCH_CHECK(qkv.size(1) == (heads + 2 * kv_heads) * head_dim, "qkv's width is not ",
+              "(heads + 2 kv_heads) * head_dim");
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.size(0) == tokens && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.scalar_type() == qkv.scalar_type() &&
+                  sin.scalar_type() == qkv.scalar_type(),
+              "cos and sin must be contiguous [tokens, head_dim] in qkv's dtype");
+  TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2 && cache.is_contiguous() &&
+                  cache.scalar_type() == qkv.scalar_type() && cache.size(3) == kv_heads &&
+                  cache.size(4) == head_dim,
+              "cache must be contiguous [2, blocks, block_size, kv_heads, head_dim] in qkv's "
+              "dtype");
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == tokens &&
+                  slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(),
+              "slot_mapping must be contiguous int64 [tokens]");
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t num_slots = cache.size(1) * cache.size(2);
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot ", slots[t], " of token ", t,
+                " is outside the cache's ", num_slots, " slots");
+  }
+  at::Tensor q = at::empty({tokens, heads, head_dim}, qkv.options());
+  by_dtype(qkv.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t* src = qkv.data_ptr<scalar_t>();
+    const scalar_t* c = cos.data_ptr<scalar_t>();
+    const scalar_t* s = sin.data_ptr<scalar_t>();
+    scalar_t* q_out = q.data_ptr<scalar_t>();
+    scalar_t* keys = cache.data_ptr<scalar_t>();
+    scalar_t* values = keys + cache.stride(0);
+    const int64_t stride = qkv.stride(0), rotated = heads + kv_heads;
+    const int64_t kv_width = kv_heads * head_dim;
+    at::parallel_for(0, tokens, row_grain(rotated * head_dim), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const scalar_t* row = src + t * stride;
+        for (int64_t h = 0; h < rotated; ++h) {
+          scalar_t* dst = h < heads ? q_out + (t * heads + h) * head_dim
+                                    : keys + slots[t] * kv_width + (h - heads) * head_dim;
+          rotate_head(row + h * head_dim, c + t * head_dim, s + t * head_dim, dst, head_dim);
+        }
+        std::memcpy(values + slots[t] * kv_width, row + rotated * head_dim,
+                    kv_width * sizeof(scalar_t));
+      }
+    });
+  });
+  return q;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(specpage_cpu, m) {
@@ -215,6 +274,8 @@ TORCH_LIBRARY_FRAGMENT(specpage_cpu, m) {
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
   m.def("rope_qk(Tensor qkv, Tensor cos, Tensor sin, int heads, int kv_heads) -> (Tensor, Tensor)");
+  m.def("rope_qk_into_cache(Tensor qkv, Tensor cos, Tensor sin, int heads, int kv_heads, "
+        "Tensor(a!) cache, Tensor slot_mapping) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specpage_cpu, CPU, m) {
@@ -222,4 +283,5 @@ TORCH_LIBRARY_IMPL(specpage_cpu, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("rope_qk", &rope_qk);
+  m.impl("rope_qk_into_cache", &rope_qk_into_cache);
 }
