@@ -11,8 +11,9 @@ padded to a count BLAS is fast at (specpage.models.decoder.few_rows_linear);
 oneDNN with the weight reordered once into its blocked layout
 (torch.ops.mkldnn._linear_pointwise); for the vocabulary projection also
 x @ W.T with W.T held contiguous; for bf16, where the CPU has AVX-512 BF16,
-specpage's native kernel (kernels/cpu/bf16_gemv.cpp) up to its 16 rows.
-This is how decoder.py's GEMV_MAX_ROWS was chosen.
+specpage's native kernel (kernels/cpu/bf16_gemv.cpp) up to its 16 rows,
+and its panel kernel (kernels/cpu/bf16_panels.cpp) from 17 to 64 rows.
+This is how decoder.py's GEMV_MAX_ROWS and PANELS_MAX_ROWS were chosen.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ LAYERS = 30
 VOCAB, HIDDEN = 49152, 576
 PASSES = 6  # passes per round; a round keeps the least
 NATIVE_MAX_ROWS = 16
+PANELS_BENCH_MAX_ROWS = 64
 
 
 def native_gemv(dtype: torch.dtype, rows: int) -> Any:
@@ -56,6 +58,15 @@ def least_ms(fn: Callable[[], object], passes: int) -> float:
         fn()
         best = min(best, time.perf_counter() - start)
     return best * 1e3
+
+
+def native_panels(dtype: torch.dtype, rows: int) -> Any:
+    """The native panel product (kernels/cpu/bf16_panels.cpp) where it applies, else None."""
+    kernels = bf16_kernels()
+    if dtype != torch.bfloat16 or not NATIVE_MAX_ROWS < rows <= PANELS_BENCH_MAX_ROWS or (
+            kernels is None):
+        return None
+    return kernels.bf16_panels_product
 
 
 def layer_ways(dtype: torch.dtype, rows: int) -> dict[str, Callable[[], object]]:
@@ -81,6 +92,11 @@ def layer_ways(dtype: torch.dtype, rows: int) -> dict[str, Callable[[], object]]
     gemv = native_gemv(dtype, rows)
     if gemv is not None:
         ways["native"] = every(lambda x, layer, j: gemv(x, weights[layer][j]))
+    panels = native_panels(dtype, rows)
+    if panels is not None:
+        packs = [[bf16_kernels().bf16_panels(w) for w in layer] for layer in weights]
+        ways["panels"] = every(lambda x, layer, j: panels(x, packs[layer][j],
+                                                          weights[layer][j].shape[0]))
     return ways
 
 
@@ -119,7 +135,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--rows", default="1,2,3,4,5,6,8,12,16,24,32")
+    parser.add_argument("--rows", default="1,2,3,4,5,6,8,12,16,24,32,48,64")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

@@ -9,10 +9,12 @@ from specpage.kernels.native import native_kernels
 from specpage.models import cpu
 from specpage.models.decoder import (
     GEMV_MAX_ROWS,
+    PANELS_MAX_ROWS,
     Linear,
     PackedWeight,
     bf16_kernels,
     cpu_linear,
+    panels_take,
     uses_gemv,
     uses_onednn,
 )
@@ -73,6 +75,29 @@ def test_few_bf16_rows_on_the_native_kernel_give_f_linear(rows, out, inputs):
 
 
 @gemv
+@pytest.mark.parametrize("rows", [9, 17, 24, 31, 64])
+@pytest.mark.parametrize(("out", "inputs"), [(208, 96), (224, 64), (576, 1536)])
+def test_a_few_dozen_bf16_rows_on_the_panel_kernel_give_f_linear(rows, out, inputs):
+    """Past GEMV_MAX_ROWS, up to PANELS_MAX_ROWS bf16 rows run on the panel
+    kernel (panels of 48 outputs, the last one 16 or 32 here): F.linear's
+    result in fp32, rounded to bf16, within a bf16 step of the output's size;
+    the panels are packed once per weight."""
+    torch.manual_seed(rows + out)
+    x = torch.randn(rows, inputs).bfloat16()
+    weight, bias = (torch.randn(out, inputs) * 0.05).bfloat16(), torch.randn(out).bfloat16()
+    packed = PackedWeight()
+    with torch.inference_mode():
+        assert not uses_gemv(x, weight) and panels_take(weight, rows)
+        ours = cpu_linear(x, weight, bias, packed)
+        panels = packed.panels(weight)
+        assert packed.panels(weight) is panels
+    ref = torch.nn.functional.linear(x.float(), weight.float()) + bias.float()
+    assert ours.shape == (rows, out) and ours.dtype == torch.bfloat16
+    assert float((ours.float() - ref).abs().max()) <= float(ref.abs().max()) * 2**-7
+    assert not panels_take(weight, PANELS_MAX_ROWS + 1)
+
+
+@gemv
 def test_the_native_product_refuses_what_it_cannot_take_by_name():
     kernels = native_kernels()
     x = torch.zeros(1, 96, dtype=torch.bfloat16)
@@ -83,6 +108,11 @@ def test_the_native_product_refuses_what_it_cannot_take_by_name():
                           torch.zeros(208, 96, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match="x must be contiguous bf16"):
         kernels.bf16_gemv(x.float(), torch.zeros(208, 96, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="out a multiple of 16"):
+        kernels.bf16_panels(torch.zeros(200, 96, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match=r"packed must be bf16_panels of an \[208, 96\]"):
+        kernels.bf16_panels_product(torch.zeros(20, 96, dtype=torch.bfloat16),
+                                    torch.zeros(208 * 95, dtype=torch.bfloat16), 208)
     assert not uses_gemv(x, torch.zeros(208, 96))  # an fp32 weight stays on oneDNN/BLAS
     nibbles, scale = torch.zeros(208, 48, dtype=torch.uint8), torch.zeros(208, 3)
     with pytest.raises(RuntimeError, match="in a multiple of 64"):

@@ -7,9 +7,10 @@ torch's cpp_extension into the specpage cache, loaded from there afterwards.
 - fused_ops.cpp: RMSNorm (with the residual add), SiLU-and-mul and rotary
   embeddings, one pass each (specpage/models/fused.py, which holds their
   references);
-- bf16_gemv.cpp: bf16 products of a few rows on AVX-512 BF16
-  (specpage/models/decoder.py cpu_linear; where the build lacks the
-  instructions, has_bf16_gemv() is false and oneDNN takes them);
+- bf16_gemv.cpp and bf16_panels.cpp: bf16 products of up to 8 and of 9 to
+  64 rows on AVX-512 BF16 (specpage/models/decoder.py cpu_linear; where the
+  build lacks the instructions, has_bf16_gemv() is false and oneDNN takes
+  them);
 - int4_gemv.cpp: group-wise int4 products of a few rows on AVX-512 BF16
   (specpage/models/quant.py; torch's int4 kernel elsewhere).
 

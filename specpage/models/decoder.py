@@ -106,6 +106,17 @@ class PackedWeight:
     def __init__(self) -> None:
         self._packed: torch.Tensor | None = None
         self._source: tuple[int, torch.dtype] | None = None
+        self._panels: torch.Tensor | None = None
+        self._panels_source: tuple[int, torch.dtype] | None = None
+
+    def panels(self, weight: torch.Tensor) -> torch.Tensor:
+        """The weight in the native panel layout (kernels/cpu/bf16_panels.cpp),
+        made once, remade as `of` is: one more copy of the weight."""
+        source = (weight.data_ptr(), weight.dtype)
+        if self._panels is None or self._panels_source != source:
+            self._panels = bf16_kernels().bf16_panels(weight.detach())  # type: ignore[union-attr]
+            self._panels_source = source
+        return self._panels
 
     def of(self, weight: torch.Tensor) -> torch.Tensor:
         source = (weight.data_ptr(), weight.dtype)
@@ -116,22 +127,36 @@ class PackedWeight:
         return self._packed
 
 
-# A bf16 product of at most this many rows runs on the native kernel
-# (kernels/cpu/bf16_gemv.cpp) where the CPU has AVX-512 BF16: reading each
-# weight row once, front to back, prefetching ahead. bench/cpu_linear.py,
-# SmolLM2-135M's 30 layers of products, ms, native / oneDNN: 1 row 6.3 / 10.9,
-# 2: 6.0 / 11.7, 4: 6.7 / 10.1, 5: 6.8 / 10.3, 8: 7.3 / 12.2, 12: 10.3 / 13.6,
-# 16: 13.2 / 15.3; the vocabulary projection: 1 row 0.96 / 1.30,
-# 5: 1.14 / 1.61, 8: 1.63 / 2.14, but 12: 2.70 / 2.52 and 16: 3.29 / 3.10,
-# so it stops at 8 there (2 AVX-512 BF16 cores, medians of 4 rounds).
-GEMV_MAX_ROWS = 16
-HEAD_GEMV_MAX_ROWS = 8
+# Where the CPU has AVX-512 BF16, bf16 products of a few rows run on native
+# kernels: up to GEMV_MAX_ROWS on kernels/cpu/bf16_gemv.cpp, which reads each
+# weight row once, front to back, prefetching ahead (bound by reading the
+# weight); up to PANELS_MAX_ROWS on kernels/cpu/bf16_panels.cpp, with the
+# weight packed once more into panels of outputs (bound by the multiplies).
+# oneDNN's prepacked product takes more rows. SmolLM2-135M's 30 layers of
+# products, ms (bench/cpu_linear.py and a like comparison of the two native
+# kernels, 2 AVX-512 BF16 cores): few-row / panels / oneDNN
+#   rows  1: 6.3 / - / 10.9    5: 6.8 / - / 10.3    8: 8.6 / 7.1 / 12.2
+#   rows 12: 11.2 / 8.7 / 13.6   16: 14.5 / 10.4 / 20.1   24: - / 14.9 / 21.4
+#   rows 32: - / 18.5 / 24.9   48: - / 25.6 / 33.7   64: - / 33.0 / 40.5
+# and the vocabulary projection 1 row 0.96 / - / 1.30, 16: 3.8 / 2.6 / 3.7,
+# 64: - / 9.1 / 10.3.
+GEMV_MAX_ROWS = 8
+PANELS_MAX_ROWS = 64
 
 
 def uses_gemv(x: torch.Tensor, weight: torch.Tensor, max_rows: int = GEMV_MAX_ROWS) -> bool:
     """Whether this CPU product runs on the native bf16 kernel."""
     return (x.shape[0] <= max_rows and x.dtype == torch.bfloat16
             and not torch.is_grad_enabled() and gemv_takes(weight, x.shape[0], max_rows))
+
+
+def panels_take(weight: torch.Tensor, rows: int, max_rows: int = PANELS_MAX_ROWS) -> bool:
+    """Whether the native panel kernel takes bf16 x of `rows` rows by this
+    weight (rows the few-row kernel does not take; no autograd)."""
+    return (GEMV_MAX_ROWS < rows <= max_rows and weight.dtype == torch.bfloat16
+            and weight.device.type == "cpu" and weight.shape[0] % 16 == 0
+            and weight.shape[1] % 2 == 0 and weight.is_contiguous()
+            and bf16_kernels() is not None)
 
 
 def gemv_takes(weight: torch.Tensor, rows: int, max_rows: int = GEMV_MAX_ROWS) -> bool:
@@ -151,10 +176,16 @@ def bf16_kernels() -> object | None:
 
 
 def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-               packed: PackedWeight, gemv_max_rows: int = GEMV_MAX_ROWS) -> torch.Tensor:
+               packed: PackedWeight, gemv_max_rows: int = GEMV_MAX_ROWS,
+               panels_max_rows: int = PANELS_MAX_ROWS) -> torch.Tensor:
     """x [rows, in] @ weight.T [+ bias] the fastest way this CPU has for the rows."""
     if x.device.type == "cpu" and uses_gemv(x, weight, gemv_max_rows):
         y = bf16_kernels().bf16_gemv(x.contiguous(), weight)  # type: ignore[union-attr]
+        return y if bias is None else y + bias
+    if (x.dtype == torch.bfloat16 and not torch.is_grad_enabled()
+            and panels_take(weight, x.shape[0], panels_max_rows)):
+        y = bf16_kernels().bf16_panels_product(  # type: ignore[union-attr]
+            x.contiguous(), packed.panels(weight), weight.shape[0])
         return y if bias is None else y + bias
     if x.device.type == "cpu" and uses_onednn(weight, x.shape[0]):
         y: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
@@ -171,6 +202,9 @@ def direct_bf16_product(weight: torch.Tensor, packed: PackedWeight,
         return None
     if gemv_takes(weight, rows):
         return bf16_kernels().bf16_gemv.default, (weight,)  # type: ignore[union-attr]
+    if panels_take(weight, rows):
+        return (bf16_kernels().bf16_panels_product.default,  # type: ignore[union-attr]
+                (packed.panels(weight), weight.shape[0]))
     if uses_onednn(weight, rows):
         return (torch.ops.mkldnn._linear_pointwise.default,
                 (packed.of(weight), None, "none", [], ""))
@@ -290,7 +324,7 @@ class DecoderModel(nn.Module):
         if x.shape[0] == 1 and head.device.type == "cpu" and head.dtype == torch.float32:
             logits = (x @ self._transposed_head(head)).float()
         else:
-            logits = cpu_linear(x, head, None, self._head_packed, HEAD_GEMV_MAX_ROWS).float()
+            logits = cpu_linear(x, head, None, self._head_packed).float()
         if self.output_vocab is None:
             return logits
         full = logits.new_full((logits.shape[0], self.config.vocab_size), float("-inf"))
