@@ -170,9 +170,9 @@ void rotate_head(const scalar_t* x, const scalar_t* cos, const scalar_t* sin, sc
 
 // qkv [tokens, (heads + 2 kv_heads) * head_dim] -> (q [tokens, heads, head_dim],
 // k [tokens, kv_heads, head_dim]) rotated by cos, sin [tokens, head_dim].
-std::tuple<at::Tensor, at::Tensor> rope_qk(const at::Tensor& qkv, const at::Tensor& cos,
-                                           const at::Tensor& sin, int64_t heads,
-                                           int64_t kv_heads) {
+// What both rotary kernels check of their operands.
+void check_rope(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                int64_t heads, int64_t kv_heads) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "qkv must be [tokens, width]");
   TORCH_CHECK(qkv.scalar_type() == at::kFloat || qkv.scalar_type() == at::kBFloat16,
               "qkv must be float32 or bfloat16, got ", qkv.scalar_type());
@@ -184,27 +184,50 @@ std::tuple<at::Tensor, at::Tensor> rope_qk(const at::Tensor& qkv, const at::Tens
                   sin.is_contiguous() && cos.scalar_type() == qkv.scalar_type() &&
                   sin.scalar_type() == qkv.scalar_type(),
               "cos and sin must be contiguous [tokens, head_dim] in qkv's dtype");
-  at::Tensor q = at::empty({tokens, heads, head_dim}, qkv.options());
-  at::Tensor k = at::empty({tokens, kv_heads, head_dim}, qkv.options());
+}
+
+// Each token t's q heads of qkv rotated into q, its k heads into `keys` at
+// row slots[t] (a row: kv_heads x head_dim), and where `values` is not null
+// its v copied to the same row there; slots null: row t.
+void rotate_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                int64_t heads, int64_t kv_heads, at::Tensor& q, void* keys, void* values,
+                const int64_t* slots) {
+  const int64_t tokens = qkv.size(0), head_dim = cos.size(1);
   by_dtype(qkv.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
     const scalar_t* src = qkv.data_ptr<scalar_t>();
     const scalar_t* c = cos.data_ptr<scalar_t>();
     const scalar_t* s = sin.data_ptr<scalar_t>();
     scalar_t* q_out = q.data_ptr<scalar_t>();
-    scalar_t* k_out = k.data_ptr<scalar_t>();
     const int64_t stride = qkv.stride(0), rotated = heads + kv_heads;
+    const int64_t kv_width = kv_heads * head_dim;
     at::parallel_for(0, tokens, row_grain(rotated * head_dim), [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
+        const scalar_t* row = src + t * stride;
+        const int64_t slot = slots == nullptr ? t : slots[t];
         for (int64_t h = 0; h < rotated; ++h) {
           scalar_t* dst = h < heads ? q_out + (t * heads + h) * head_dim
-                                    : k_out + (t * kv_heads + h - heads) * head_dim;
-          rotate_head(src + t * stride + h * head_dim, c + t * head_dim, s + t * head_dim, dst,
-                      head_dim);
+                                    : static_cast<scalar_t*>(keys) + slot * kv_width
+                                          + (h - heads) * head_dim;
+          rotate_head(row + h * head_dim, c + t * head_dim, s + t * head_dim, dst, head_dim);
+        }
+        if (values != nullptr) {
+          std::memcpy(static_cast<scalar_t*>(values) + slot * kv_width,
+                      row + rotated * head_dim, kv_width * sizeof(scalar_t));
         }
       }
     });
   });
+}
+
+std::tuple<at::Tensor, at::Tensor> rope_qk(const at::Tensor& qkv, const at::Tensor& cos,
+                                           const at::Tensor& sin, int64_t heads,
+                                           int64_t kv_heads) {
+  check_rope(qkv, cos, sin, heads, kv_heads);
+  const int64_t tokens = qkv.size(0), head_dim = cos.size(1);
+  at::Tensor q = at::empty({tokens, heads, head_dim}, qkv.options());
+  at::Tensor k = at::empty({tokens, kv_heads, head_dim}, qkv.options());
+  rotate_qkv(qkv, cos, sin, heads, kv_heads, q, k.data_ptr(), nullptr, nullptr);
   return {q, k};
 }
 
@@ -215,17 +238,8 @@ std::tuple<at::Tensor, at::Tensor> rope_qk(const at::Tensor& qkv, const at::Tens
 at::Tensor rope_qk_into_cache(const at::Tensor& qkv, const at::Tensor& cos,
                               const at::Tensor& sin, int64_t heads, int64_t kv_heads,
                               at::Tensor& cache, const at::Tensor& slot_mapping) {
-  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "qkv must be [tokens, width]");
-  TORCH_CHECK(qkv.scalar_type() == at::kFloat || qkv.scalar_type() == at::kBFloat16,
-              "qkv must be float32 or bfloat16, got ", qkv.scalar_type());
+  check_rope(qkv, cos, sin, heads, kv_heads);
   const int64_t tokens = qkv.size(0), head_dim = cos.size(1);
-  TORCH_CHECK(head_dim % (2 * kLanes) == 0, "head_dim must be a multiple of ", 2 * kLanes);
-  TORCH_CHECK(qkv.size(1) == (heads + 2 * kv_heads) * head_dim, "qkv's width is not ",
-              "(heads + 2 kv_heads) * head_dim");
-  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.size(0) == tokens && cos.is_contiguous() &&
-                  sin.is_contiguous() && cos.scalar_type() == qkv.scalar_type() &&
-                  sin.scalar_type() == qkv.scalar_type(),
-              "cos and sin must be contiguous [tokens, head_dim] in qkv's dtype");
   TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2 && cache.is_contiguous() &&
                   cache.scalar_type() == qkv.scalar_type() && cache.size(3) == kv_heads &&
                   cache.size(4) == head_dim,
@@ -241,29 +255,9 @@ at::Tensor rope_qk_into_cache(const at::Tensor& qkv, const at::Tensor& cos,
                 " is outside the cache's ", num_slots, " slots");
   }
   at::Tensor q = at::empty({tokens, heads, head_dim}, qkv.options());
-  by_dtype(qkv.scalar_type(), [&](auto tag) {
-    using scalar_t = decltype(tag);
-    const scalar_t* src = qkv.data_ptr<scalar_t>();
-    const scalar_t* c = cos.data_ptr<scalar_t>();
-    const scalar_t* s = sin.data_ptr<scalar_t>();
-    scalar_t* q_out = q.data_ptr<scalar_t>();
-    scalar_t* keys = cache.data_ptr<scalar_t>();
-    scalar_t* values = keys + cache.stride(0);
-    const int64_t stride = qkv.stride(0), rotated = heads + kv_heads;
-    const int64_t kv_width = kv_heads * head_dim;
-    at::parallel_for(0, tokens, row_grain(rotated * head_dim), [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) {
-        const scalar_t* row = src + t * stride;
-        for (int64_t h = 0; h < rotated; ++h) {
-          scalar_t* dst = h < heads ? q_out + (t * heads + h) * head_dim
-                                    : keys + slots[t] * kv_width + (h - heads) * head_dim;
-          rotate_head(row + h * head_dim, c + t * head_dim, s + t * head_dim, dst, head_dim);
-        }
-        std::memcpy(values + slots[t] * kv_width, row + rotated * head_dim,
-                    kv_width * sizeof(scalar_t));
-      }
-    });
-  });
+  char* keys = static_cast<char*>(cache.data_ptr());
+  char* values = keys + cache.stride(0) * cache.element_size();
+  rotate_qkv(qkv, cos, sin, heads, kv_heads, q, keys, values, slots);
   return q;
 }
 
