@@ -42,8 +42,8 @@ from specpage.models.decoder import (
     direct_bf16_product,
     uses_onednn,
 )
-from specpage.models.native_stack import Product
 from specpage.models.gguf_blocks import Int4Blocks
+from specpage.models.native_stack import Product
 from specpage.models.quant_names import QuantizationError
 
 GROUP_SIZES = (32, 64, 128)
