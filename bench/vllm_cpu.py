@@ -122,14 +122,23 @@ def cpu_has_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def modes(quick: bool) -> dict[str, dict[str, Any]]:
+def modes(quick: bool, only: str | None = None) -> dict[str, dict[str, Any]]:
     """The engine configurations to try, by name; the fastest is "vLLM".
-    Compiling takes about 80 s per start here, so a quick run tries eager only."""
+    Compiling takes about 80 s per start here, so a quick run tries eager only.
+    `only`: a comma-separated choice among them."""
     dtypes = ["float32", "bfloat16"] if cpu_has_bf16() else ["float32"]
     eager = [True] if quick else [True, False]
     short = {"float32": "fp32", "bfloat16": "bf16"}
-    return {f"vllm_{'eager' if e else 'compiled'}_{short[d]}": {"dtype": d, "eager": e}
-            for d in dtypes for e in eager}
+    every = {f"vllm_{'eager' if e else 'compiled'}_{short[d]}": {"dtype": d, "eager": e}
+             for d in dtypes for e in eager}
+    if only is None:
+        return every
+    chosen = only.split(",")
+    unknown = [name for name in chosen if name not in every]
+    if unknown:
+        raise SystemExit(f"unknown vLLM mode {', '.join(unknown)}; this run offers "
+                         f"{', '.join(every)}")
+    return {name: every[name] for name in chosen}
 
 
 class VllmPeer:
