@@ -15,7 +15,7 @@ rows and nothing is left to do (no bias, no cast), else None.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -25,10 +25,6 @@ from specpage.models.fused import LANES
 
 Product = tuple[Callable[..., torch.Tensor], tuple[torch.Tensor, ...]]
 ENABLED = True  # tests switch it off to compare with the module path
-
-
-class DirectProduct(Protocol):
-    def direct_product(self, rows: int) -> Product | None: ...
 
 
 def run_layers(
@@ -50,7 +46,7 @@ def run_layers(
     if spans is None or rope[0].dtype != x.dtype:
         return None
     calls = model.direct_calls(x.shape[0])
-    if calls is None:
+    if not calls:  # None, or a model without layers
         return None
     kernels = loaded_kernels()
     rms_norm, add_rms_norm = kernels.rms_norm.default, kernels.add_rms_norm.default
