@@ -98,33 +98,35 @@ def _onednn_usable(dtype: torch.dtype) -> bool:
 
 
 class PackedWeight:
-    """A weight reordered once into oneDNN's blocked layout, remade when the
-    weight it came from changes (another dtype, device or storage). One more
-    copy of the weight in memory: the plain one stays for anything that reads
+    """A weight reordered once into a product's own layout (oneDNN's blocked
+    one, the native panel kernel's), each remade when the weight it came from
+    changes (another dtype, device or storage). One more copy of the weight in
+    memory per layout used: the plain one stays for anything that reads
     `.weight`."""
 
     def __init__(self) -> None:
-        self._packed: torch.Tensor | None = None
-        self._source: tuple[int, torch.dtype] | None = None
-        self._panels: torch.Tensor | None = None
-        self._panels_source: tuple[int, torch.dtype] | None = None
-
-    def panels(self, weight: torch.Tensor) -> torch.Tensor:
-        """The weight in the native panel layout (kernels/cpu/bf16_panels.cpp),
-        made once, remade as `of` is: one more copy of the weight."""
-        source = (weight.data_ptr(), weight.dtype)
-        if self._panels is None or self._panels_source != source:
-            self._panels = bf16_kernels().bf16_panels(weight.detach())  # type: ignore[union-attr]
-            self._panels_source = source
-        return self._panels
+        # layout -> (the weight's storage and dtype it was made from, the copy)
+        self._made: dict[str, tuple[tuple[int, torch.dtype], torch.Tensor]] = {}
 
     def of(self, weight: torch.Tensor) -> torch.Tensor:
+        """oneDNN's layout, for torch.ops.mkldnn._linear_pointwise."""
+        return self._remade("onednn", weight, lambda w: torch.ops.mkldnn._reorder_linear_weight(
+            w, FEW_ROWS))
+
+    def panels(self, weight: torch.Tensor) -> torch.Tensor:
+        """The native panel layout (kernels/cpu/bf16_panels.cpp)."""
+        return self._remade("panels", weight,
+                            lambda w: bf16_kernels().bf16_panels(w))  # type: ignore[union-attr]
+
+    def _remade(self, layout: str, weight: torch.Tensor,
+                make: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         source = (weight.data_ptr(), weight.dtype)
-        if self._packed is None or self._source != source:
+        made = self._made.get(layout)
+        if made is None or made[0] != source:
             with torch.no_grad():
-                self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), FEW_ROWS)
-            self._source = source
-        return self._packed
+                made = (source, make(weight.detach()))
+            self._made[layout] = made
+        return made[1]
 
 
 # Where the CPU has AVX-512 BF16, bf16 products of a few rows run on native
@@ -144,51 +146,61 @@ GEMV_MAX_ROWS = 8
 PANELS_MAX_ROWS = 64
 
 
-def uses_gemv(x: torch.Tensor, weight: torch.Tensor, max_rows: int = GEMV_MAX_ROWS) -> bool:
-    """Whether this CPU product runs on the native bf16 kernel."""
-    return (x.shape[0] <= max_rows and x.dtype == torch.bfloat16
-            and not torch.is_grad_enabled() and gemv_takes(weight, x.shape[0], max_rows))
+def uses_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether this CPU product runs on the native few-row kernel."""
+    return (x.dtype == torch.bfloat16 and not torch.is_grad_enabled()
+            and gemv_takes(weight, x.shape[0]))
 
 
-def panels_take(weight: torch.Tensor, rows: int, max_rows: int = PANELS_MAX_ROWS) -> bool:
+def gemv_takes(weight: torch.Tensor, rows: int) -> bool:
+    """Whether the native few-row kernel takes bf16 x of `rows` rows by this
+    weight (it has no autograd: callers check that too)."""
+    return (rows <= GEMV_MAX_ROWS and weight.dtype == torch.bfloat16
+            and weight.device.type == "cpu" and weight.shape[0] % 16 == 0
+            and weight.shape[1] % 32 == 0 and weight.is_contiguous()
+            and bf16_kernels() is not None)
+
+
+def panels_take(weight: torch.Tensor, rows: int) -> bool:
     """Whether the native panel kernel takes bf16 x of `rows` rows by this
     weight (rows the few-row kernel does not take; no autograd)."""
-    return (GEMV_MAX_ROWS < rows <= max_rows and weight.dtype == torch.bfloat16
+    return (GEMV_MAX_ROWS < rows <= PANELS_MAX_ROWS and weight.dtype == torch.bfloat16
             and weight.device.type == "cpu" and weight.shape[0] % 16 == 0
             and weight.shape[1] % 2 == 0 and weight.is_contiguous()
             and bf16_kernels() is not None)
 
 
-def gemv_takes(weight: torch.Tensor, rows: int, max_rows: int = GEMV_MAX_ROWS) -> bool:
-    """Whether the native bf16 kernel takes bf16 x of `rows` rows by this
-    weight (it has no autograd: callers check that too)."""
-    return (rows <= max_rows and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
-            and weight.shape[0] % 16 == 0 and weight.shape[1] % 32 == 0
-            and weight.is_contiguous() and bf16_kernels() is not None)
-
-
 @functools.cache
 def bf16_kernels() -> object | None:
-    """The native kernels where this build has AVX-512 BF16 (bf16_gemv, and
-    int4_gemv for models/quant.py); None elsewhere."""
+    """The native kernels where this build has AVX-512 BF16 (bf16_gemv,
+    bf16_panels, and int4_gemv for models/quant.py); None elsewhere."""
     kernels = loaded_kernels()
     return kernels if kernels is not None and kernels.has_bf16_gemv() else None
 
 
+def native_product(weight: torch.Tensor, packed: PackedWeight,
+                   rows: int) -> native_stack.Product | None:
+    """The native kernel call, with its weight operands, for bf16 x of `rows`
+    rows by this weight (no bias); None where no native kernel takes it."""
+    if gemv_takes(weight, rows):
+        return bf16_kernels().bf16_gemv.default, (weight,)  # type: ignore[union-attr]
+    if panels_take(weight, rows):
+        return (bf16_kernels().bf16_panels_product.default,  # type: ignore[union-attr]
+                (packed.panels(weight), weight.shape[0]))
+    return None
+
+
 def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-               packed: PackedWeight, gemv_max_rows: int = GEMV_MAX_ROWS,
-               panels_max_rows: int = PANELS_MAX_ROWS) -> torch.Tensor:
+               packed: PackedWeight) -> torch.Tensor:
     """x [rows, in] @ weight.T [+ bias] the fastest way this CPU has for the rows."""
-    if x.device.type == "cpu" and uses_gemv(x, weight, gemv_max_rows):
-        y = bf16_kernels().bf16_gemv(x.contiguous(), weight)  # type: ignore[union-attr]
-        return y if bias is None else y + bias
-    if (x.dtype == torch.bfloat16 and not torch.is_grad_enabled()
-            and panels_take(weight, x.shape[0], panels_max_rows)):
-        y = bf16_kernels().bf16_panels_product(  # type: ignore[union-attr]
-            x.contiguous(), packed.panels(weight), weight.shape[0])
-        return y if bias is None else y + bias
+    if x.device.type == "cpu" and x.dtype == torch.bfloat16 and not torch.is_grad_enabled():
+        call = native_product(weight, packed, x.shape[0])
+        if call is not None:
+            kernel, operands = call
+            y = kernel(x.contiguous(), *operands)
+            return y if bias is None else y + bias
     if x.device.type == "cpu" and uses_onednn(weight, x.shape[0]):
-        y: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
+        y = torch.ops.mkldnn._linear_pointwise(
             x.contiguous(), packed.of(weight), bias, "none", [], "")
         return y
     return few_rows_linear(x, weight, bias)
@@ -198,17 +210,11 @@ def direct_bf16_product(weight: torch.Tensor, packed: PackedWeight,
                         rows: int) -> native_stack.Product | None:
     """The one kernel call cpu_linear makes for bf16 x of `rows` rows by this
     weight (no bias), with its weight operands; None where it makes another."""
-    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
-        return None
-    if gemv_takes(weight, rows):
-        return bf16_kernels().bf16_gemv.default, (weight,)  # type: ignore[union-attr]
-    if panels_take(weight, rows):
-        return (bf16_kernels().bf16_panels_product.default,  # type: ignore[union-attr]
-                (packed.panels(weight), weight.shape[0]))
-    if uses_onednn(weight, rows):
-        return (torch.ops.mkldnn._linear_pointwise.default,
+    call = native_product(weight, packed, rows)
+    if call is None and weight.dtype == torch.bfloat16 and uses_onednn(weight, rows):
+        call = (torch.ops.mkldnn._linear_pointwise.default,
                 (packed.of(weight), None, "none", [], ""))
-    return None
+    return call
 
 
 class Linear(nn.Linear):

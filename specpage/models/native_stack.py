@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from specpage.attention.backend import AttentionBackend, AttentionMetadata
+from specpage.attention.cpu import CpuAttention
 from specpage.kernels.native import loaded_kernels
 from specpage.models.fused import LANES
 
@@ -80,8 +81,6 @@ def run_layers(
 def _short_spans(x: torch.Tensor, meta: AttentionMetadata, backend: AttentionBackend
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """The attention kernel's operands, where the rest of this forward fits."""
-    from specpage.attention.cpu import CpuAttention
-
     if (not ENABLED or x.device.type != "cpu" or x.dtype != torch.bfloat16
             or torch.is_grad_enabled() or not isinstance(backend, CpuAttention)):
         return None

@@ -54,9 +54,10 @@ INNER_K_TILES = 1
 Q_OFFSET = 8  # the kernel reads q − 8
 # The row count from which the dense bf16 copy is faster. SmolLM2-135M's 30
 # layers of products (as bench/quantization.py's linears_alone times them),
-# 2 AVX-512 BF16 cores, ms, native int4 / dense bf16 (native kernel up to 16
+# 2 AVX-512 BF16 cores, ms, native int4 / dense bf16 (native kernels up to 64
 # rows, oneDNN above): 1 row 3.7 / 8.6, 2: 4.9 / 8.0, 3: 6.2 / 8.1,
-# 4: 7.5 / 8.1, 5: 8.7 / 8.1, 6: 10.1 / 8.3, 32: 42.4 / 23.7.
+# 4: 7.5 / 8.1, 5: 8.7 / 8.1, 6: 10.1 / 8.3; linears_alone's last full run,
+# 32 rows: 49.9 / 26.1.
 DENSE_FROM_ROWS = 5
 
 
