@@ -36,7 +36,6 @@ constexpr int64_t kDepth = 32;  // bf16 inputs per vdpbf16ps
 constexpr int64_t kMaxRows = 16;
 constexpr int64_t kRowGroup = 8;  // x rows sharing one read of a weight row (registers)
 constexpr int64_t kOuts = 2;      // weight rows read side by side
-constexpr int64_t kPrefetchAhead = 8192;  // bytes; 4-16 KB measured alike
 
 #if defined(__AVX512BF16__)
 struct Operands {
@@ -50,8 +49,8 @@ struct Operands {
 // count so that every accumulator stays in a register. The weight is read
 // front to back (a block is one run of memory), kOuts rows side by side
 // (independent chains), each once for all of x's rows. Each load also asks
-// for the line kPrefetchAhead bytes further on into L2: left to the hardware
-// prefetcher, reading the weight and multiplying take turns instead of
+// for the line vec.h's kPrefetchAhead bytes further on into L2: left to the
+// hardware prefetcher, reading the weight and multiplying take turns instead of
 // overlapping: SmolLM2-135M's products (269 MB) took 9.4 ms at 1 row, 14.9
 // at 5 and 16.7 at 8; with it 8.5, 8.9 and 9.4 (2 AVX-512 BF16 cores).
 template <int64_t kRows>

@@ -39,7 +39,6 @@ using namespace specpage_cpu;
 
 constexpr int64_t kPanel = 48;  // outputs per panel: 3 vectors of 16
 constexpr int64_t kTileRows = 8;
-constexpr int64_t kPrefetchAhead = 8192;  // bytes of the panel, as in bf16_gemv.cpp
 
 int64_t panel_width(int64_t out, int64_t panel) {
   return std::min(kPanel, out - panel * kPanel);

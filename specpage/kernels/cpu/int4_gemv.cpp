@@ -40,10 +40,8 @@ using namespace specpage_cpu;
 constexpr int64_t kGroup = 32;  // inputs per scale: one vdpbf16ps
 constexpr int64_t kBlock = 16;  // outputs per block: one sum_lanes16
 constexpr int64_t kMaxRows = 8;
-// Bytes of the weights read ahead into L2 as the kernel goes, and rows of
-// scale/bias ahead: without it the hardware prefetcher lets reading and
-// multiplying take turns (as in bf16_gemv.cpp).
-constexpr int64_t kPrefetchAhead = 8192;
+// Rows of scale and bias asked for ahead, as the packed weights are
+// (vec.h's kPrefetchAhead).
 constexpr int64_t kScaleRowsAhead = 16;
 
 #if defined(__AVX512BF16__)
