@@ -123,6 +123,26 @@ def read_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
     return src.numel() * 4 / seconds
 
 
+def memory_rates() -> dict[str, Callable[[Any], float]]:
+    """Systems for rotated(), beside the steps whose floor they give: the
+    memory traffic of a large copy (read + written, the floor's rate) and the
+    rate of reading alone, in GB/s. The machine's memory rate moves by up to
+    2x over minutes, so a step and its floor are measured in the same
+    rounds, and their ratio is taken round by round (over_floor)."""
+    return {"copy_traffic_gb_s": lambda _: 2 * copy_bandwidth() / 1e9,
+            "read_alone_gb_s": lambda _: read_bandwidth() / 1e9}
+
+
+def over_floor(step: Spread, nbytes: int, rate_gb_s: Spread) -> dict[str, Any]:
+    """A step (seconds) over the time to move `nbytes` at a rate (GB/s) measured
+    in the same rounds: round by round, then median and min-max; and the
+    floor itself (ms) at the median rate."""
+    ratios = [seconds * rate * 1e9 / nbytes
+              for seconds, rate in zip(step.runs, rate_gb_s.runs, strict=True)]
+    return {"floor_ms": nbytes / (rate_gb_s.median * 1e9) * 1e3, "rate_gb_s": rate_gb_s.median,
+            "ratio": Spread.of(ratios).as_json()}
+
+
 def machine() -> dict[str, Any]:
     import transformers
 

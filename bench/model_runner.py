@@ -10,7 +10,10 @@ The floor: a decode step must read every weight once, so it takes at least
 weight bytes / read bandwidth, with the read bandwidth taken as the memory
 traffic of a large copy (bytes read + written per second). Beside it, the
 time to read the weights at the rate a large sum reads memory (reading
-alone): on some machines the copy's traffic is well above that rate.
+alone): on some machines the copy's traffic is well above that rate. This
+machine's memory rate moves by up to 2x within minutes, so both rates are
+measured in the same rotated rounds as the step, and the step over its floor
+is taken round by round (median, min-max).
 """
 
 from __future__ import annotations
@@ -27,11 +30,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import (  # noqa: E402
     compare,
-    copy_bandwidth,
     finish,
     machine,
     median_seconds,
-    read_bandwidth,
+    memory_rates,
+    over_floor,
     rotated,
     rounds,
 )
@@ -140,21 +143,18 @@ def main() -> None:
         print(f"decode batch {batch:>2}: ours {ours * 1e3:7.2f} ms, HF {theirs * 1e3:7.2f} ms, "
               f"{case['ratio']:.2f}x ({case['verdict']})", file=sys.stderr)
 
-    # Verifying k + 1 = 5 positions of one sequence against decoding one token.
+    # Verifying k + 1 = 5 positions of one sequence against decoding one token,
+    # and the batch-1 step against its floor, the memory rates measured in the
+    # same rounds (bench.common.memory_rates).
+    weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
     verify = rotated({"verify_5": per_call(ours_verify(runner, VERIFY_SPAN, context)),
-                      "decode_1": per_call(ours_decode(runner, 1, context))}, None, None,
-                     rounds(args.quick, full=ROUNDS))
+                      "decode_1": per_call(ours_decode(runner, 1, context)),
+                      **memory_rates()}, None, None, rounds(args.quick, full=ROUNDS))
     verify_ratio = verify["verify_5"].median / verify["decode_1"].median
     print(f"verify {VERIFY_SPAN} positions: {verify['verify_5'].median * 1e3:.2f} ms, "
           f"{verify_ratio:.2f}x a batch-1 decode step", file=sys.stderr)
-
-    weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
-    bandwidth = copy_bandwidth()
-    floor_ms = weight_bytes / (2 * bandwidth) * 1e3
-    # Beside the floor, not instead of it: the step against the rate at which
-    # this machine reads memory without writing (bench.common.read_bandwidth).
-    read = read_bandwidth()
-    read_ms = weight_bytes / read * 1e3
+    floor = over_floor(verify["decode_1"], weight_bytes, verify["copy_traffic_gb_s"])
+    read = over_floor(verify["decode_1"], weight_bytes, verify["read_alone_gb_s"])
     result = {
         "bench": "model_runner",
         "model": f"SmolLM2-135M-Instruct {loaded.model.embed_tokens.weight.dtype}",
@@ -165,20 +165,25 @@ def main() -> None:
         "rounds": rounds(args.quick, full=ROUNDS),
         "decode_context": context,
         "decode": rows,
-        "copy_bandwidth_gb_s": bandwidth / 1e9,
         "weight_mb": weight_bytes / 1e6,
-        "batch1_floor_ms": floor_ms,
-        "batch1_over_floor": rows[0]["ours_ms"] / floor_ms,
-        "read_bandwidth_gb_s": read / 1e9,
-        "batch1_read_ms": read_ms,
-        "batch1_over_read": rows[0]["ours_ms"] / read_ms,
+        "batch1_ms": verify["decode_1"].median * 1e3,
+        "copy_bandwidth_gb_s": floor["rate_gb_s"] / 2,
+        "batch1_floor_ms": floor["floor_ms"],
+        "batch1_over_floor": floor["ratio"]["median"],
+        "batch1_over_floor_rounds": floor["ratio"],
+        "read_bandwidth_gb_s": read["rate_gb_s"],
+        "batch1_read_ms": read["floor_ms"],
+        "batch1_over_read": read["ratio"]["median"],
+        "batch1_over_read_rounds": read["ratio"],
         "verify": {"span": VERIFY_SPAN, "ours_s": verify["verify_5"].as_json(),
                    "decode_1_s": verify["decode_1"].as_json(), "over_decode_1": verify_ratio},
         "machine": machine(),
     }
     print(f"prefill: ours {tokens / ours_prefill:.0f} tok/s, HF {tokens / hf_prefill:.0f} tok/s; "
-          f"batch-1 floor {floor_ms:.1f} ms ({bandwidth / 1e9:.1f} GB/s copy); weights read "
-          f"alone {read_ms:.1f} ms ({read / 1e9:.1f} GB/s)", file=sys.stderr)
+          f"batch-1 step {verify['decode_1'].median * 1e3:.2f} ms, {floor['ratio']['median']:.2f}x "
+          f"its floor {floor['floor_ms']:.2f} ms ({floor['rate_gb_s'] / 2:.1f} GB/s copy) "
+          f"({floor['ratio']['min']:.2f}-{floor['ratio']['max']:.2f} by round); weights read "
+          f"alone {read['floor_ms']:.2f} ms ({read['rate_gb_s']:.1f} GB/s)", file=sys.stderr)
     finish("model_runner", result)
 
 

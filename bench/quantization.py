@@ -14,7 +14,9 @@ SmolLM2-135M-Instruct, one run:
 - speed: batch-1 decode step, q4 vs fp32 vs bf16 weights, and batch 32 q4 vs
   fp32, rotated rounds (bench/common.py); the q4 step's bandwidth floor from
   the bytes it reads (packed weights, scales and zeros, the embedding/LM head
-  as stored) over the read bandwidth of a large copy; and the vocabulary
+  as stored) over the read bandwidth of a large copy, that rate measured in
+  the same rotated rounds as the steps and the ratio taken round by round
+  (the machine's memory rate moves within minutes); and the vocabulary
   projection alone, dense fp32 / bf16 against int8 (torch's
   _weight_int8pack_mm), the measurement behind keeping it dense.
 
@@ -34,12 +36,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import (  # noqa: E402
-    copy_bandwidth,
     finish,
     machine,
     median_seconds,
+    memory_rates,
+    over_floor,
     parse_args,
-    read_bandwidth,
     rotated,
     rounds,
 )
@@ -249,28 +251,33 @@ def main() -> None:
                                                       batch)}
         if batch == 1 and bf16 is not None:
             runners["bf16"] = decode_step(bf16, batch)
+        if batch == 1:  # the floors' memory rates, in the same rounds as the steps
+            runners |= memory_rates()
         spreads = rotated(runners, None, None, rounds(args.quick, full=5))
+        if batch == 1:
+            rates = {name: spreads.pop(name) for name in memory_rates()}
+            steps = spreads
         speed[f"batch_{batch}_ms"] = {k: v.as_json() | {"median_ms": v.median * 1e3}
                                       for k, v in spreads.items()}
-    bandwidth = 2 * copy_bandwidth()  # bytes read + written per second
-    read = read_bandwidth()  # reading alone (beside the floor, not instead of it)
     floors = {}
-    for name in ("fp32", "q4_gguf", "q4_gguf_fp32_activations"):
+    for name, step in (("fp32", "fp32"), ("q4_gguf", "q4"),
+                       ("q4_gguf_fp32_activations", "q4_fp32_activations")):
         nbytes = step_bytes(systems[name].target)  # type: ignore[union-attr]
-        floors[name] = {"bytes": nbytes, "floor_ms": nbytes / bandwidth * 1e3,
-                        "read_alone_ms": nbytes / read * 1e3}
+        floor = over_floor(steps[step], nbytes, rates["copy_traffic_gb_s"])
+        read = over_floor(steps[step], nbytes, rates["read_alone_gb_s"])
+        floors[name] = {"bytes": nbytes, "floor_ms": floor["floor_ms"],
+                        "over_floor": floor["ratio"], "read_alone_ms": read["floor_ms"],
+                        "over_read_alone": read["ratio"]}
     speed["floor"] = floors
-    speed["q4_vs_floor"] = speed["batch_1_ms"]["q4"]["median_ms"] / floors["q4_gguf"]["floor_ms"]
-    speed["q4_vs_read_alone"] = (speed["batch_1_ms"]["q4"]["median_ms"]
-                                 / floors["q4_gguf"]["read_alone_ms"])
+    speed["q4_vs_floor"] = floors["q4_gguf"]["over_floor"]["median"]
+    speed["q4_vs_read_alone"] = floors["q4_gguf"]["over_read_alone"]["median"]
     speed["q4_fp32_activations_vs_floor"] = (
-        speed["batch_1_ms"]["q4_fp32_activations"]["median_ms"]
-        / floors["q4_gguf_fp32_activations"]["floor_ms"])
+        floors["q4_gguf_fp32_activations"]["over_floor"]["median"])
     speed["head_alone"] = head_alone(args.quick)
     speed["linears_alone"] = linears_alone(args.quick)
     finish("quantization", {"machine": machine(), "quality": quality_figures, "speed": speed,
-                            "read_bandwidth_gb_s": bandwidth / 1e9,
-                            "read_alone_bandwidth_gb_s": read / 1e9})
+                            "read_bandwidth_gb_s": rates["copy_traffic_gb_s"].median,
+                            "read_alone_bandwidth_gb_s": rates["read_alone_gb_s"].median})
 
 
 def scale_rounding(fp32: LoadedModel) -> dict[str, float]:

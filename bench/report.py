@@ -54,17 +54,25 @@ def model_runner(r: dict) -> list[str]:
                     f"{fmt(d['ours_ms'], 1)} ms | HF {fmt(d['hf_ms'], 1)} ms: "
                     f"**{fmt(d['speedup'])}×**{level(d)} |")
     rows.append(f"| batch-1 decode floor (weights / copy traffic) | {fmt(r['batch1_floor_ms'], 1)}"
-                f" ms | measured step is {fmt(r['batch1_over_floor'], 2)}× the floor |")
+                f" ms | measured step is {fmt(r['batch1_over_floor'], 2)}× the floor"
+                f"{by_round(r.get('batch1_over_floor_rounds'))} |")
     if "batch1_read_ms" in r:
         rows.append(f"| the weights read alone ({fmt(r['read_bandwidth_gb_s'], 1)} GB/s, a large "
                     f"sum) | {fmt(r['batch1_read_ms'], 1)} ms | measured step is "
-                    f"{fmt(r['batch1_over_read'], 2)}× that |")
+                    f"{fmt(r['batch1_over_read'], 2)}× that"
+                    f"{by_round(r.get('batch1_over_read_rounds'))} |")
     if "verify" in r:
         v = r["verify"]
         rows.append(f"| one sequence verifying {v['span']} positions | "
                     f"{spread(ms(v['ours_s']))} ms | {fmt(v['over_decode_1'])}× its batch-1 "
                     f"decode step ({spread(ms(v['decode_1_s']))} ms) |")
     return rows
+
+
+def by_round(ratio: dict | None) -> str:
+    """A step-over-floor ratio's min-max over rounds (results from before
+    the floor was measured in the step's rounds have none)."""
+    return "" if ratio is None else f" ({fmt(ratio['min'], 2)}–{fmt(ratio['max'], 2)} by round)"
 
 
 def spread(s: dict, digits: int = 1) -> str:
@@ -272,12 +280,14 @@ def quantization(r: dict) -> list[str]:
     f = s["floor"]
     rows.append(f"| batch-1 floor from the bytes a q4 step reads ({f['q4_gguf']['bytes'] / 1e6:.0f}"
                 f" MB) | {fmt(f['q4_gguf']['floor_ms'], 1)} ms | measured step is "
-                f"{fmt(s['q4_vs_floor'], 2)}× the floor (fp32: {f['fp32']['bytes'] / 1e6:.0f} "
+                f"{fmt(s['q4_vs_floor'], 2)}× the floor"
+                f"{by_round(f['q4_gguf'].get('over_floor'))} (fp32: {f['fp32']['bytes'] / 1e6:.0f} "
                 f"MB, {fmt(f['fp32']['floor_ms'], 1)} ms) |")
     if "q4_vs_read_alone" in s:
         rows.append(f"| those bytes read alone ({fmt(r['read_alone_bandwidth_gb_s'], 1)} GB/s, a "
                     f"large sum) | {fmt(f['q4_gguf']['read_alone_ms'], 1)} ms | measured step is "
-                    f"{fmt(s['q4_vs_read_alone'], 2)}× that |")
+                    f"{fmt(s['q4_vs_read_alone'], 2)}× that"
+                    f"{by_round(f['q4_gguf'].get('over_read_alone'))} |")
     for rows_key, h in s.get("linears_alone", {}).items():
         label = rows_key.removeprefix("rows_").removesuffix("_ms")
         rows.append(f"| 30 layers' projections alone, {label} rows | "
