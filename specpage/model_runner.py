@@ -75,11 +75,14 @@ class ModelRunner:
             self.device,
         )
         input_ids = torch.tensor([t for s in spans for t in s.token_ids], dtype=torch.int64)
-        positions = torch.cat([torch.arange(s.start, s.end) for s in spans])
-        ends = torch.tensor([len(s.token_ids) for s in spans]).cumsum(0)
-        logits_index = torch.cat(
-            [torch.arange(int(e) - s.num_logits, int(e)) for s, e in zip(spans, ends, strict=True)]
-        )
+        positions = torch.tensor([p for s in spans for p in range(s.start, s.end)],
+                                 dtype=torch.int64)
+        logits_rows: list[int] = []
+        end = 0
+        for s in spans:
+            end += len(s.token_ids)
+            logits_rows.extend(range(end - s.num_logits, end))
+        logits_index = torch.tensor(logits_rows, dtype=torch.int64)
         return self.model(
             input_ids.to(self.device),
             positions.to(self.device),

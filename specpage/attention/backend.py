@@ -46,6 +46,10 @@ class AttentionBackend(Protocol):
     def copy_blocks(self, kv_cache: torch.Tensor, pairs: torch.Tensor) -> None: ...
 
 
+def _int64(values: list[int] | list[list[int]]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64)
+
+
 @dataclass(frozen=True)
 class SpanLayout:
     """A forward's spans as CPU tensors: what each backend's metadata is
@@ -61,24 +65,23 @@ class SpanLayout:
 
 
 def lay_out_spans(spans: list[Span], block_size: int) -> SpanLayout:
-    starts = torch.tensor([s for s, _, _ in spans], dtype=torch.int64)
-    query_lens = torch.tensor([n for _, n, _ in spans], dtype=torch.int64)
-    max_blocks = max(len(t) for _, _, t in spans)
-    block_tables = torch.tensor(
-        [t + [0] * (max_blocks - len(t)) for _, _, t in spans], dtype=torch.int64
-    )
-    query_start = torch.nn.functional.pad(query_lens.cumsum(0), (1, 0))
-    token_seq = torch.repeat_interleave(torch.arange(len(spans)), query_lens)
-    token_pos = starts[token_seq] + torch.arange(len(token_seq)) - query_start[token_seq]
-    slot_mapping = (
-        block_tables[token_seq, token_pos // block_size] * block_size + token_pos % block_size
-    )
+    # Python lists, one tensor each at the end: a decode step's few spans
+    # cost a handful of microseconds this way, against ~70 for torch ops.
+    starts = [start for start, _, _ in spans]
+    query_lens = [n for _, n, _ in spans]
+    max_blocks = max(len(table) for _, _, table in spans)
+    query_start = [0]
+    slots: list[int] = []
+    for start, n, table in spans:
+        query_start.append(query_start[-1] + n)
+        slots.extend(table[p // block_size] * block_size + p % block_size
+                     for p in range(start, start + n))
     return SpanLayout(
         block_size=block_size,
-        starts=starts,
-        query_lens=query_lens,
-        context_lens=starts + query_lens,
-        query_start=query_start,
-        block_tables=block_tables,
-        slot_mapping=slot_mapping,
+        starts=_int64(starts),
+        query_lens=_int64(query_lens),
+        context_lens=_int64([start + n for start, n in zip(starts, query_lens, strict=True)]),
+        query_start=_int64(query_start),
+        block_tables=_int64([table + [0] * (max_blocks - len(table)) for _, _, table in spans]),
+        slot_mapping=_int64(slots),
     )

@@ -56,16 +56,16 @@ class CpuAttention(TorchAttention):
         short_members = grouped[0] if int(layout.query_lens[grouped[0][0]]) <= SHORT_SPAN else []
         rest = grouped[1:] if short_members else grouped
         short = None
-        if short_members:
+        if len(short_members) == len(spans):  # every span short: the layout as it is
+            short = ShortSpans(token_rows=None, block_tables=layout.block_tables,
+                               query_start=layout.query_start, context_lens=layout.context_lens)
+        elif short_members:
             index = torch.tensor(short_members, dtype=torch.int64)
             query_lens = layout.query_lens[index]
-            all_rows = len(short_members) == len(spans)
-            token_rows = None
-            if not all_rows:
-                token_rows = torch.cat([
-                    torch.arange(int(layout.query_start[i]), int(layout.query_start[i + 1]))
-                    for i in short_members
-                ])
+            token_rows = torch.cat([
+                torch.arange(int(layout.query_start[i]), int(layout.query_start[i + 1]))
+                for i in short_members
+            ])
             short = ShortSpans(
                 token_rows=token_rows,
                 block_tables=layout.block_tables[index].contiguous(),
