@@ -1,5 +1,5 @@
-"""The decoder's layers as one loop of direct kernel calls
-(specpage/models/native_stack.py) give exactly what the module path gives:
+"""The decoder's layers in one native call (specpage/models/native_stack.py,
+kernels/cpu/decoder_stack.cpp) give exactly what the module path gives:
 the same logits, the same K/V in the cache and the same tapped hidden
 states, for decode and verify steps in bf16 and q4 (on the native products
 and on oneDNN's); and forwards it does not
@@ -68,21 +68,28 @@ def both_ways(runner: ModelRunner, spans: list[SeqSpan], monkeypatch: pytest.Mon
 
 @pytest.mark.parametrize("quantization", [None, "q4"])
 @pytest.mark.parametrize("shape", ["decode 1", "decode 3", "verify 5", "verify 2 + decode 2",
-                                   "decode 20"])
+                                   "decode 20", "decode 66"])
 def test_the_direct_loop_gives_the_modules_logits_and_kv(
         checkpoint: Path, quantization: str | None, shape: str,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    runner = prefilled(checkpoint, quantization, 20 if shape == "decode 20" else 3)
+    prompts = int(shape.split()[-1]) if shape.startswith("decode") else 3
+    runner = prefilled(checkpoint, quantization, max(prompts, 3))
     spans = {
         "decode 1": [SeqSpan([7], 40, table(0))],
         "decode 3": [SeqSpan([7 + s], 40, table(s)) for s in range(3)],
         "verify 5": [SeqSpan([9, 8, 7, 6, 5], 40, table(1), 5)],
         "verify 2 + decode 2": [SeqSpan([9, 8], 40, table(0), 2), SeqSpan([5], 40, table(1)),
                                 SeqSpan([4], 40, table(2))],
-        "decode 20": [SeqSpan([7 + s], 40, table(s)) for s in range(20)],  # past the native
-    }[shape]                                                               # products: oneDNN
+        "decode 20": [SeqSpan([7 + s], 40, table(s)) for s in range(20)],  # the panel kernel
+        "decode 66": [SeqSpan([7 + s], 40, table(s)) for s in range(66)],  # oneDNN
+    }[shape]
     rows = sum(len(s.token_ids) for s in spans)
-    assert runner.model.direct_calls(rows) is not None  # the loop applies to these rows
+    plan = runner.model.stack_plan(rows)
+    assert plan is not None  # the native call applies to these rows
+    expected = {1: native_stack.GEMV, 3: native_stack.GEMV, 5: native_stack.GEMV,
+                4: native_stack.GEMV, 20: native_stack.PANELS, 66: native_stack.ONEDNN}[rows]
+    if quantization is None or rows >= DENSE_FROM_ROWS:
+        assert plan.kinds[0] == expected
     (logits, cache, _), (ref_logits, ref_cache, _) = both_ways(runner, spans, monkeypatch)
     assert torch.equal(logits, ref_logits)
     assert torch.equal(cache, ref_cache)
@@ -90,14 +97,13 @@ def test_the_direct_loop_gives_the_modules_logits_and_kv(
 
 
 def test_q4_rows_take_the_int4_kernel_below_the_dense_copy(checkpoint: Path) -> None:
-    """The direct loop chooses each product's kernel as Int4Linear.forward does."""
+    """The native call chooses each product's kernel as Int4Linear.forward does."""
     model = load_model(checkpoint, "bf16", quantization="q4").model
-    kernels = bf16_kernels()
-    few = model.direct_calls(DENSE_FROM_ROWS - 1)
-    many = model.direct_calls(DENSE_FROM_ROWS)
+    few = model.stack_plan(DENSE_FROM_ROWS - 1)
+    many = model.stack_plan(DENSE_FROM_ROWS)
     assert few is not None and many is not None
-    assert few[0][1][0] == kernels.int4_gemv.default  # qkv of layer 0
-    assert many[0][1][0] == kernels.bf16_gemv.default
+    assert few.kinds[0] == native_stack.INT4  # qkv of layer 0
+    assert many.kinds[0] == native_stack.GEMV
 
 
 def test_the_tap_sees_the_same_states(checkpoint: Path,
@@ -124,3 +130,33 @@ def test_forwards_the_loop_does_not_take_run_the_modules(
     fp32 = ModelRunner(load_model(checkpoint, "fp32"), 32, BLOCK)
     fp32.forward([SeqSpan([5], 0, table(0))])
     assert taken[-1] is None
+
+
+def test_the_native_call_refuses_operands_that_do_not_fit(checkpoint: Path) -> None:
+    """A plan whose lists disagree with the layers is refused by name, with
+    nothing written."""
+    runner = prefilled(checkpoint, None, 1)
+    plan = runner.model.stack_plan(1)
+    assert plan is not None
+    kernels = bf16_kernels()
+    x = torch.zeros(1, SHAPE["hidden_size"], dtype=torch.bfloat16)
+    cos = sin = torch.zeros(1, 64, dtype=torch.bfloat16)
+    index = torch.zeros(1, dtype=torch.int64)
+
+    def call(**changes: object) -> None:
+        args = dict(caches=list(runner.layer_caches), norms=plan.norms, kinds=plan.kinds,
+                    outs=plan.outs, operands=plan.operands, taps=[]) | changes
+        kernels.decoder_stack(x, cos, sin, args["caches"], index, index[None], torch.tensor(
+            [0, 1]), torch.ones(1, dtype=torch.int64), args["norms"], args["kinds"],
+            args["outs"], args["operands"], 2, 1, 1e-5, 0.125, args["taps"])
+
+    before = runner.kv_cache.clone()
+    with pytest.raises(RuntimeError, match="norms and .* products"):
+        call(kinds=plan.kinds[:-1], outs=plan.outs[:-1])
+    with pytest.raises(RuntimeError, match="operands left over"):
+        call(operands=plan.operands + plan.operands[:1])
+    with pytest.raises(RuntimeError, match="unknown product kind 7"):
+        call(kinds=[7] + plan.kinds[1:])
+    with pytest.raises(RuntimeError, match="taps must name layers"):
+        call(taps=[2, 0])
+    assert torch.equal(runner.kv_cache, before)

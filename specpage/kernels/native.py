@@ -12,7 +12,10 @@ torch's cpp_extension into the specpage cache, loaded from there afterwards.
   build lacks the instructions, has_bf16_gemv() is false and oneDNN takes
   them);
 - int4_gemv.cpp: group-wise int4 products of a few rows on AVX-512 BF16
-  (specpage/models/quant.py; torch's int4 kernel elsewhere).
+  (specpage/models/quant.py; torch's int4 kernel elsewhere);
+- decoder_stack.cpp: a decoder's layers in one call, the ops above called
+  from C++ in the order DecoderLayer.forward calls them
+  (specpage/models/native_stack.py).
 
 The build is optional: without a compiler, ninja or a CPU build of torch it
 fails, the failure is logged once, and every caller takes its pure-torch way

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -293,9 +292,9 @@ class DecoderModel(nn.Module):
         )
         self._head_t: torch.Tensor | None = None
         self._head_packed = PackedWeight()
-        # native_stack.layer_calls by row count, made on first use; cleared
+        # native_stack.stack_plan by row count, made on first use; cleared
         # when the model's tensors are replaced (.to() and the like).
-        self._direct_calls: dict[int, list[tuple[Any, ...]] | None] = {}
+        self._stack_plans: dict[int, native_stack.StackPlan | None] = {}
         # A draft may propose from part of the vocabulary only: its projection
         # then reads only those rows (see restrict_output_vocab).
         self.output_vocab: torch.Tensor | None = None
@@ -336,15 +335,15 @@ class DecoderModel(nn.Module):
         full = logits.new_full((logits.shape[0], self.config.vocab_size), float("-inf"))
         return full.index_copy_(1, self.output_vocab, logits)
 
-    def direct_calls(self, rows: int) -> list[tuple[Any, ...]] | None:
-        """The layers' direct kernel calls for `rows` rows (models/native_stack.py)."""
-        if rows not in self._direct_calls:
-            self._direct_calls[rows] = native_stack.layer_calls(self.layers, rows)
-        return self._direct_calls[rows]
+    def stack_plan(self, rows: int) -> native_stack.StackPlan | None:
+        """The layers' native call for `rows` rows (models/native_stack.py)."""
+        if rows not in self._stack_plans:
+            self._stack_plans[rows] = native_stack.stack_plan(self.layers, rows)
+        return self._stack_plans[rows]
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True
                ) -> DecoderModel:
-        self._direct_calls = {}
+        self._stack_plans = {}
         return super()._apply(fn, recurse)
 
     def _run_layers(

@@ -1,11 +1,13 @@
-"""A decoder's layers as one loop of direct kernel calls, for the forwards
-where every op of every layer has one: decode and verify steps (every span
-on the CPU attention kernel) in bf16 on a CPU with AVX-512 BF16, products
-on the native kernel or oneDNN, no bias. DecoderLayer.forward makes the same
-calls in the same order, each through its module's dispatch and checks; on
-SmolLM2-135M's 30 layers those cost about 2 ms of a 13 ms batch-1 step (13.1
-against 10.7 ms) and 4 ms of a 48 ms step of 32 sequences. The logits and the
-KV written are identical either way (tests/test_native_stack.py).
+"""A decoder's layers in one native call, for the forwards where every op
+of every layer has a kernel: decode and verify steps (every span on the CPU
+attention kernel) in bf16 on a CPU with AVX-512 BF16, products on the
+native kernels or oneDNN, no bias. The call
+(specpage/kernels/cpu/decoder_stack.cpp) makes the same kernel calls in the
+same order as DecoderLayer.forward, from C++: through the modules, each of a
+step's ~270 calls on SmolLM2-135M's 30 layers costs its module's dispatch,
+checks and a Python call (13.1 against 10.7 ms of a batch-1 step for a loop of
+direct Python calls; the native loop saves those calls too). The logits and
+the KV written are identical either way (tests/test_native_stack.py).
 
 A linear layer takes part through `direct_product(rows)`: the kernel and its
 weight operands where one call computes x @ W.T for x of that many bf16
@@ -15,6 +17,7 @@ rows and nothing is left to do (no bias, no cast), else None.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,6 +31,20 @@ Product = tuple[Callable[..., torch.Tensor], tuple[torch.Tensor, ...]]
 ENABLED = True  # tests switch it off to compare with the module path
 
 
+# The product kinds decoder_stack.cpp reads, by the kernel a product calls.
+GEMV, PANELS, INT4, ONEDNN = 0, 1, 2, 3
+
+
+@dataclass(frozen=True)
+class StackPlan:
+    """decoder_stack's per-layer operands for one row count."""
+
+    norms: list[torch.Tensor]  # per layer: input norm, post-attention norm
+    kinds: list[int]  # per layer: qkv, o, gate_up, down
+    outs: list[int]  # output features per product (the panel kernel reads them)
+    operands: list[torch.Tensor]  # each product's, in order
+
+
 def run_layers(
     model: Any,  # a DecoderModel: .layers, .config
     x: torch.Tensor,  # [rows, hidden], the embedded tokens
@@ -39,42 +56,24 @@ def run_layers(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(the stream after the last layer's attention, its MLP branch), as
     DecoderModel's loop gives them; None, having done nothing, where some op
-    has no direct call."""
+    has no kernel."""
     c = model.config
     if c.hidden_size % LANES or (c.head_dim // 2) % LANES or c.intermediate_size % LANES:
         return None  # widths the fused kernels do not take (models/fused.py)
     spans = _short_spans(x, meta, backend)
     if spans is None or rope[0].dtype != x.dtype:
         return None
-    calls = model.direct_calls(x.shape[0])
-    if not calls:  # None, or a model without layers
+    plan = model.stack_plan(x.shape[0])
+    if plan is None:
         return None
-    kernels = loaded_kernels()
-    rms_norm, add_rms_norm = kernels.rms_norm.default, kernels.add_rms_norm.default
-    # rope_qk with its k and the v written into the cache at the forward's slots,
-    # as the CPU backend's write_kv puts them
-    rope_into_cache = kernels.rope_qk_into_cache.default
-    silu_and_mul = kernels.silu_and_mul.default
-    attention = kernels.paged_attention.default
-    heads, kv_heads, head_dim, eps = c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps
-    scale = head_dim**-0.5
-    cos, sin = rope
+    taps = sorted(set(tap.layers)) if tap is not None else []
     block_tables, query_start, context_lens = spans
-    branch: torch.Tensor | None = None
-    for index, ((input_norm, qkv, o, post_norm, gate_up, down), cache) in enumerate(
-            zip(calls, caches, strict=True)):
-        if branch is None:
-            normed = rms_norm(x, input_norm, eps)
-        else:
-            x, normed = add_rms_norm(branch, x, input_norm, eps)
-        if tap is not None:
-            tap.see(index, x)
-        mixed = qkv[0](normed, *qkv[1])
-        q = rope_into_cache(mixed, cos, sin, heads, kv_heads, cache, meta.slot_mapping)
-        attended = attention(q, cache, block_tables, query_start, context_lens, scale)
-        x, normed = add_rms_norm(o[0](attended, *o[1]), x, post_norm, eps)
-        branch = down[0](silu_and_mul(gate_up[0](normed, *gate_up[1])), *down[1])
-    assert branch is not None
+    x, branch, tapped = loaded_kernels().decoder_stack.default(
+        x, rope[0], rope[1], list(caches), meta.slot_mapping, block_tables, query_start,
+        context_lens, plan.norms, plan.kinds, plan.outs, plan.operands, c.num_heads,
+        c.num_kv_heads, c.rms_norm_eps, c.head_dim**-0.5, taps)
+    for index, state in zip(taps, tapped, strict=True):
+        tap.see(index, state)
     return x, branch
 
 
@@ -90,19 +89,28 @@ def _short_spans(x: torch.Tensor, meta: AttentionMetadata, backend: AttentionBac
     return short.block_tables, short.query_start, short.context_lens
 
 
-def layer_calls(layers: Sequence[Any], rows: int) -> list[tuple[Any, ...]] | None:
-    """Per layer: input norm weight, qkv product, o product, post-attention
-    norm weight, gate_up product, down product."""
+def stack_plan(layers: Sequence[Any], rows: int) -> StackPlan | None:
+    """decoder_stack's operands for x of `rows` rows; None where a layer has
+    an op without a kernel (or there are no layers)."""
     kernels = loaded_kernels()
-    if kernels is None or not kernels.has_bf16_gemv():
+    if kernels is None or not kernels.has_bf16_gemv() or not layers:
         return None
-    calls = []
+    kinds_by_kernel = {kernels.bf16_gemv.default: GEMV, kernels.bf16_panels_product.default: PANELS,
+                       kernels.int4_gemv.default: INT4,
+                       torch.ops.mkldnn._linear_pointwise.default: ONEDNN}
+    plan = StackPlan([], [], [], [])
     for layer in layers:
-        products = [linear.direct_product(rows) for linear in
-                    (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
         norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-        if any(p is None for p in products) or any(n.dtype != torch.bfloat16 for n in norms):
+        if any(n.dtype != torch.bfloat16 for n in norms):
             return None
-        qkv, o, gate_up, down = products
-        calls.append((norms[0], qkv, o, norms[1], gate_up, down))
-    return calls
+        plan.norms.extend(norms)
+        for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
+            product = linear.direct_product(rows)
+            kind = None if product is None else kinds_by_kernel.get(product[0])
+            if product is None or kind is None:
+                return None
+            operands = product[1]
+            plan.kinds.append(kind)
+            plan.outs.append(operands[1] if kind == PANELS else 0)
+            plan.operands.extend(operands[:1] if kind in (PANELS, ONEDNN) else operands)
+    return plan

@@ -1,0 +1,177 @@
+// A decoder's layers in one call, for the decode and verify steps
+// specpage/models/native_stack.py takes: per layer the same kernel calls in
+// the same order as DecoderLayer.forward (the other ops of this extension,
+// and oneDNN's linear where a product runs there), made from C++ through
+// the dispatcher instead of one Python call each. On SmolLM2-135M's 30
+// layers a step makes ~270 of them; from Python each costs a few
+// microseconds of argument parsing and dispatch.
+//
+// Registered as torch.ops.specpage_cpu.decoder_stack.
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+// How a product is computed, and how many operands (after x) it takes from
+// the flat operand list; models/native_stack.py writes the same codes.
+enum Kind : int64_t { kGemv = 0, kPanels = 1, kInt4 = 2, kOneDnn = 3 };
+
+template <typename Signature>
+c10::TypedOperatorHandle<Signature> op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+
+using Tensor = at::Tensor;
+using Pair = std::tuple<Tensor, Tensor>;
+
+struct Ops {
+  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, double)> rms_norm =
+      op<Tensor(const Tensor&, const Tensor&, double)>("specpage_cpu::rms_norm");
+  c10::TypedOperatorHandle<Pair(const Tensor&, const Tensor&, const Tensor&, double)>
+      add_rms_norm = op<Pair(const Tensor&, const Tensor&, const Tensor&, double)>(
+          "specpage_cpu::add_rms_norm");
+  c10::TypedOperatorHandle<Tensor(const Tensor&)> silu_and_mul =
+      op<Tensor(const Tensor&)>("specpage_cpu::silu_and_mul");
+  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t,
+                                  Tensor&, const Tensor&)>
+      rope_into_cache = op<Tensor(const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t,
+                                  Tensor&, const Tensor&)>("specpage_cpu::rope_qk_into_cache");
+  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                  const Tensor&, double)>
+      attention = op<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                            const Tensor&, double)>("specpage_cpu::paged_attention");
+  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&)> gemv =
+      op<Tensor(const Tensor&, const Tensor&)>("specpage_cpu::bf16_gemv");
+  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, int64_t)> panels =
+      op<Tensor(const Tensor&, const Tensor&, int64_t)>("specpage_cpu::bf16_panels_product");
+  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&)>
+      int4 = op<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&)>(
+          "specpage_cpu::int4_gemv");
+};
+
+const Ops& ops() {
+  static const Ops handles;  // looked up on first use: every op is registered by then
+  return handles;
+}
+
+// oneDNN's linear on its packed weight (what cpu_linear calls for rows no
+// native kernel takes); looked up apart, as a build of torch without it
+// fails only the plans that use it.
+Tensor onednn_linear(const Tensor& x, const Tensor& packed) {
+  static const auto handle =
+      op<Tensor(const Tensor&, const Tensor&, const std::optional<Tensor>&, c10::string_view,
+                c10::List<std::optional<at::Scalar>>, std::optional<c10::string_view>)>(
+          "mkldnn::_linear_pointwise");
+  return handle.call(x, packed, std::nullopt, "none", c10::List<std::optional<at::Scalar>>(),
+                     c10::string_view(""));
+}
+
+int64_t operand_count(int64_t kind) {
+  switch (kind) {
+    case kGemv: return 1;    // weight
+    case kPanels: return 1;  // packed panels (and outs[i])
+    case kInt4: return 3;    // nibbles, scale, bias
+    case kOneDnn: return 1;  // packed weight
+    default: TORCH_CHECK(false, "decoder_stack: unknown product kind ", kind);
+  }
+}
+
+struct Product {
+  int64_t kind, out;
+  const Tensor* operands;
+};
+
+Tensor product(const Product& p, const Tensor& x) {
+  switch (p.kind) {
+    case kGemv: return ops().gemv.call(x, p.operands[0]);
+    case kPanels: return ops().panels.call(x, p.operands[0], p.out);
+    case kInt4: return ops().int4.call(x, p.operands[0], p.operands[1], p.operands[2]);
+    default: return onednn_linear(x, p.operands[0]);
+  }
+}
+
+// x: [rows, hidden] the embedded tokens. Per layer l: norms[2l], norms[2l+1]
+// (input and post-attention), products 4l..4l+3 (qkv, o, gate_up, down),
+// each a kind, outs[i] (output features, read by the panel kernel) and its
+// operands in order in `operands`. Returns the stream after the last
+// layer's attention, that layer's MLP branch (not yet added) and the
+// stream entering each layer listed in `taps` (ascending, once each).
+std::tuple<Tensor, Tensor, std::vector<Tensor>> decoder_stack(
+    const Tensor& embedded, const Tensor& cos, const Tensor& sin, at::TensorList caches,
+    const Tensor& slot_mapping, const Tensor& block_tables, const Tensor& query_start,
+    const Tensor& context_lens, at::TensorList norms, at::IntArrayRef kinds,
+    at::IntArrayRef outs, at::TensorList operands, int64_t heads, int64_t kv_heads, double eps,
+    double scale, at::IntArrayRef taps) {
+  const int64_t layers = static_cast<int64_t>(caches.size());
+  TORCH_CHECK(layers >= 1, "decoder_stack needs at least one layer");
+  TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * layers &&
+                  static_cast<int64_t>(kinds.size()) == 4 * layers &&
+                  outs.size() == kinds.size(),
+              "decoder_stack: ", layers, " caches need ", 2 * layers, " norms and ", 4 * layers,
+              " products, got ", norms.size(), " and ", kinds.size(), " (", outs.size(),
+              " outs)");
+  std::vector<Product> products;
+  products.reserve(kinds.size());
+  size_t next = 0;
+  for (size_t i = 0; i < kinds.size(); ++i) {
+    const int64_t count = operand_count(kinds[i]);
+    TORCH_CHECK(next + count <= operands.size(), "decoder_stack: too few operands for product ",
+                i);
+    products.push_back({kinds[i], outs[i], operands.data() + next});
+    next += count;
+  }
+  TORCH_CHECK(next == operands.size(), "decoder_stack: ", operands.size() - next,
+              " operands left over");
+  for (size_t i = 0; i < taps.size(); ++i) {
+    TORCH_CHECK(taps[i] >= 0 && taps[i] < layers && (i == 0 || taps[i - 1] < taps[i]),
+                "decoder_stack: taps must name layers 0..", layers - 1,
+                " in ascending order, once each");
+  }
+  const Ops& k = ops();
+  std::vector<Tensor> tapped;
+  size_t tap = 0;
+  Tensor x = embedded, normed, branch;
+  for (int64_t l = 0; l < layers; ++l) {
+    if (l == 0) {
+      normed = k.rms_norm.call(x, norms[0], eps);
+    } else {
+      std::tie(x, normed) = k.add_rms_norm.call(branch, x, norms[2 * l], eps);
+    }
+    if (tap < taps.size() && taps[tap] == l) {
+      tapped.push_back(x);
+      ++tap;
+    }
+    const Product* p = products.data() + 4 * l;
+    Tensor cache = caches[l];
+    const Tensor q =
+        k.rope_into_cache.call(product(p[0], normed), cos, sin, heads, kv_heads, cache,
+                               slot_mapping);
+    const Tensor attended =
+        k.attention.call(q, cache, block_tables, query_start, context_lens, scale);
+    std::tie(x, normed) = k.add_rms_norm.call(product(p[1], attended), x, norms[2 * l + 1], eps);
+    branch = product(p[3], k.silu_and_mul.call(product(p[2], normed)));
+  }
+  return {x, branch, tapped};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(specpage_cpu, m) {
+  m.def("decoder_stack(Tensor embedded, Tensor cos, Tensor sin, Tensor(a!)[] caches, "
+        "Tensor slot_mapping, Tensor block_tables, Tensor query_start, Tensor context_lens, "
+        "Tensor[] norms, int[] kinds, int[] outs, Tensor[] operands, int heads, int kv_heads, "
+        "float eps, float scale, int[] taps) -> (Tensor, Tensor, Tensor[])");
+}
+
+// Every backend: oneDNN's packed weights among the operands dispatch as MkldnnCPU.
+TORCH_LIBRARY_IMPL(specpage_cpu, CompositeExplicitAutograd, m) {
+  m.impl("decoder_stack", &decoder_stack);
+}
