@@ -56,7 +56,10 @@ struct Operands {
 };
 
 // Output blocks [begin, end) for kRows rows of x, the rows a compile-time
-// count so that every accumulator stays in a register.
+// count so that every accumulator stays in a register. One run of blocks:
+// it already reads three arrays at once (nibbles, scales, offsets), and
+// four far-apart runs side by side, as bf16_gemv.cpp reads, measured level
+// here (1.05x at 1 row, within the noise).
 template <int64_t kRows>
 void blocks(const Operands& p, int64_t begin, int64_t end) {
   const __m512i bf16_128 = _mm512_set1_epi16(0x4300);

@@ -17,10 +17,10 @@ namespace specpage_cpu {
 
 constexpr int64_t kLanes = 16;
 
-// Bytes ahead in a weight stream that the product kernels ask for into L2
-// with each load: left to the hardware prefetcher, reading a weight and
-// multiplying take turns instead of overlapping (bf16_gemv.cpp has the
-// figures). 4-16 KB measured alike.
+// Bytes ahead in a weight stream that the int4 and panel product kernels
+// ask for into L2 with each load: left to the hardware prefetcher, reading a
+// weight and multiplying take turns instead of overlapping. 4-16 KB measured
+// alike. (bf16_gemv.cpp reads several streams at once, with its own distance.)
 constexpr int64_t kPrefetchAhead = 8192;
 typedef float vfloat __attribute__((vector_size(kLanes * 4)));
 typedef int32_t vint __attribute__((vector_size(kLanes * 4)));
