@@ -52,8 +52,9 @@ class CpuAttention(TorchAttention):
         self, spans: list[Span], block_size: int, groups: int, device: torch.device
     ) -> CpuMetadata:
         layout = lay_out_spans(spans, block_size)
-        grouped = _group_by_span(layout.query_lens)
-        short_members = grouped[0] if int(layout.query_lens[grouped[0][0]]) <= SHORT_SPAN else []
+        query_lens = [n for _, n, _ in spans]
+        grouped = _group_by_span(query_lens)
+        short_members = grouped[0] if query_lens[grouped[0][0]] <= SHORT_SPAN else []
         rest = grouped[1:] if short_members else grouped
         short = None
         if len(short_members) == len(spans):  # every span short: the layout as it is
@@ -61,7 +62,6 @@ class CpuAttention(TorchAttention):
                                query_start=layout.query_start, context_lens=layout.context_lens)
         elif short_members:
             index = torch.tensor(short_members, dtype=torch.int64)
-            query_lens = layout.query_lens[index]
             token_rows = torch.cat([
                 torch.arange(int(layout.query_start[i]), int(layout.query_start[i + 1]))
                 for i in short_members
@@ -69,7 +69,7 @@ class CpuAttention(TorchAttention):
             short = ShortSpans(
                 token_rows=token_rows,
                 block_tables=layout.block_tables[index].contiguous(),
-                query_start=torch.nn.functional.pad(query_lens.cumsum(0), (1, 0)),
+                query_start=torch.nn.functional.pad(layout.query_lens[index].cumsum(0), (1, 0)),
                 context_lens=layout.context_lens[index].contiguous(),
             )
         padded = [_padded_group(members, layout, groups, not short and len(rest) == 1, device)

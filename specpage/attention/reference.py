@@ -61,7 +61,7 @@ class TorchAttention:
         """spans: (start, num_new, block_table) per sequence; groups: query
         heads per KV head, stacked along the query axis of each mask."""
         layout = lay_out_spans(spans, block_size)
-        grouped = _group_by_span(layout.query_lens)
+        grouped = _group_by_span([n for _, n, _ in spans])
         padded = [
             _padded_group(members, layout, groups, len(grouped) == 1, device)
             for members in grouped
@@ -130,11 +130,11 @@ class TorchAttention:
 SHORT_SPAN = 8  # decode tokens and verify spans share a group up to this length
 
 
-def _group_by_span(query_lens: torch.Tensor) -> list[list[int]]:
+def _group_by_span(query_lens: list[int]) -> list[list[int]]:
     """Sequence indices grouped by span length: all short spans together,
     longer ones by power of two, so padding at most doubles a group's work."""
     buckets: dict[int, list[int]] = {}
-    for i, n in enumerate(query_lens.tolist()):
+    for i, n in enumerate(query_lens):
         key = 0 if n <= SHORT_SPAN else (n - 1).bit_length()
         buckets.setdefault(key, []).append(i)
     return [buckets[key] for key in sorted(buckets)]
