@@ -9,21 +9,37 @@ run can stop and resume. Each line: {"index": i, "prompt": [...ids],
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import random
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from bench.prompts import TOPICS
+from draft.chat import Request, chat_requests, sentences
 from draft.prompts import CHAT_TEMPLATES, topic_words, training_prompts
 from draft.topics import curated_topics
 from specpage.engine import EngineConfig
 from specpage.llm import LLM, chat_prompt
 from specpage.models.fetch import ensure_model
 from specpage.request import SamplingParams
+
+# The answers whose sentences the chat requests rewrite (the shards of the
+# other two kinds; the chat shard's own snapshot is not among them).
+REWRITE_SOURCES = ("answers-curated-seed0.jsonl.gz", "answers-seed0.jsonl.gz")
+
+
+def conversation(tokenizer: Any, turns: list[str]) -> list[int]:
+    """The chat template around alternating user and assistant turns."""
+    messages = [{"role": "user" if n % 2 == 0 else "assistant", "content": text}
+                for n, text in enumerate(turns)]
+    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                            return_dict=True)
+    return list(encoded["input_ids"])
 
 
 def main() -> None:
@@ -35,22 +51,35 @@ def main() -> None:
     parser.add_argument("--sampled-fraction", type=float, default=0.2,
                         help="share of answers sampled at temperature 0.7 (the rest greedy)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--topics", choices=["vocab", "curated"], default="vocab",
-                        help="topic words from the tokenizer, or draft/topics.py")
+    parser.add_argument("--topics", choices=["vocab", "curated", "chat"], default="vocab",
+                        help="topic words from the tokenizer, draft/topics.py, or the "
+                        "broad requests of draft/chat.py (with follow-up turns)")
+    parser.add_argument("--dtype", default=None, help="the target's dtype (default: its own)")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    llm = LLM(ensure_model("smollm2-135m"),
+    llm = LLM(ensure_model("smollm2-135m"), dtype=args.dtype,
               config=EngineConfig(num_blocks=4096, max_num_seqs=args.batch, spec_k=0))
     held_out = {w.lower() for topic in TOPICS for w in topic.split()}
     args.out.mkdir(parents=True, exist_ok=True)
     if args.topics == "vocab":
         shard = args.out / f"answers-seed{args.seed}.jsonl"
-        prompts = training_prompts(topic_words(llm.tokenizer, held_out), 200_000, args.seed)
-    else:
+        prompts = [Request(t) for t in
+                   training_prompts(topic_words(llm.tokenizer, held_out), 200_000, args.seed)]
+    elif args.topics == "curated":
         shard = args.out / f"answers-curated-seed{args.seed}.jsonl"
-        prompts = training_prompts(curated_topics(held_out), 200_000, args.seed,
-                                   CHAT_TEMPLATES)
+        prompts = [Request(t) for t in training_prompts(curated_topics(held_out), 200_000,
+                                                        args.seed, CHAT_TEMPLATES)]
+    else:
+        shard = args.out / f"answers-chat-seed{args.seed}.jsonl"
+        sources = []
+        for name in REWRITE_SOURCES:
+            path = Path("draft/snapshots") / name
+            with gzip.open(path, "rt") as lines:
+                sources += [llm.tokenizer.decode(json.loads(line)["output"],
+                                                 skip_special_tokens=True) for line in lines]
+        prompts = chat_requests(50_000, args.seed, sentences(sources),
+                                topics=curated_topics(held_out))
     done = [json.loads(line) for line in shard.open()] if shard.exists() else []
     made = sum(len(record["output"]) for record in done)
     # Resume after the highest prompt done; answers in flight at a stop are skipped.
@@ -60,24 +89,32 @@ def main() -> None:
     engine = llm.engine
     start, index, answers, made_before = time.perf_counter(), done_lines, len(done), made
     outputs: dict[str, list[int]] = {}
+    asked: dict[str, list[int]] = {}  # request id -> its prompt ids
+
+    def ask(request_id: str, ids: list[int], i: int) -> None:
+        engine.add_request(request_id, ids, SamplingParams(
+            max_tokens=args.max_tokens, temperature=temperatures[i],
+            seed=args.seed * 1_000_003 + i + (len(request_id) > 8)))
+        outputs[request_id], asked[request_id] = [], ids
+
     with shard.open("a") as out:
         # Continuous batching: a new prompt joins whenever an answer ends.
         while made < args.tokens and (index < len(prompts) or engine.has_unfinished()):
             while len(outputs) < args.batch and index < len(prompts) and made < args.tokens:
-                engine.add_request(str(index), chat_prompt(llm.tokenizer, prompts[index]),
-                                   SamplingParams(max_tokens=args.max_tokens,
-                                                  temperature=temperatures[index],
-                                                  seed=args.seed * 1_000_003 + index))
-                outputs[str(index)] = []
+                ask(f"{index:08d}", chat_prompt(llm.tokenizer, prompts[index].text), index)
                 index += 1
             for event in engine.step():
                 outputs[event.request_id] += event.token_ids
                 if event.finished:
-                    i = int(event.request_id)
+                    i = int(event.request_id[:8])
                     output = outputs.pop(event.request_id)
-                    out.write(json.dumps({"index": i,
-                                          "prompt": chat_prompt(llm.tokenizer, prompts[i]),
-                                          "output": output,
+                    prompt = asked.pop(event.request_id)
+                    follow_up = prompts[i].follow_up
+                    if follow_up and len(event.request_id) == 8:  # ask the second turn
+                        answer = llm.tokenizer.decode(output, skip_special_tokens=True)
+                        ask(f"{i:08d}f", conversation(llm.tokenizer, [
+                            prompts[i].text, answer, follow_up]), i)
+                    out.write(json.dumps({"index": i, "prompt": prompt, "output": output,
                                           "temperature": temperatures[i]}) + "\n")
                     made += len(output)
                     answers += 1
