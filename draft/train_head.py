@@ -3,15 +3,19 @@ own answers (the JSONL shards of draft/generate_data.py), with the target's
 hidden states captured by specpage's own runner (ModelRunner with a
 LayerTap) as it trains: nothing is stored but the head.
 
-Teacher-forced, one step deep: at each answer position p the head reads the
-target's features at p and the embedding of token p + 1 and learns token
-p + 2 (cross-entropy over its draft vocabulary, the most frequent answer
-tokens). It checkpoints (the head in the llama_eagle3 layout, plus the
+Trained as it drafts (training-time test, as EAGLE-3 is): at each answer
+position p the head reads the target's features at p and the embedding of
+token p + 1 and learns token p + 2; then, --depth proposals deep, it reads
+its own previous output and the embedding of the next token of the answer
+and learns the one after, attending to exactly the K/V it would see when
+drafting (ttt_forward). The loss is the cross-entropy over its draft
+vocabulary (the most frequent answer tokens) at every depth, depth j
+weighted 0.8 ** j. It checkpoints (the head in the llama_eagle3 layout, plus the
 optimiser, so a run resumes) every --save-every steps; evaluate with
 `python -m draft.evaluate --draft OUT --k K` (per-token acceptance on the
 held-out benchmark prompts).
 
-    nice -n 10 python -m draft.train_head --data draft/snapshots --out /tmp/head
+    python -m draft.train_head --data draft/data --out /tmp/head
 """
 
 from __future__ import annotations
@@ -26,19 +30,21 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from draft.train import load_shard
 from specpage.model_runner import ModelRunner, SeqSpan
 from specpage.models.decoder import LayerTap
 from specpage.models.eagle3 import ARCHITECTURE, Eagle3Config, Eagle3Head, checkpoint_tensors
 from specpage.models.fetch import ensure_model
-from specpage.models.loader import load_model
+from specpage.models.fused import rms_norm_ref
+from specpage.models.loader import auto_dtype, load_model
 from specpage.models.rope import apply_rope, cos_sin
 
 BLOCK = 16
 MAX_LEN = 384  # positions per example; the answers are at most 192 tokens
 WARMUP = 100  # steps of linear warm-up before the cosine decay
+DEPTH_DECAY = 0.8  # weight of depth j's loss: 0.8 ** j
 
 
 def head_config(target_raw: dict, draft_vocab: int, target_layers: int) -> dict:
@@ -52,33 +58,100 @@ def head_config(target_raw: dict, draft_vocab: int, target_layers: int) -> dict:
     return raw
 
 
-def train_forward(head: Eagle3Head, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-    """Head.forward with causal attention in plain torch (differentiable);
-    positions 0 .. n - 1. Returns the pre-norm output [n, hidden]."""
+def _norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    # the reference RMSNorm: the native kernels have no backward
+    return rms_norm_ref(x, norm.weight, norm.eps)
+
+
+def head_logits(head: Eagle3Head, prenorm: torch.Tensor) -> torch.Tensor:
+    """[rows, hidden] -> [rows, draft vocabulary], differentiably."""
+    return F.linear(_norm(head.norm, prenorm), head.lm_head.weight)
+
+
+def _layer_inputs(head: Eagle3Head, embeds: torch.Tensor, hidden: torch.Tensor,
+                  positions: torch.Tensor):
+    """(residual, q [heads, n, d], k and v [kv_heads, n, d]) of the head's
+    layer, as Eagle3Head.forward makes them."""
     n = embeds.shape[0]
-    rope = cos_sin(head.inv_freq, torch.arange(n), embeds.dtype)
-    normed = head.hidden_norm(hidden)
+    cos, sin = cos_sin(head.inv_freq, positions, embeds.dtype)
+    normed = _norm(head.hidden_norm, hidden)
     residual = normed if head.config.norm_before_residual else hidden
-    x = torch.cat([head.input_layernorm(embeds), normed], dim=-1)
+    x = torch.cat([_norm(head.input_layernorm, embeds), normed], dim=-1)
     q_size, kv_size = head.num_heads * head.head_dim, head.num_kv_heads * head.head_dim
     q, k, v = F.linear(x, head.qkv_proj.weight).split([q_size, kv_size, kv_size], dim=-1)
-    q = apply_rope(q.view(n, head.num_heads, head.head_dim), *rope).transpose(0, 1)
-    k = apply_rope(k.view(n, head.num_kv_heads, head.head_dim), *rope).transpose(0, 1)
+    q = apply_rope(q.view(n, head.num_heads, head.head_dim), cos, sin).transpose(0, 1)
+    k = apply_rope(k.view(n, head.num_kv_heads, head.head_dim), cos, sin).transpose(0, 1)
     v = v.view(n, head.num_kv_heads, head.head_dim).transpose(0, 1)
-    group = head.num_heads // head.num_kv_heads
-    attn = F.scaled_dot_product_attention(q, k.repeat_interleave(group, 0),
-                                          v.repeat_interleave(group, 0), is_causal=True)
+    return residual, q, k, v
+
+
+def _layer_output(head: Eagle3Head, residual: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    n = residual.shape[0]
     residual = residual + F.linear(attn.transpose(0, 1).reshape(n, -1), head.o_proj.weight)
-    gate, up = F.linear(head.post_attention_layernorm(residual),
+    gate, up = F.linear(_norm(head.post_attention_layernorm, residual),
                         head.gate_up_proj.weight).chunk(2, dim=-1)
     return residual + F.linear(F.silu(gate) * up, head.down_proj.weight)
 
 
-def save(head: Eagle3Head, raw: dict, out: Path, opt: torch.optim.Optimizer, step: int) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(raw, indent=1))
-    save_file(checkpoint_tensors(head), out / "model.safetensors")
+def ttt_forward(head: Eagle3Head, embeds: torch.Tensor, hidden: torch.Tensor,
+                depth: int) -> list[torch.Tensor]:
+    """The head unrolled `depth` proposals deep over every anchor at once,
+    differentiably, as it drafts at run time (training-time test).
+
+    Anchor p (0 .. n - 1) is a position whose target features are known
+    (`hidden[p]` = fc(features at p)); `embeds[p]` embeds token p + 1.
+    Depth 0 at anchor p is the head at position p: its output predicts
+    token p + 2, the first proposal. Depth j > 0 is the head at position
+    p + j, fed its own depth j - 1 output and the embedding of token
+    p + j + 1, and attends to what it would see when drafting: depth 0's
+    K/V at anchors <= p and its own deeper K/V of the same anchor.
+    Returns the pre-norm output of each depth, depth j over anchors
+    0 .. n - 1 - j ([n - j, hidden]); `embeds` has n rows."""
+    n = hidden.shape[0]
+    group = head.num_heads // head.num_kv_heads
+    scale = head.head_dim**-0.5
+    anchors = torch.arange(n)
+    outs: list[torch.Tensor] = []
+    keys: list[tuple[torch.Tensor, torch.Tensor]] = []  # (k, v) per depth, [heads, rows, d]
+    for j in range(depth):
+        rows = n - j
+        residual, q, k, v = _layer_inputs(head, embeds[j : j + rows],
+                                          hidden if j == 0 else outs[-1][:rows],
+                                          anchors[:rows] + j)
+        k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+        keys.append((k, v))
+        k0, v0 = keys[0]
+        scores = torch.einsum("hqd,hkd->hqk", q, k0) * scale  # depth 0, anchors <= p
+        scores = scores.masked_fill(anchors[None, :] > anchors[:rows, None], float("-inf"))
+        own = [(q * kj[:, :rows]).sum(-1, keepdim=True) * scale for kj, _ in keys[1:]]
+        weights = torch.cat([scores, *own], dim=-1).softmax(-1)
+        attn = weights[..., :n] @ v0
+        for i, (_, vj) in enumerate(keys[1:]):
+            attn = attn + weights[..., n + i : n + i + 1] * vj[:, :rows]
+        outs.append(_layer_output(head, residual, attn))
+    return outs
+
+
+def save(head: Eagle3Head, raw: dict, out: Path, opt: torch.optim.Optimizer, step: int,
+         keep: bool) -> None:
+    """The head and optimiser in `out` (resumable); with `keep`, the head
+    alone also in out/steps/STEP, for acceptance against training tokens."""
+    for folder in [out, out / "steps" / str(step)] if keep else [out]:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "config.json").write_text(json.dumps(raw, indent=1))
+        save_file(checkpoint_tensors(head), folder / "model.safetensors")
     torch.save({"optimizer": opt.state_dict(), "step": step}, out / "optimizer.pt")
+
+
+def export(trained: Path, out: Path) -> None:
+    """The trained head (its float tensors in bf16) and its config, to ship."""
+    raw = json.loads((trained / "config.json").read_text())
+    raw["torch_dtype"] = "bfloat16"
+    tensors = {name: t.to(torch.bfloat16) if t.is_floating_point() else t
+               for name, t in load_file(trained / "model.safetensors").items()}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(raw, indent=1) + "\n")
+    save_file(tensors, out / "model.safetensors")
 
 
 def main() -> None:
@@ -89,16 +162,30 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--draft-vocab", type=int, default=8192)
     parser.add_argument("--save-every", type=int, default=250)
+    parser.add_argument("--keep-every", type=int, default=1000,
+                        help="also keep the head of every N-th step in OUT/steps/N")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--depth", type=int, default=4,
+                        help="proposals unrolled per anchor (training-time test)")
+    parser.add_argument("--bf16", action=argparse.BooleanOptionalAction,
+                        default=auto_dtype(torch.device("cpu")) == torch.bfloat16,
+                        help="bf16 autocast for the head and bf16 target features "
+                        "(default: where the CPU computes bf16 natively)")
+    parser.add_argument("--export", type=Path, default=None,
+                        help="write OUT's head in bf16 into this folder, and train nothing")
     args = parser.parse_args()
+    if args.export:
+        export(args.out, args.export)
+        return
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     folder = ensure_model("smollm2-135m")
-    target = load_model(folder)
+    target = load_model(folder, dtype=torch.bfloat16 if args.bf16 else torch.float32)
     runner = ModelRunner(target, MAX_LEN // BLOCK, BLOCK)
-    examples = [e for shard in sorted(args.data.glob("*.jsonl*"))
-                for e in load_shard(shard, MAX_LEN)]
+    # each distinct answer once (the same greedy request answers the same)
+    examples = list({tuple(ids): (ids, start) for shard in sorted(args.data.glob("*.jsonl*"))
+                     for ids, start in load_shard(shard, MAX_LEN)}.values())
     rng = random.Random(args.seed)
     rng.shuffle(examples)
     counts = Counter(t for ids, start in examples for t in ids[start:])
@@ -108,7 +195,7 @@ def main() -> None:
     config = Eagle3Config.from_dict(raw, "head")
     layers = config.layers_of(target.config.num_layers)
     head = Eagle3Head(config)
-    embed = target.model.embed_tokens.weight.detach()
+    embed = target.model.embed_tokens.weight.detach().float()
     to_draft = torch.full((target.config.vocab_size,), -1, dtype=torch.int64)
     to_draft[torch.tensor(vocab)] = torch.arange(len(vocab))
     with torch.no_grad():
@@ -133,22 +220,33 @@ def main() -> None:
         tap = LayerTap(layers)
         with torch.no_grad():
             runner.forward([SeqSpan(ids, 0, table, num_logits=1)], tap)
-        features = torch.cat(tap.states, -1)[:-2]  # positions 0 .. n - 3
-        nxt = torch.tensor(ids[1:-1])  # token p + 1, embedded
-        labels = to_draft[torch.tensor(ids[2:])]  # token p + 2, -1 outside the vocabulary
-        labels[: max(0, answer - 2)] = -1  # learn on the answer only
+        features = torch.cat(tap.states, -1)[:-2].float()  # anchors 0 .. n - 1
+        n = features.shape[0]
         lr = args.lr * min(1.0, (step + 1) / WARMUP) * 0.5 * (
             1 + math.cos(math.pi * min(1.0, step / args.steps)))
         for group in opt.param_groups:
             group["lr"] = lr
-        out = train_forward(head, embed[nxt], head.fc(features))
-        logits = head.lm_head(head.norm(out))
-        loss = F.cross_entropy(logits, labels, ignore_index=-1)
+        tokens = torch.tensor(ids)
+        embeds = embed[tokens[1 : n + 1]]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+            outs = ttt_forward(head, embeds, F.linear(features, head.fc.weight),
+                               min(args.depth, n))
+            losses, first = [], None
+            for j, out in enumerate(outs):
+                labels = to_draft[tokens[j + 2 : j + 2 + out.shape[0]]]  # -1: not drafted
+                labels[: max(0, answer - 2 - j)] = -1  # learn on the answer only
+                logits = head_logits(head, out).float()
+                if bool((labels >= 0).any()):
+                    losses.append(DEPTH_DECAY**j * F.cross_entropy(logits, labels, ignore_index=-1))
+                if first is None:
+                    first = (logits, labels)
+        loss = sum(losses) / sum(DEPTH_DECAY**j for j in range(len(losses)))
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         step += 1
+        logits, labels = first
         valid = labels >= 0
         tokens_seen += int(valid.sum())
         window.append(float((logits.argmax(-1)[valid] == labels[valid]).float().mean()))
@@ -158,7 +256,7 @@ def main() -> None:
                   file=log, flush=True)
             window = []
         if step % args.save_every == 0 or step == args.steps:
-            save(head, raw, args.out, opt, step)
+            save(head, raw, args.out, opt, step, step % args.keep_every == 0)
 
 
 if __name__ == "__main__":

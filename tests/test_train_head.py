@@ -1,0 +1,58 @@
+"""The head's training-time test (draft/train_head.ttt_forward) computes what
+the head computes when it drafts: each depth of each anchor equals the
+head's own runner writing and reading the pool's K/V one proposal at a time."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from draft.train_head import export, ttt_forward
+from specpage.model_runner import SeqSpan
+from specpage.models.loader import load_model
+from specpage.spec.head_runner import HeadRunner
+from tests.head_util import tiny_head
+
+BLOCK = 4
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+def test_every_depth_of_every_anchor_equals_drafting_through_the_runner(tmp_path, depth):
+    target = LlamaConfig(hidden_size=32, vocab_size=50, max_position_embeddings=64)
+    tiny_head(tmp_path, target, seed=3)
+    loaded = load_model(tmp_path, dtype=torch.float32)
+    head = loaded.model
+    embedding = torch.nn.Embedding(50, 32)
+    torch.manual_seed(0)
+    n = 11
+    tokens = torch.randint(0, 50, (n + depth + 1,)).tolist()
+    hidden = torch.randn(n, 32)
+    with torch.no_grad():
+        outs = ttt_forward(head, embedding.weight[torch.tensor(tokens[1 : n + 1])], hidden, depth)
+    assert [o.shape[0] for o in outs] == [n - j for j in range(depth)]
+    runner = HeadRunner(loaded, embedding, num_blocks=8, block_size=BLOCK)
+    table = list(range(8))
+    for p in range(n):
+        # the committed positions 0 .. n - 1, from the target's features
+        state = runner.run([SeqSpan(tokens[1 : n + 1], 0, table)], hidden)[p]
+        torch.testing.assert_close(outs[0][p], state, atol=1e-5, rtol=1e-5)
+        for j in range(1, depth):
+            if p + j >= n:
+                break
+            # drafting: position p + j, fed the head's own output
+            state = runner.run([SeqSpan([tokens[p + j + 1]], p + j, table)], state[None])[0]
+            torch.testing.assert_close(outs[j][p], state, atol=1e-5, rtol=1e-5)
+
+
+def test_an_exported_head_loads_through_the_loader_in_bf16(tmp_path):
+    target = LlamaConfig(hidden_size=32, vocab_size=50, max_position_embeddings=64)
+    tiny_head(tmp_path / "trained", target, seed=1, draft_vocab=list(range(0, 50, 2)))
+    export(tmp_path / "trained", tmp_path / "shipped")
+    trained = load_model(tmp_path / "trained", dtype=torch.float32).model
+    shipped = load_model(tmp_path / "shipped", dtype=torch.float32).model
+    assert torch.equal(shipped.draft_to_target, trained.draft_to_target)
+    for (name, a), (_, b) in zip(trained.state_dict().items(), shipped.state_dict().items(),
+                                 strict=True):
+        rounded = a.to(torch.bfloat16).to(a.dtype) if a.is_floating_point() else a
+        assert torch.equal(b, rounded), name
