@@ -19,9 +19,14 @@ RESULTS = Path(__file__).parent / "results"
 DRAFT = Path(__file__).resolve().parent.parent / "models" / "smollm2-draft"  # the default draft
 
 
-def parse_args(doc: str | None, vllm: bool = False) -> argparse.Namespace:
-    """The arguments the model benchmarks share; sets torch's thread count."""
+def parse_args(doc: str | None, vllm: bool = False,
+               extra: Callable[[argparse.ArgumentParser], object] | None = None
+               ) -> argparse.Namespace:
+    """The arguments the model benchmarks share, and a bench's own (`extra`
+    adds them); sets torch's thread count."""
     parser = argparse.ArgumentParser(description=doc)
+    if extra is not None:
+        extra(parser)
     parser.add_argument("--quick", action="store_true", help="a short run (under a minute)")
     parser.add_argument("--draft", type=Path, default=DRAFT)
     parser.add_argument("--threads", type=int, default=2)

