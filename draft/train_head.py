@@ -34,8 +34,9 @@ from safetensors.torch import load_file, save_file
 
 from draft.train import load_shard
 from specpage.model_runner import ModelRunner, SeqSpan
+from specpage.models.config import ARCHITECTURE
 from specpage.models.decoder import LayerTap
-from specpage.models.eagle3 import ARCHITECTURE, Eagle3Config, Eagle3Head, checkpoint_tensors
+from specpage.models.eagle3 import Eagle3Config, Eagle3Head, checkpoint_tensors
 from specpage.models.fetch import ensure_model
 from specpage.models.fused import rms_norm_ref
 from specpage.models.loader import auto_dtype, load_model

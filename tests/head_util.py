@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from specpage.models.eagle3 import ARCHITECTURE, Eagle3Config, Eagle3Head, checkpoint_tensors
+from specpage.models.config import ARCHITECTURE
+from specpage.models.eagle3 import Eagle3Config, Eagle3Head, checkpoint_tensors
 
 HEAD_FILE = "model.safetensors"
 

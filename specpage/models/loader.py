@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from specpage.models.config import ModelConfig, ModelLoadError
+from specpage.models.config import ModelConfig, ModelLoadError, is_head_folder
 from specpage.models.decoder import DecoderModel
-from specpage.models.eagle3 import LoadedHead, is_head_folder, load_head
+from specpage.models.eagle3 import LoadedHead, load_head
 from specpage.models.quant_names import Quantization
 from specpage.models.rope import inverse_frequencies
 
