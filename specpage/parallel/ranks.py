@@ -60,6 +60,10 @@ class Workers:
         self._handlers: list[FaultHandler] = []
         self.fault: str | None = None
         self._lock = threading.Lock()
+        # One thread at a time reaps a worker: the watcher and a failed
+        # collective's step thread may both find it dead, and the second of
+        # two concurrent waits on a child reads no exit status.
+        self._reap = threading.Lock()
         self._wake_read, self._wake_write = context.Pipe(duplex=False)
         try:
             self._wait_loaded(reports)
@@ -115,7 +119,8 @@ class Workers:
         sentinels = {p.sentinel: p for p in self.processes}
         for sentinel in wait(list(sentinels), timeout):
             process = sentinels[sentinel]  # type: ignore[index]
-            process.join()
+            with self._reap:
+                process.join()
             return f"{process.name} (pid {process.pid}) exited with status {process.exitcode}"
         return None
 
@@ -135,7 +140,8 @@ class Workers:
         """Wait for the workers to exit (told to stop), killing what is left
         after grace seconds."""
         for process in self.processes:
-            process.join(grace)
-            if process.is_alive():
-                process.kill()
-                process.join()
+            with self._reap:
+                process.join(grace)
+                if process.is_alive():
+                    process.kill()
+                    process.join()
