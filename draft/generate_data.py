@@ -15,7 +15,6 @@ import random
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -24,22 +23,13 @@ from draft.chat import Request, chat_requests, sentences
 from draft.prompts import CHAT_TEMPLATES, topic_words, training_prompts
 from draft.topics import curated_topics
 from specpage.engine import EngineConfig
-from specpage.llm import LLM, chat_prompt
+from specpage.llm import LLM, chat_prompt, conversation_prompt
 from specpage.models.fetch import ensure_model
 from specpage.request import SamplingParams
 
 # The answers whose sentences the chat requests rewrite (the shards of the
 # other two kinds; the chat shard's own snapshot is not among them).
 REWRITE_SOURCES = ("answers-curated-seed0.jsonl.gz", "answers-seed0.jsonl.gz")
-
-
-def conversation(tokenizer: Any, turns: list[str]) -> list[int]:
-    """The chat template around alternating user and assistant turns."""
-    messages = [{"role": "user" if n % 2 == 0 else "assistant", "content": text}
-                for n, text in enumerate(turns)]
-    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                            return_dict=True)
-    return list(encoded["input_ids"])
 
 
 def main() -> None:
@@ -89,31 +79,31 @@ def main() -> None:
     engine = llm.engine
     start, index, answers, made_before = time.perf_counter(), done_lines, len(done), made
     outputs: dict[str, list[int]] = {}
-    asked: dict[str, list[int]] = {}  # request id -> its prompt ids
+    asked: dict[str, tuple[int, int, list[int]]] = {}  # request id -> (index, turn, prompt)
 
-    def ask(request_id: str, ids: list[int], i: int) -> None:
+    def ask(i: int, turn: int, ids: list[int]) -> None:
+        request_id = f"{i}.{turn}"
         engine.add_request(request_id, ids, SamplingParams(
             max_tokens=args.max_tokens, temperature=temperatures[i],
-            seed=args.seed * 1_000_003 + i + (len(request_id) > 8)))
-        outputs[request_id], asked[request_id] = [], ids
+            seed=args.seed * 1_000_003 + i + turn))
+        outputs[request_id], asked[request_id] = [], (i, turn, ids)
 
     with shard.open("a") as out:
         # Continuous batching: a new prompt joins whenever an answer ends.
         while made < args.tokens and (index < len(prompts) or engine.has_unfinished()):
             while len(outputs) < args.batch and index < len(prompts) and made < args.tokens:
-                ask(f"{index:08d}", chat_prompt(llm.tokenizer, prompts[index].text), index)
+                ask(index, 0, chat_prompt(llm.tokenizer, prompts[index].text))
                 index += 1
             for event in engine.step():
                 outputs[event.request_id] += event.token_ids
                 if event.finished:
-                    i = int(event.request_id[:8])
                     output = outputs.pop(event.request_id)
-                    prompt = asked.pop(event.request_id)
+                    i, turn, prompt = asked.pop(event.request_id)
                     follow_up = prompts[i].follow_up
-                    if follow_up and len(event.request_id) == 8:  # ask the second turn
+                    if follow_up and turn == 0:  # ask the second turn
                         answer = llm.tokenizer.decode(output, skip_special_tokens=True)
-                        ask(f"{i:08d}f", conversation(llm.tokenizer, [
-                            prompts[i].text, answer, follow_up]), i)
+                        ask(i, 1, conversation_prompt(llm.tokenizer, [
+                            prompts[i].text, answer, follow_up]))
                     out.write(json.dumps({"index": i, "prompt": prompt, "output": output,
                                           "temperature": temperatures[i]}) + "\n")
                     made += len(output)

@@ -40,9 +40,16 @@ def load_tokenizer(folder: Path) -> Any:
 
 def chat_prompt(tokenizer: Any, text: str) -> list[int]:
     """The model's chat template around one user message."""
-    encoded = tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}], add_generation_prompt=True, return_dict=True
-    )
+    return conversation_prompt(tokenizer, [text])
+
+
+def conversation_prompt(tokenizer: Any, turns: Sequence[str]) -> list[int]:
+    """The model's chat template around alternating user and assistant
+    turns (the user's first), ready for the assistant's next."""
+    messages = [{"role": "user" if n % 2 == 0 else "assistant", "content": text}
+                for n, text in enumerate(turns)]
+    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                            return_dict=True)
     return list(encoded["input_ids"])
 
 
