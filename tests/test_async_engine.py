@@ -85,7 +85,8 @@ async def test_the_queue_bound_counts_only_requests_that_must_wait(tmp_path):
     async_engine = AsyncEngine(engine, max_queue=2)  # not started: no step runs
 
     def request(i):
-        return Request(f"r{i}", (1, 2, 3), SamplingParams(max_tokens=4))
+        # ignore_eos: a sampled end of text would finish the running one
+        return Request(f"r{i}", (1, 2, 3), SamplingParams(max_tokens=4, ignore_eos=True))
 
     for i in range(3):
         async_engine.submit(request(i))
@@ -192,7 +193,8 @@ async def test_submissions_behind_waiting_sequences_count_each_sample(tmp_path):
     async_engine = AsyncEngine(engine)  # not started: steps run by hand
     long_prompt = tuple(range(1, 17))  # 4 of the 6 blocks: two cannot run at once
     for name in ("first", "second"):
-        async_engine.submit(Request(name, long_prompt, SamplingParams(max_tokens=4)))
+        async_engine.submit(Request(name, long_prompt,
+                                    SamplingParams(max_tokens=4, ignore_eos=True)))
     async_engine._stats = await asyncio.to_thread(lambda: async_engine._step()[1])
     assert (async_engine._stats.running, async_engine._stats.waiting) == (1, 1)
     assert async_engine.num_queued == 1
