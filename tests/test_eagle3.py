@@ -10,7 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from specpage.attention.cpu import CpuAttention
 from specpage.engine import Engine, EngineConfig
+from specpage.kernels.native import native_kernels
 from specpage.models.eagle3 import LoadedHead
 from specpage.models.loader import ModelLoadError, load_model
 from specpage.request import SamplingParams
@@ -34,6 +36,9 @@ def models(tmp_path_factory):
     favourites = [t for t, _ in counts.most_common(NUM_DRAFT_TOKENS)]
     tiny_head(root / "head", hf.config, eagle_aux_hidden_state_layer_ids=TAPS)
     tiny_head(root / "small", hf.config, seed=2, draft_vocab=favourites,
+              eagle_aux_hidden_state_layer_ids=TAPS)
+    # head_dim 32: the native CPU attention kernel's size (16 is the reference's)
+    tiny_head(root / "wide", hf.config, seed=3, num_attention_heads=2, num_key_value_heads=1,
               eagle_aux_hidden_state_layer_ids=TAPS)
     return hf, root, favourites
 
@@ -84,18 +89,21 @@ def test_vllm_default_taps_are_layers_2_half_and_minus_3(tmp_path):
     assert load_model(tmp_path / "head").config.layers_of(32) == (2, 16, 29)
 
 
-@pytest.mark.parametrize("k", [1, 3])
-def test_first_proposals_equal_a_reference_from_transformers_hidden_states(models, k):
+@pytest.mark.parametrize("head,k", [("head", 1), ("head", 3), ("wide", 3)])
+def test_first_proposals_equal_a_reference_from_transformers_hidden_states(models, head, k):
     """The head's first proposal in each step is its output at the position
     before the newest token, which it absorbed from the target's features:
     each equals the head computed in plain torch, from the checkpoint's
-    tensors, over transformers' hidden states of the final sequence."""
+    tensors, over transformers' hidden states of the final sequence. The
+    wide head's attention runs on the native kernel where it builds."""
     hf, root, _ = models
-    eng = engine(models, head="head", spec_k=k)
+    eng = engine(models, head=head, spec_k=k)
+    if head == "wide" and native_kernels() is not None:
+        assert isinstance(eng.executor.draft.backend, CpuAttention)
     seen = record_proposals(eng)
     prompt = prompts(1, seed=4, lengths=(9,))[0]
     tokens = drain(eng, {0: [("a", prompt, GREEDY)]})[("a", 0)][0]
-    reference = reference_proposals(root / "head", hf, prompt + tokens)
+    reference = reference_proposals(root / head, hf, prompt + tokens)
     firsts = [(w.end, p[0]) for batch, proposal in seen
               for w, p in zip(batch, proposal.tokens, strict=True) if p]
     assert len(firsts) >= 16 // (k + 1)

@@ -15,6 +15,7 @@ from torch import nn
 
 from specpage.attention.backend import AttentionBackend
 from specpage.attention.selection import select_backend
+from specpage.kernels.native import native_kernels
 from specpage.model_runner import SeqSpan
 from specpage.models.eagle3 import LoadedHead
 
@@ -28,8 +29,10 @@ class HeadRunner:
         self.block_size = block_size
         weight = self.model.fc.weight
         self.device, self.dtype = weight.device, weight.dtype
-        self.backend = backend or select_backend(self.device)
         c = self.config
+        if self.device.type == "cpu":
+            native_kernels()  # built (once per machine) or loaded now, not in a timed forward
+        self.backend = backend or select_backend(self.device, c.head_dim)
         # [1 layer, 2 (K, V), num_blocks, block_size, kv_heads, head_dim]
         self.kv_cache = torch.zeros(1, 2, num_blocks, block_size, c.num_kv_heads, c.head_dim,
                                     dtype=self.dtype, device=self.device)
