@@ -31,21 +31,32 @@ def random_spans(rng: random.Random, count: int, block_size: int, num_blocks: in
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size", "furthest"),
-                         [(9, 3, 64, 16, 40), (4, 4, 32, 16, 40), (8, 1, 128, 16, 40),
-                          (9, 3, 64, 5, 300)])  # long contexts, blocks across score groups
-def test_kernel_equals_its_reference(dtype, heads, kv_heads, head_dim, block_size, furthest):
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size", "furthest", "count"),
+                         [(9, 3, 64, 16, 40, 6), (4, 4, 32, 16, 40, 6), (8, 1, 128, 16, 40, 6),
+                          (6, 2, 96, 16, 40, 6), (10, 2, 80, 16, 40, 6),
+                          (9, 3, 64, 5, 300, 6),  # long contexts, blocks across score groups
+                          (9, 3, 64, 16, 300, 1)])  # one sequence: its rows split over threads
+def test_kernel_equals_its_reference(dtype, heads, kv_heads, head_dim, block_size, furthest,
+                                     count):
     torch.manual_seed(heads + head_dim)
     rng = random.Random(head_dim + furthest)
     num_blocks = 6 * (-(-(furthest + 8) // block_size))
     cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim).to(dtype)
-    spans = random_spans(rng, 6, block_size, num_blocks, longest=8, furthest=furthest)
+    if count == 1:  # a verify span of 8 after a long context
+        spans = [(furthest, 8, rng.sample(range(num_blocks), -(-(furthest + 8) // block_size)))]
+    else:
+        spans = random_spans(rng, count, block_size, num_blocks, longest=8, furthest=furthest)
     q = torch.randn(sum(n for _, n, _ in spans), heads, head_dim).to(dtype)
     width = max(len(t) for _, _, t in spans)
     tables = torch.tensor([t + [0] * (width - len(t)) for _, _, t in spans])
     query_start = torch.tensor([0] + [n for _, n, _ in spans]).cumsum(0)
     context_lens = torch.tensor([s + n for s, n, _ in spans])
-    ours = native_kernels().paged_attention(q, cache, tables, query_start, context_lens, 0.1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)  # fewer items than twice the threads: bf16 rows split among them
+    try:
+        ours = native_kernels().paged_attention(q, cache, tables, query_start, context_lens, 0.1)
+    finally:
+        torch.set_num_threads(threads)
     ref = paged_attention_ref(q, cache, tables, query_start, context_lens, 0.1)
     assert ours.shape == (q.shape[0], heads * head_dim) and ours.dtype == dtype
     assert float((ours.float() - ref.float()).abs().max()) < TOLERANCE[dtype]

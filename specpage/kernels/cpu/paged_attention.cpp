@@ -6,7 +6,9 @@
 // head and the span's tokens form its rows, so each K/V row is loaded (and
 // widened to fp32) once for all of them. Scores are held for the whole
 // context (a few thousand floats per row at most), softmaxed, then V is
-// accumulated. Vectors are vec.h's 16 floats.
+// accumulated. Vectors are vec.h's 16 floats. bf16 caches on a CPU with
+// AVX-512 BF16 take a path of their own (attend_rows_bf16, below): a verify
+// span's many rows cost about half as much there.
 //
 // Registered as torch.ops.specpage_cpu.paged_attention; the Python side is
 // specpage/attention/native.py, which also holds the pure-torch reference.
@@ -23,7 +25,12 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 #include "vec.h"
 
@@ -53,6 +60,30 @@ inline void prefetch_row(const scalar_t* row) {
   constexpr int64_t bytes = kChunks * kLanes * sizeof(scalar_t);
   for (int64_t b = 0; b < bytes; b += 64) {
     __builtin_prefetch(reinterpret_cast<const char*>(row) + b, 0, 3);
+  }
+}
+
+// Scores s[0, padded) -> softmax weights over the first `visible`, 0 after.
+inline void softmax_row(float* s, int64_t visible, int64_t padded) {
+  for (int64_t p = visible; p < padded; ++p) s[p] = -std::numeric_limits<float>::infinity();
+  vfloat top = splat(-std::numeric_limits<float>::infinity());
+  for (int64_t p = 0; p < padded; p += kLanes) {
+    const vfloat x = load(s + p);
+    top = x > top ? x : top;
+  }
+  float max = top[0];
+  for (int64_t i = 1; i < kLanes; ++i) max = std::fmax(max, top[i]);
+  vfloat total = vfloat{};
+  for (int64_t p = 0; p < padded; p += kLanes) {
+    const vfloat e = vexp(load(s + p) - max);
+    const vfloat w = load(s + p) == -std::numeric_limits<float>::infinity() ? vfloat{} : e;
+    std::memcpy(s + p, &w, sizeof(w));
+    total += w;
+  }
+  const float inv = 1.0f / sum_lanes(total);
+  for (int64_t p = 0; p < padded; p += kLanes) {
+    const vfloat w = load(s + p) * inv;
+    std::memcpy(s + p, &w, sizeof(w));
   }
 }
 
@@ -114,28 +145,8 @@ void attend_item(const scalar_t* q, const scalar_t* cache, scalar_t* out, const 
   }
   // Row r (token t = r / groups of the span) sees positions 0 .. context - span + t.
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t visible = context - span + r / groups + 1;
-    float* s = scores.data() + r * padded_context;
-    for (int64_t p = visible; p < padded_context; ++p) s[p] = -std::numeric_limits<float>::infinity();
-    vfloat top = splat(-std::numeric_limits<float>::infinity());
-    for (int64_t p = 0; p < padded_context; p += kLanes) {
-      const vfloat x = load(s + p);
-      top = x > top ? x : top;
-    }
-    float max = top[0];
-    for (int64_t i = 1; i < kLanes; ++i) max = std::fmax(max, top[i]);
-    vfloat total = vfloat{};
-    for (int64_t p = 0; p < padded_context; p += kLanes) {
-      const vfloat e = vexp(load(s + p) - max);
-      const vfloat w = load(s + p) == -std::numeric_limits<float>::infinity() ? vfloat{} : e;
-      std::memcpy(s + p, &w, sizeof(w));
-      total += w;
-    }
-    const float inv = 1.0f / sum_lanes(total);
-    for (int64_t p = 0; p < padded_context; p += kLanes) {
-      const vfloat w = load(s + p) * inv;
-      std::memcpy(s + p, &w, sizeof(w));
-    }
+    softmax_row(scores.data() + r * padded_context, context - span + r / groups + 1,
+                padded_context);
   }
   for (int64_t p = 0; p < context; ++p) {
     if (p + kAhead < context) prefetch_row<scalar_t, kChunks>(keys[p + kAhead] + shape.v_offset);
@@ -154,6 +165,184 @@ void attend_item(const scalar_t* q, const scalar_t* cache, scalar_t* out, const 
   }
 }
 
+
+#if defined(__AVX512BF16__)
+// bf16 caches on a CPU with AVX-512 BF16, head_dim a multiple of 32: the
+// same result by fewer instructions per (row, position), which is what a
+// verify span's rows (span x groups) and a batch's items spend their time on.
+// - Scores: sixteen positions' K rows, as pairs of bf16 (one 32-bit lane
+//   each), are transposed once per tile so that each lane holds one
+//   position; then each row's sixteen scores are one vector, built by
+//   vdpbf16ps (bf16 pairs multiplied exactly, summed in fp32) against the
+//   row's q pairs broadcast, with no sum across lanes and no stores but the
+//   scores. The scale applies to the sum, as the reference's does.
+// - Values: each row group's fp32 accumulators stay in registers while the
+//   positions' V rows are widened once per group.
+// An item may be part of a (sequence, KV head)'s rows: where there are
+// fewer items than twice the threads (one stream's verify span), their rows
+// are split so that both cores have work.
+constexpr int64_t kPairsPerTile = 16;  // 32-bit lanes of a K tile's transposed vector
+
+// r[i] lane j <- r[j] lane i, for sixteen vectors of sixteen 32-bit lanes:
+// each stage swaps one bit of the row index with that bit of the lane index.
+inline void transpose16(vuint* r) {
+  for (int i = 0; i < 16; ++i) {
+    if (i & 1) continue;
+    const vuint lo = r[i], hi = r[i + 1];
+    r[i] = __builtin_shufflevector(lo, hi, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
+    r[i + 1] = __builtin_shufflevector(lo, hi, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+  }
+  for (int i = 0; i < 16; ++i) {
+    if (i & 2) continue;
+    const vuint lo = r[i], hi = r[i + 2];
+    r[i] = __builtin_shufflevector(lo, hi, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
+    r[i + 2] = __builtin_shufflevector(lo, hi, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+  }
+  for (int i = 0; i < 16; ++i) {
+    if (i & 4) continue;
+    const vuint lo = r[i], hi = r[i + 4];
+    r[i] = __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
+    r[i + 4] = __builtin_shufflevector(lo, hi, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+  }
+  for (int i = 0; i < 8; ++i) {
+    const vuint lo = r[i], hi = r[i + 8];
+    r[i] = __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+    r[i + 8] = __builtin_shufflevector(lo, hi, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  }
+}
+
+inline __m512bh as_bh(vuint v) {
+  __m512i i;
+  std::memcpy(&i, &v, sizeof(i));
+  return (__m512bh)i;
+}
+
+// Scores of kRows rows (q pairs at q_rows[g]) against one transposed tile.
+template <int64_t kRows, int64_t kPairs>
+inline void tile_scores(const c10::BFloat16* const* q_rows, const vuint* kt, float scale,
+                        float* const* out) {
+  __m512 acc[kRows];
+  for (int64_t g = 0; g < kRows; ++g) acc[g] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < kPairs; ++c) {
+    const __m512bh k = as_bh(kt[c]);
+    for (int64_t g = 0; g < kRows; ++g) {
+      int32_t pair;  // q[2c], q[2c + 1]
+      std::memcpy(&pair, q_rows[g] + 2 * c, sizeof(pair));
+      acc[g] = _mm512_dpbf16_ps(acc[g], k, (__m512bh)_mm512_set1_epi32(pair));
+    }
+  }
+  for (int64_t g = 0; g < kRows; ++g) _mm512_storeu_ps(out[g], _mm512_mul_ps(acc[g], _mm512_set1_ps(scale)));
+}
+
+// acc += scores . V over positions [0, context) for kRows rows, in registers.
+template <int64_t kRows, int64_t kChunks>
+inline void rows_values(const float* const* weights, const c10::BFloat16* const* keys,
+                        int64_t v_offset, int64_t context, c10::BFloat16* const* out) {
+  vfloat acc[kRows][kChunks] = {};
+  for (int64_t p = 0; p < context; ++p) {
+    if (p + kAhead < context) prefetch_row<c10::BFloat16, kChunks>(keys[p + kAhead] + v_offset);
+    const c10::BFloat16* v = keys[p] + v_offset;
+    vfloat vv[kChunks];
+    for (int64_t c = 0; c < kChunks; ++c) vv[c] = load(v + c * kLanes);
+    for (int64_t g = 0; g < kRows; ++g) {
+      const vfloat w = splat(weights[g][p]);
+      for (int64_t c = 0; c < kChunks; ++c) acc[g][c] += w * vv[c];
+    }
+  }
+  for (int64_t g = 0; g < kRows; ++g) {
+    for (int64_t c = 0; c < kChunks; ++c) store(out[g] + c * kLanes, acc[g][c]);
+  }
+}
+
+// f(std::integral_constant<int64_t, n>{}) for n = 1 .. kMax (n <= kMax).
+template <int64_t kMax, typename F>
+inline void with_count(int64_t n, F&& f) {
+  if constexpr (kMax > 1) {
+    if (n < kMax) return with_count<kMax - 1>(n, f);
+  }
+  f(std::integral_constant<int64_t, kMax>{});
+}
+
+constexpr int64_t kScoreRows = 8;  // rows sharing one read of a transposed tile
+
+struct RowItem {
+  Item item;
+  int64_t row_begin, row_end;  // of the item's span * groups rows
+};
+
+template <int64_t kChunks>
+void attend_rows_bf16(const c10::BFloat16* q, const c10::BFloat16* cache, c10::BFloat16* out,
+                      const RowItem& part, const Shape& shape, std::vector<float>& scores,
+                      std::vector<const c10::BFloat16*>& keys, std::vector<vuint>& kt) {
+  constexpr int64_t head_dim = kChunks * kLanes;
+  constexpr int64_t kPairs = head_dim / 2;
+  constexpr int64_t kValueRows = kChunks <= 4 ? 4 : 2;  // accumulators in registers
+  const Item& item = part.item;
+  const int64_t groups = shape.groups, span = item.span, context = item.context;
+  const int64_t first = part.row_begin, rows = part.row_end - part.row_begin;
+  const int64_t padded_context = (context + kLanes - 1) / kLanes * kLanes;
+  scores.resize(rows * padded_context);
+  kt.resize(kPairs);
+  const int64_t row_stride = shape.kv_heads * head_dim;
+  keys.resize(context);
+  for (int64_t p = 0, block = 0; p < context; ++block) {
+    const c10::BFloat16* row = cache + item.table[block] * shape.block_size * row_stride
+                               + item.kv_head * head_dim;
+    for (int64_t o = 0; o < shape.block_size && p < context; ++o, ++p) keys[p] = row + o * row_stride;
+  }
+  auto q_of = [&](int64_t r) {  // r: the item's row, token r / groups
+    const int64_t t = r / groups, g = r % groups;
+    return q + ((item.q_first + t) * shape.heads + item.kv_head * groups + g) * head_dim;
+  };
+  const c10::BFloat16* q_rows[kScoreRows];
+  float* score_rows[kScoreRows];
+  for (int64_t p0 = 0; p0 < context; p0 += kLanes) {
+    const int64_t count = std::min(kLanes, context - p0);
+    for (int64_t b = 0; b < kPairs / kPairsPerTile; ++b) {
+      vuint tile[16];
+      for (int64_t j = 0; j < 16; ++j) {
+        if (j < count) {
+          if (p0 + j + kAhead < context) prefetch_row<c10::BFloat16, kChunks>(keys[p0 + j + kAhead]);
+          std::memcpy(&tile[j], keys[p0 + j] + b * 2 * kPairsPerTile, sizeof(vuint));
+        } else {
+          tile[j] = vuint{};
+        }
+      }
+      transpose16(tile);
+      for (int64_t c = 0; c < 16; ++c) kt[b * kPairsPerTile + c] = tile[c];
+    }
+    for (int64_t r0 = 0; r0 < rows; r0 += kScoreRows) {
+      const int64_t n = std::min(kScoreRows, rows - r0);
+      for (int64_t g = 0; g < n; ++g) {
+        q_rows[g] = q_of(first + r0 + g);
+        score_rows[g] = scores.data() + (r0 + g) * padded_context + p0;
+      }
+      with_count<kScoreRows>(n, [&](auto size) {
+        tile_scores<decltype(size)::value, kPairs>(q_rows, kt.data(), shape.scale, score_rows);
+      });
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    softmax_row(scores.data() + r * padded_context, context - span + (first + r) / groups + 1,
+                padded_context);
+  }
+  const float* weight_rows[kValueRows];
+  c10::BFloat16* out_rows[kValueRows];
+  for (int64_t r0 = 0; r0 < rows; r0 += kValueRows) {
+    const int64_t n = std::min(kValueRows, rows - r0);
+    for (int64_t g = 0; g < n; ++g) {
+      const int64_t r = first + r0 + g, t = r / groups, h = r % groups;
+      weight_rows[g] = scores.data() + (r0 + g) * padded_context;
+      out_rows[g] = out + ((item.q_first + t) * shape.heads + item.kv_head * groups + h) * head_dim;
+    }
+    with_count<kValueRows>(n, [&](auto size) {
+      rows_values<decltype(size)::value, kChunks>(weight_rows, keys.data(), shape.v_offset,
+                                                  context, out_rows);
+    });
+  }
+}
+#endif
+
 template <typename scalar_t, int64_t kChunks>
 void attend_all(const at::Tensor& q, const at::Tensor& cache, at::Tensor& out,
                 const at::Tensor& block_tables, const at::Tensor& query_start,
@@ -166,6 +355,33 @@ void attend_all(const at::Tensor& q, const at::Tensor& cache, at::Tensor& out,
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t max_blocks = block_tables.size(1);
   const int64_t num_items = context_lens.size(0) * shape.kv_heads;
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && kChunks % 2 == 0) {
+    // Rows split where items are fewer than twice the threads (see attend_rows_bf16).
+    std::vector<RowItem> parts;
+    const int64_t wanted = 2 * at::get_num_threads();
+    for (int64_t i = 0; i < num_items; ++i) {
+      const int64_t s = i / shape.kv_heads;
+      const Item item{starts[s], starts[s + 1] - starts[s], contexts[s], i % shape.kv_heads,
+                      tables + s * max_blocks};
+      const int64_t rows = item.span * shape.groups;
+      const int64_t pieces = num_items >= wanted ? 1
+          : std::min((wanted + num_items - 1) / num_items, (rows + kScoreRows / 2 - 1) / (kScoreRows / 2));
+      for (int64_t k = 0; k < pieces; ++k) {
+        parts.push_back({item, rows * k / pieces, rows * (k + 1) / pieces});
+      }
+    }
+    at::parallel_for(0, static_cast<int64_t>(parts.size()), 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores;
+      std::vector<const c10::BFloat16*> keys;
+      std::vector<vuint> kt;
+      for (int64_t i = begin; i < end; ++i) {
+        attend_rows_bf16<kChunks>(q_ptr, cache_ptr, out_ptr, parts[i], shape, scores, keys, kt);
+      }
+    });
+    return;
+  }
+#endif
   at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
     std::vector<vfloat> vectors;
     std::vector<float> scores;
