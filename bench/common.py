@@ -15,6 +15,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from specpage import hugepages
+
 RESULTS = Path(__file__).parent / "results"
 DRAFT = Path(__file__).resolve().parent.parent / "models" / "smollm2-draft"  # the default draft
 
@@ -113,17 +115,20 @@ def compare(ours: Spread, theirs: Spread, higher_is_better: bool = True) -> dict
 
 def copy_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
     """Bytes copied per second by a large tensor copy (each byte read once and
-    written once, so memory traffic is twice this)."""
-    src = torch.ones(megabytes * 2**20 // 4)
-    dst = torch.empty_like(src)
+    written once, so memory traffic is twice this). Its buffers are on huge
+    pages where the weights are (specpage/hugepages.py): on 4 KB pages
+    the same copy is slower, and the floor would flatter the step."""
+    src = hugepages.empty((megabytes * 2**20 // 4,), torch.float32).fill_(1.0)
+    dst = hugepages.empty(tuple(src.shape), torch.float32)
     seconds = median_seconds(lambda: dst.copy_(src), repeats)
     return src.numel() * 4 / seconds
 
 
 def read_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
     """Bytes read per second by a sum over a large fp32 tensor: reading
-    alone, as a decode step reads its weights (a copy also writes)."""
-    src = torch.ones(megabytes * 2**20 // 4)
+    alone, as a decode step reads its weights (a copy also writes). On huge
+    pages where the weights are, as copy_bandwidth."""
+    src = hugepages.empty((megabytes * 2**20 // 4,), torch.float32).fill_(1.0)
     seconds = median_seconds(lambda: src.sum(), repeats)
     return src.numel() * 4 / seconds
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specpage import hugepages
 from specpage.attention.backend import AttentionBackend
 from specpage.attention.selection import select_backend
 from specpage.kernels.native import native_kernels
@@ -50,9 +51,9 @@ class ModelRunner:
         self.backend = backend or select_backend(self.device, self.config.head_dim)
         c = self.config
         # [layers, 2 (K, V), num_blocks, block_size, kv_heads, head_dim]
-        self.kv_cache = torch.zeros(
-            c.num_layers, 2, num_blocks, block_size, c.num_kv_heads, c.head_dim,
-            dtype=self.dtype, device=self.device,
+        self.kv_cache = hugepages.zeros(
+            (c.num_layers, 2, num_blocks, block_size, c.num_kv_heads, c.head_dim),
+            self.dtype, self.device,
         )
         self.layer_caches = list(self.kv_cache.unbind(0))
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from specpage import hugepages
 from specpage.models.config import ModelConfig, ModelLoadError, is_head_folder
 from specpage.models.decoder import DecoderModel
 from specpage.models.eagle3 import LoadedHead, load_head
@@ -81,8 +82,10 @@ def load_model(
     folder = resolve_folder(Path(path))
     if is_head_folder(folder):
         files = weight_files(folder)
-        return load_head(folder, read_tensors(files), resolve_dtype(dtype, device), device,
+        head = load_head(folder, read_tensors(files), resolve_dtype(dtype, device), device,
                          identity(folder, files))
+        hugepages.pack(head.model)
+        return head
     config = ModelConfig.from_folder(folder)
     torch_dtype = resolve_dtype(dtype, device)
     files = weight_files(folder)
@@ -101,6 +104,7 @@ def load_model(
 
         loaded = quantize_loaded(loaded, Quantization.parse(quantization), Path(path),
                                  dtype_chosen=dtype is not None)
+    hugepages.pack(loaded.model)
     return loaded
 
 

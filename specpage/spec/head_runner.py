@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from specpage import hugepages
 from specpage.attention.backend import AttentionBackend
 from specpage.attention.selection import select_backend
 from specpage.kernels.native import native_kernels
@@ -34,8 +35,8 @@ class HeadRunner:
             native_kernels()  # built (once per machine) or loaded now, not in a timed forward
         self.backend = backend or select_backend(self.device, c.head_dim)
         # [1 layer, 2 (K, V), num_blocks, block_size, kv_heads, head_dim]
-        self.kv_cache = torch.zeros(1, 2, num_blocks, block_size, c.num_kv_heads, c.head_dim,
-                                    dtype=self.dtype, device=self.device)
+        self.kv_cache = hugepages.zeros(
+            (1, 2, num_blocks, block_size, c.num_kv_heads, c.head_dim), self.dtype, self.device)
 
     @staticmethod
     def bytes_per_block(head: LoadedHead, block_size: int) -> int:
