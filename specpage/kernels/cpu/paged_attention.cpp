@@ -63,6 +63,22 @@ inline void prefetch_row(const scalar_t* row) {
   }
 }
 
+// Each position's K row of the item's KV head, walking the block table (no
+// division per position); its V row lies shape.v_offset further.
+template <typename scalar_t>
+void key_rows(const scalar_t* cache, const Item& item, const Shape& shape, int64_t head_dim,
+              std::vector<const scalar_t*>& keys) {
+  const int64_t row_stride = shape.kv_heads * head_dim;  // one position of one block
+  keys.resize(item.context);
+  for (int64_t p = 0, block = 0; p < item.context; ++block) {
+    const scalar_t* row = cache + item.table[block] * shape.block_size * row_stride
+                          + item.kv_head * head_dim;
+    for (int64_t o = 0; o < shape.block_size && p < item.context; ++o, ++p) {
+      keys[p] = row + o * row_stride;
+    }
+  }
+}
+
 // Scores s[0, padded) -> softmax weights over the first `visible`, 0 after.
 inline void softmax_row(float* s, int64_t visible, int64_t padded) {
   for (int64_t p = visible; p < padded; ++p) s[p] = -std::numeric_limits<float>::infinity();
@@ -109,15 +125,7 @@ void attend_item(const scalar_t* q, const scalar_t* cache, scalar_t* out, const 
       acc[r * kChunks + c] = vfloat{};
     }
   }
-  const int64_t row_stride = shape.kv_heads * head_dim;  // one position of one block
-  // Each position's K row, walking the block table (no division per position);
-  // its V row lies shape.v_offset further.
-  keys.resize(context);
-  for (int64_t p = 0, block = 0; p < context; ++block) {
-    const scalar_t* row = cache + item.table[block] * shape.block_size * row_stride
-                          + item.kv_head * head_dim;
-    for (int64_t o = 0; o < shape.block_size && p < context; ++o, ++p) keys[p] = row + o * row_stride;
-  }
+  key_rows(cache, item, shape, head_dim, keys);
   // Scores sixteen positions at a time: each row's sixteen dot products are
   // summed across their lanes together (sum_lanes16), a few shuffles per
   // score instead of fifteen dependent adds.
@@ -283,13 +291,7 @@ void attend_rows_bf16(const c10::BFloat16* q, const c10::BFloat16* cache, c10::B
   const int64_t padded_context = (context + kLanes - 1) / kLanes * kLanes;
   scores.resize(rows * padded_context);
   kt.resize(kPairs);
-  const int64_t row_stride = shape.kv_heads * head_dim;
-  keys.resize(context);
-  for (int64_t p = 0, block = 0; p < context; ++block) {
-    const c10::BFloat16* row = cache + item.table[block] * shape.block_size * row_stride
-                               + item.kv_head * head_dim;
-    for (int64_t o = 0; o < shape.block_size && p < context; ++o, ++p) keys[p] = row + o * row_stride;
-  }
+  key_rows(cache, item, shape, head_dim, keys);
   auto q_of = [&](int64_t r) {  // r: the item's row, token r / groups
     const int64_t t = r / groups, g = r % groups;
     return q + ((item.q_first + t) * shape.heads + item.kv_head * groups + g) * head_dim;
