@@ -114,12 +114,15 @@ def test_the_native_product_refuses_what_it_cannot_take_by_name():
         kernels.bf16_panels_product(torch.zeros(20, 96, dtype=torch.bfloat16),
                                     torch.zeros(208 * 95, dtype=torch.bfloat16), 208)
     assert not uses_gemv(x, torch.zeros(208, 96))  # an fp32 weight stays on oneDNN/BLAS
-    nibbles, scale = torch.zeros(208, 48, dtype=torch.uint8), torch.zeros(208, 3)
-    with pytest.raises(RuntimeError, match="in a multiple of 64"):
-        kernels.int4_gemv(x, nibbles, scale, scale)
-    with pytest.raises(RuntimeError, match="scale and bias must be contiguous float32"):
-        kernels.int4_gemv(torch.zeros(1, 128, dtype=torch.bfloat16),
-                          torch.zeros(208, 64, dtype=torch.uint8), scale, scale)
+    tiles = torch.zeros(13, 3, 384, dtype=torch.uint8)  # 208 outputs x 96 inputs
+    with pytest.raises(RuntimeError, match="in a multiple of 32"):
+        kernels.int4_gemv(torch.zeros(1, 100, dtype=torch.bfloat16), tiles)
+    with pytest.raises(RuntimeError, match=r"tiles must be contiguous uint8 \[out / 16, in / 32, "
+                                           r"384\].* for x of 128 inputs"):
+        kernels.int4_gemv(torch.zeros(1, 128, dtype=torch.bfloat16), tiles)
+    with pytest.raises(RuntimeError, match="at least one row"):
+        kernels.int4_gemv(torch.zeros(0, 96, dtype=torch.bfloat16), tiles)
+    assert kernels.int4_gemv(x, tiles).shape == (1, 208)
 
 
 @gemv

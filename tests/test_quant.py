@@ -13,7 +13,8 @@ from specpage.config import ConfigError, ModelSection
 from specpage.engine import EngineConfig
 from specpage.llm import LLM
 from specpage.models import quant
-from specpage.models.gguf_blocks import GGUF_PARTS, GGUFWeights
+from specpage.models.decoder import bf16_kernels
+from specpage.models.gguf_blocks import GGUF_PARTS, GGUFWeights, Int4Blocks
 from specpage.models.loader import LoadedModel, load_model
 from specpage.models.quant import DENSE_FROM_ROWS, Int4Linear, keeps_dense_copy, quantize_rtn
 from specpage.models.quant_load import PROJECTIONS
@@ -137,6 +138,26 @@ def test_one_int4_linear_matches_the_fp32_linear_within_bf16(ggufs: dict[str, Pa
         # few parts in 256 of the output's size.
         error = (actual - expected).abs().max() / expected.abs().max()
         assert error < 2**-6, (name, float(error))
+
+
+@pytest.mark.skipif(bf16_kernels() is None, reason="no native int4 kernel on this CPU")
+def test_the_native_kernel_computes_the_blocks_products_for_every_row_count() -> None:
+    """The kernel's tiles (quant.int4_stream) against the blocks' dense
+    weights: every row count it takes, an odd number of groups, and outputs
+    spanning several tiles, so that a misplaced nibble, scale or bias shows."""
+    torch.manual_seed(3)
+    outputs, inputs = 48, 96
+    q = torch.randint(0, 16, (outputs, inputs), dtype=torch.uint8)
+    blocks = Int4Blocks(q, torch.rand(outputs, 3) * 0.02, torch.randn(outputs, 3) * 0.1, 32)
+    weights = blocks.dequantize()
+    module = Int4Linear(blocks)
+    assert module.native and module.tiles.shape == (3, 3, 384)
+    for rows in (*range(1, 9), 13, 24):  # past 8 rows: further passes over a block
+        x = torch.randn(rows, inputs).bfloat16()
+        expected = x.float() @ weights.T
+        actual = module.int4_product(x).float()
+        error = (actual - expected).abs().max() / expected.abs().max()
+        assert error < 2**-7, (rows, float(error))
 
 
 @pytest.mark.skipif(not keeps_dense_copy(), reason="no native bf16 products on this CPU")

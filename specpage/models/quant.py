@@ -3,9 +3,7 @@ zero per group of 32, 64 or 128 inputs. Where the build has AVX-512 BF16 and
 the groups are of 32, specpage's own kernel (kernels/cpu/int4_gemv.cpp)
 multiplies them, with the blocks' scale and offset in fp32 as the file holds
 them; elsewhere torch's ``_weight_int4pack_mm_for_cpu`` (the kernel gpt-fast
-and torchao use), as described below. SmolLM2's 30 layers of products, 2
-AVX-512 BF16 cores: 1 row 3.45 ms native against 4.32 torch, 5 rows 8.5
-against 11.5.
+and torchao use), as described below.
 
 The kernel's convention, checked against a dense reference:
     w = (q − 8) · scale + zero,   q in 0..15,
@@ -53,12 +51,13 @@ KERNEL_DTYPE = torch.bfloat16  # the only activation dtype the CPU kernel is fas
 INNER_K_TILES = 1
 Q_OFFSET = 8  # the kernel reads q − 8
 # The row count from which the dense bf16 copy is faster. SmolLM2-135M's 30
-# layers of products (as bench/quantization.py's linears_alone times them),
-# 2 AVX-512 BF16 cores, ms, native int4 / dense bf16 (native kernels up to 64
-# rows, oneDNN above): 1 row 3.7 / 8.6, 2: 4.9 / 8.0, 3: 6.2 / 8.1,
-# 4: 7.5 / 8.1, 5: 8.7 / 8.1, 6: 10.1 / 8.3; linears_alone's last full run,
-# 32 rows: 49.9 / 26.1.
-DENSE_FROM_ROWS = 5
+# layers of products, 2 AVX-512 BF16 cores, ms, native int4 / dense bf16
+# (native kernels up to 64 rows, oneDNN above), two rounds: 1 row 4.5 / 19.8
+# and 4.4 / 19.6, 8: 9.3 / 18.9 and 9.0 / 20.4, 16: 16.1 / 23.6 and
+# 15.1 / 21.4, 20: 23.2 / 27.1 and 19.6 / 22.3, 24: 24.5 / 30.7 and
+# 23.0 / 23.9, 32: 32.5 / 33.4 and 30.6 / 30.5, 64: 60.9 / 49.2 and
+# 57.2 / 53.3.
+DENSE_FROM_ROWS = 24
 
 
 def keeps_dense_copy() -> bool:
@@ -75,15 +74,11 @@ def check_shape(name: str, in_features: int, group: int) -> None:
                                 f"{group}; this weight has {in_features} inputs")
 
 
-NATIVE_ROWS = 8  # rows one call of the native kernel takes
-
-
 def native_int4(blocks: Int4Blocks) -> bool:
     """Whether these weights run on the native kernel (kernels/cpu/int4_gemv.cpp):
-    a build with AVX-512 BF16, groups of 32, whole pairs of groups per row and
-    whole blocks of 16 outputs."""
+    a build with AVX-512 BF16, groups of 32 and whole blocks of 16 outputs."""
     out_features, in_features = blocks.q.shape
-    return (blocks.group == 32 and in_features % 64 == 0 and out_features % 16 == 0
+    return (blocks.group == 32 and in_features % 32 == 0 and out_features % 16 == 0
             and bf16_kernels() is not None)
 
 
@@ -101,14 +96,9 @@ class Int4Linear(nn.Module):
         self.group_size = blocks.group
         self.native = native_int4(blocks)
         if self.native:
-            # Plain attributes, not buffers: the scales must stay fp32 whatever
-            # dtype the model is cast to, and the kernel runs on CPU only.
-            # Two groups per 32 bytes: the first's q in the low nibbles, the second's high.
-            q = blocks.q.to(torch.uint8).view(self.out_features, -1, 2, 32)
-            self.nibbles = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(self.out_features, -1)
-            self.scale = blocks.scale.float().contiguous()
-            # sum_i W x = scale * dot(128 + q, x) + (offset - 128 scale) * sum(x), per group
-            self.group_bias = (blocks.offset.float() - 128 * self.scale).contiguous()
+            # uint8, so no cast of the model's dtype touches the fp32 scales
+            # inside; not persistent: the loader's cache keeps the blocks.
+            self.register_buffer("tiles", int4_stream(blocks), persistent=False)
         else:
             # Buffers, so they follow the model to a device; loading casts the model's
             # dtype before the swap, so nothing casts these bf16 ones after it.
@@ -123,8 +113,11 @@ class Int4Linear(nn.Module):
             self.register_buffer("packed", packed)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(),
                                                            requires_grad=False)
-        # Not a buffer: never saved, and CPU-only, as the kernels are.
-        self.dense = dequantize(blocks, exact=self.native) if keeps_dense_copy() else None
+        # A buffer, so that hugepages.pack moves it with the weights; loading
+        # casts the model's dtype before the swap, so nothing casts it after.
+        self.dense: torch.Tensor | None
+        self.register_buffer("dense", dequantize(blocks, exact=self.native)
+                             if keeps_dense_copy() else None, persistent=False)
         self._dense_packed = PackedWeight()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -142,19 +135,16 @@ class Int4Linear(nn.Module):
             return None
         if self.dense is not None and rows >= DENSE_FROM_ROWS:
             return direct_bf16_product(self.dense, self._dense_packed, rows)
-        if not self.native or rows > NATIVE_ROWS:
+        if not self.native:
             return None
-        return (bf16_kernels().int4_gemv.default,  # type: ignore[union-attr]
-                (self.nibbles, self.scale, self.group_bias))
+        return bf16_kernels().int4_gemv.default, (self.tiles,)  # type: ignore[union-attr]
 
     def int4_product(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W.T by the int4 kernel, in KERNEL_DTYPE, no bias."""
         x = x.to(KERNEL_DTYPE).contiguous()
         if self.native:
-            kernels = bf16_kernels()
-            parts = [kernels.int4_gemv(part, self.nibbles, self.scale, self.group_bias)  # type: ignore[union-attr]
-                     for part in x.split(NATIVE_ROWS)]
-            return parts[0] if len(parts) == 1 else torch.cat(parts)
+            y_native: torch.Tensor = bf16_kernels().int4_gemv(x, self.tiles)  # type: ignore[union-attr]
+            return y_native
         y: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(
             x, self.packed, self.group_size, self.scales_and_zeros)
         return y
@@ -169,7 +159,7 @@ class Int4Linear(nn.Module):
         """Bytes one product of a few rows reads: packed weights, scales and offsets."""
         bias = 0 if self.bias is None else self.bias.numel() * self.bias.element_size()
         if self.native:
-            tensors = (self.nibbles, self.scale, self.group_bias)
+            tensors: tuple[torch.Tensor, ...] = (self.tiles,)
         else:
             tensors = (self.packed, self.scales_and_zeros)
         return int(sum(t.numel() * t.element_size() for t in tensors) + bias)
@@ -178,6 +168,31 @@ class Int4Linear(nn.Module):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"group_size={self.group_size}, bias={self.bias is not None}, "
                 f"kernel={'native' if self.native else 'torch'}")
+
+
+NIBBLE_BYTES = 256  # of a tile: 16 outputs x 32 inputs
+
+
+def int4_stream(blocks: Int4Blocks) -> torch.Tensor:
+    """The native kernel's operand (kernels/cpu/int4_gemv.cpp), uint8
+    [out / 16, in / 32, 384]: per 16 outputs and group of 32 inputs, the
+    nibbles as 4 chunks of 32 16-bit words (word 2l + t of chunk j holds
+    q[l][2(4j + k) + t] in its nibble k), then the 16 scales and the 16
+    biases (offset - 128 scale) in fp32, exact as the blocks hold them."""
+    out_features, in_features = blocks.q.shape
+    tiles, groups = out_features // 16, in_features // 32
+    # q as [tile, l, group, j, k, t]: input 32g + 2(4j + k) + t
+    q = blocks.q.to(torch.int32).view(tiles, 16, groups, 4, 4, 2)
+    words = q[..., 0, :] | (q[..., 1, :] << 4) | (q[..., 2, :] << 8) | (q[..., 3, :] << 12)
+    words = words.permute(0, 2, 3, 1, 4).to(torch.uint16).contiguous()  # [tile, g, j, l, t]
+    scale = blocks.scale.float()
+    bias = blocks.offset.float() - 128 * scale  # sum W x = scale dot(128 + q, x) + bias sum(x)
+
+    def per_tile(values: torch.Tensor) -> torch.Tensor:
+        return values.view(tiles, 16, groups).transpose(1, 2).contiguous().view(torch.uint8)
+
+    return torch.cat([words.view(torch.uint8).view(tiles, groups, NIBBLE_BYTES),
+                      per_tile(scale), per_tile(bias)], dim=2).contiguous()
 
 
 def dequantize(blocks: Int4Blocks, exact: bool = False) -> torch.Tensor:

@@ -52,9 +52,8 @@ struct Ops {
       op<Tensor(const Tensor&, const Tensor&)>("specpage_cpu::bf16_gemv");
   c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, int64_t)> panels =
       op<Tensor(const Tensor&, const Tensor&, int64_t)>("specpage_cpu::bf16_panels_product");
-  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&)>
-      int4 = op<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&)>(
-          "specpage_cpu::int4_gemv");
+  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&)> int4 =
+      op<Tensor(const Tensor&, const Tensor&)>("specpage_cpu::int4_gemv");
 };
 
 const Ops& ops() {
@@ -78,7 +77,7 @@ int64_t operand_count(int64_t kind) {
   switch (kind) {
     case kGemv: return 1;    // weight
     case kPanels: return 1;  // packed panels (and outs[i])
-    case kInt4: return 3;    // nibbles, scale, bias
+    case kInt4: return 1;    // tiles (models/quant.py's int4_stream)
     case kOneDnn: return 1;  // packed weight
     default: TORCH_CHECK(false, "decoder_stack: unknown product kind ", kind);
   }
@@ -93,7 +92,7 @@ Tensor product(const Product& p, const Tensor& x) {
   switch (p.kind) {
     case kGemv: return ops().gemv.call(x, p.operands[0]);
     case kPanels: return ops().panels.call(x, p.operands[0], p.out);
-    case kInt4: return ops().int4.call(x, p.operands[0], p.operands[1], p.operands[2]);
+    case kInt4: return ops().int4.call(x, p.operands[0]);
     default: return onednn_linear(x, p.operands[0]);
   }
 }

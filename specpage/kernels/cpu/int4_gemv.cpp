@@ -3,19 +3,28 @@
 // x [rows, in] @ W.T with W[o, i] = q[o, i] * scale[o, g] + offset[o, g]
 // (q in 0..15, g = i / 32: a GGUF Q4_1 block, or Q4_0 with offset = -8 scale).
 //
-// The weights stay packed, two groups in 32 bytes: byte j holds q[j] of the
-// first group in its low nibble and q[j] of the second in its high one, so
-// one widening load gives both. A group unpacks into 32 bf16 values
-// 128 + q (bf16 holds 128..255 exactly: the bits are 0x4300 | q), which
-// vdpbf16ps multiplies by x's group exactly and sums in fp32; then
-//   sum_i W[o, i] x[i] = sum_g scale[o, g] * dp_g + (offset[o, g] - 128 scale[o, g]) * xsum_g
-// with xsum_g the sum of x's group, and the second term's coefficient kept
-// as `bias` [out, groups]. Sixteen outputs' lane sums are taken together
-// (vec.h's sum_lanes16), output blocks split over threads, and up to 8 x
-// rows share one unpacking of a weight group.
+// Each vector lane is one output, so nothing is summed across lanes. The
+// weights are one stream, in the order the kernel reads them: per block of
+// 16 outputs and group of 32 inputs, 384 bytes,
+//   256 bytes: four 64-byte chunks of 32 16-bit words; word 2l + t of chunk
+//              j holds, in its nibble k, q[16b + l][32g + 2(4j + k) + t];
+//    64 bytes: scale of the 16 outputs, fp32;
+//    64 bytes: bias = offset - 128 scale of the 16 outputs, fp32.
+// A nibble k of a word becomes the bf16 128 + q (the bits 0x4300 | q, exact)
+// with one shift and one ternary logic op, so a chunk gives four vectors of
+// 16 outputs x one pair of inputs; vdpbf16ps multiplies each by that pair of
+// x broadcast to every lane. Then, per group,
+//   y[o] += scale[o, g] * dp[o, g] + bias[o, g] * xsum_g
+// with xsum_g the sum of x's group. One sequential read per thread (output
+// blocks split over threads); up to 8 x rows share each unpacking, and
+// further rows take further passes over a block while its tiles are in cache.
+// Against the earlier layout (two groups per 32 bytes of one output, lanes
+// summed at the end) SmolLM2's 30 layers of products ran level at 1 row
+// (bound by reading memory) and 1.4-1.7x faster at 2-5 rows.
 //
-// Registered as torch.ops.specpage_cpu.int4_gemv; has_bf16_gemv (in
-// bf16_gemv.cpp) says whether this build has the instructions.
+// Registered as torch.ops.specpage_cpu.int4_gemv; models/quant.py's
+// int4_stream writes the layout; has_bf16_gemv (in bf16_gemv.cpp) says
+// whether this build has the instructions.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -37,108 +46,90 @@ namespace {
 
 using namespace specpage_cpu;
 
-constexpr int64_t kGroup = 32;  // inputs per scale: one vdpbf16ps
-constexpr int64_t kBlock = 16;  // outputs per block: one sum_lanes16
-constexpr int64_t kMaxRows = 8;
-// Rows of scale and bias asked for ahead, as the packed weights are
-// (vec.h's kPrefetchAhead).
-constexpr int64_t kScaleRowsAhead = 16;
+constexpr int64_t kGroup = 32;       // inputs per scale
+constexpr int64_t kBlock = 16;       // outputs per block: one vector's lanes
+constexpr int64_t kNibbleBytes = kBlock * kGroup / 2;
+constexpr int64_t kTileBytes = kNibbleBytes + 2 * kBlock * 4;  // + scales and biases
+constexpr int64_t kMaxRows = 8;  // rows one pass over a block takes (more: passes)
 
 #if defined(__AVX512BF16__)
 struct Operands {
-  const uint16_t* x;  // bf16 [rows, in]
-  const uint8_t* q;   // [out, in / 2], two groups per 32 bytes
-  const float* scale;  // [out, groups]
-  const float* bias;   // [out, groups]: offset - 128 scale
-  const float* xsum;   // [rows, groups]
-  c10::BFloat16* y;    // [rows, out]
+  const uint16_t* x;     // bf16 [rows, in]
+  const uint8_t* tiles;  // [out / 16, groups, kTileBytes]
+  const float* xsum;     // [rows, groups]
+  c10::BFloat16* y;      // [rows, out]
   int64_t in, groups, out;
 };
 
-// Output blocks [begin, end) for kRows rows of x, the rows a compile-time
-// count so that every accumulator stays in a register. One run of blocks:
-// it already reads three arrays at once (nibbles, scales, offsets), and
-// four far-apart runs side by side, as bf16_gemv.cpp reads, measured level
-// here (1.05x at 1 row, within the noise).
+// Output block b for kRows rows of x from row0, the rows a compile-time
+// count so that every accumulator stays in a register. One row alone keeps
+// four chains of vdpbf16ps, two rows two, so that the adds of a group do
+// not wait on each other.
 template <int64_t kRows>
-void blocks(const Operands& p, int64_t begin, int64_t end) {
+void block_rows(const Operands& p, int64_t b, int64_t row0) {
+  constexpr int kChains = kRows == 1 ? 4 : (kRows == 2 ? 2 : 1);
+  constexpr int kOrOfAnd = 0xEA;  // ternary logic: (a & b) | c
+  const __m512i nibble = _mm512_set1_epi16(0x000f);
   const __m512i bf16_128 = _mm512_set1_epi16(0x4300);
-  const __m512i low_nibble = _mm512_set1_epi16(0x000f);
-  for (int64_t b = begin; b < end; ++b) {
-    vfloat lanes[kRows][kBlock];
-    for (int64_t o = 0; o < kBlock; ++o) {
-      const int64_t row = b * kBlock + o;
-      const uint8_t* q = p.q + row * (p.in / 2);
-      const float* s = p.scale + row * p.groups;
-      const float* c = p.bias + row * p.groups;
-      for (const float* ahead : {s + kScaleRowsAhead * p.groups, c + kScaleRowsAhead * p.groups}) {
-        _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T1);
-        _mm_prefetch(reinterpret_cast<const char*>(ahead + p.groups) - 1, _MM_HINT_T1);
-      }
-      __m512 even[kRows], odd[kRows];  // two chains of adds per row
-      for (int64_t r = 0; r < kRows; ++r) even[r] = odd[r] = _mm512_setzero_ps();
-      for (int64_t g = 0; g < p.groups; g += 2) {
-        _mm_prefetch(reinterpret_cast<const char*>(q + g * (kGroup / 2)) + kPrefetchAhead,
-                     _MM_HINT_T1);
-        const __m512i bytes = _mm512_cvtepu8_epi16(
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + g * (kGroup / 2))));
-        const __m512i first = _mm512_or_si512(_mm512_and_si512(bytes, low_nibble), bf16_128);
-        const __m512i second = _mm512_or_si512(_mm512_srli_epi16(bytes, 4), bf16_128);
-        const __m512 s0 = _mm512_set1_ps(s[g]), s1 = _mm512_set1_ps(s[g + 1]);
-        for (int64_t r = 0; r < kRows; ++r) {
-          const uint16_t* xg = p.x + r * p.in + g * kGroup;
-          even[r] = _mm512_fmadd_ps(
-              _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)first,
-                               (__m512bh)_mm512_loadu_si512(xg)), s0, even[r]);
-          odd[r] = _mm512_fmadd_ps(
-              _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)second,
-                               (__m512bh)_mm512_loadu_si512(xg + kGroup)), s1, odd[r]);
-        }
-      }
-      for (int64_t r = 0; r < kRows; ++r) {  // the bias terms, into the same lanes
-        __m512 total = _mm512_add_ps(even[r], odd[r]);
-        for (int64_t g = 0; g < p.groups; g += kLanes) {
-          const __mmask16 mask = static_cast<__mmask16>(
-              (1u << std::min<int64_t>(kLanes, p.groups - g)) - 1u);
-          total = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, c + g),
-                                  _mm512_maskz_loadu_ps(mask, p.xsum + r * p.groups + g), total);
-        }
-        lanes[r][o] = (vfloat)total;
-      }
+  const uint8_t* block = p.tiles + b * p.groups * kTileBytes;
+  __m512 total[kRows];
+  for (int64_t r = 0; r < kRows; ++r) total[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < p.groups; ++g) {
+    const uint8_t* tile = block + g * kTileBytes;
+    for (int64_t line = 0; line < kTileBytes; line += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(tile) + kPrefetchAhead + line, _MM_HINT_T1);
     }
+    __m512 dot[kRows][kChains];
     for (int64_t r = 0; r < kRows; ++r) {
-      store(p.y + r * p.out + b * kBlock, sum_lanes16(lanes[r]));
+      for (int c = 0; c < kChains; ++c) dot[r][c] = _mm512_setzero_ps();
     }
+    // x's pairs of inputs in this group, as 32-bit words
+    const uint32_t* xg = reinterpret_cast<const uint32_t*>(p.x + row0 * p.in + g * kGroup);
+    for (int j = 0; j < 4; ++j) {
+      const __m512i words = _mm512_loadu_si512(tile + 64 * j);
+      const __m512i w[4] = {
+          _mm512_ternarylogic_epi32(words, nibble, bf16_128, kOrOfAnd),
+          _mm512_ternarylogic_epi32(_mm512_srli_epi16(words, 4), nibble, bf16_128, kOrOfAnd),
+          _mm512_ternarylogic_epi32(_mm512_srli_epi16(words, 8), nibble, bf16_128, kOrOfAnd),
+          _mm512_or_si512(_mm512_srli_epi16(words, 12), bf16_128)};
+      for (int k = 0; k < 4; ++k) {
+        for (int64_t r = 0; r < kRows; ++r) {
+          const __m512i pair = _mm512_set1_epi32(static_cast<int>(xg[r * p.in / 2 + 4 * j + k]));
+          dot[r][k % kChains] =
+              _mm512_dpbf16_ps(dot[r][k % kChains], (__m512bh)w[k], (__m512bh)pair);
+        }
+      }
+    }
+    const float* scale_and_bias = reinterpret_cast<const float*>(tile + kNibbleBytes);
+    const __m512 scale = _mm512_loadu_ps(scale_and_bias);
+    const __m512 bias = _mm512_loadu_ps(scale_and_bias + kBlock);
+    for (int64_t r = 0; r < kRows; ++r) {
+      __m512 sum = dot[r][0];
+      for (int c = 1; c < kChains; ++c) sum = _mm512_add_ps(sum, dot[r][c]);
+      total[r] = _mm512_fmadd_ps(sum, scale, total[r]);
+      total[r] = _mm512_fmadd_ps(bias, _mm512_set1_ps(p.xsum[(row0 + r) * p.groups + g]),
+                                 total[r]);
+    }
+  }
+  for (int64_t r = 0; r < kRows; ++r) {
+    store(p.y + (row0 + r) * p.out + b * kBlock, (vfloat)total[r]);
   }
 }
 #endif
 
-at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
-                     const at::Tensor& bias) {
+at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& tiles) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
               "x must be contiguous bf16 [rows, in]");
   const int64_t rows = x.size(0), in = x.size(1), groups = in / kGroup;
-  TORCH_CHECK(rows >= 1 && rows <= kMaxRows, "int4_gemv takes 1 to ", kMaxRows, " rows, got ",
-              rows);
-  TORCH_CHECK(in % (2 * kGroup) == 0, "int4_gemv needs in a multiple of ", 2 * kGroup, ", got ",
-              in);
-  TORCH_CHECK(packed.dim() == 2 && packed.is_contiguous() && packed.scalar_type() == at::kByte &&
-                  packed.size(1) == in / 2,
-              "packed must be contiguous uint8 [out, in / 2]");
-  const int64_t out = packed.size(0);
-  TORCH_CHECK(out % kBlock == 0, "int4_gemv needs out a multiple of ", kBlock, ", got ", out);
-  for (const at::Tensor* t : {&scale, &bias}) {
-    TORCH_CHECK(t->dim() == 2 && t->is_contiguous() && t->scalar_type() == at::kFloat &&
-                    t->size(0) == out && t->size(1) == groups,
-                "scale and bias must be contiguous float32 [out, in / 32]");
-  }
+  TORCH_CHECK(rows >= 1, "int4_gemv needs at least one row of x");
+  TORCH_CHECK(in % kGroup == 0, "int4_gemv needs in a multiple of ", kGroup, ", got ", in);
+  TORCH_CHECK(tiles.dim() == 3 && tiles.is_contiguous() && tiles.scalar_type() == at::kByte &&
+                  tiles.size(1) == groups && tiles.size(2) == kTileBytes,
+              "tiles must be contiguous uint8 [out / 16, in / 32, ", kTileBytes,
+              "] (models/quant.py's int4_stream) for x of ", in, " inputs");
+  const int64_t out = tiles.size(0) * kBlock;
   at::Tensor y = at::empty({rows, out}, x.options());
 #if defined(__AVX512BF16__)
-  const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
-  const uint8_t* qs = packed.data_ptr<uint8_t>();
-  const float* ss = scale.data_ptr<float>();
-  const float* bs = bias.data_ptr<float>();
-  c10::BFloat16* ys = y.data_ptr<c10::BFloat16>();
   std::vector<float> xsum(rows * groups);  // each x row's group sums
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t g = 0; g < groups; ++g) {
@@ -148,10 +139,17 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Te
       xsum[r * groups + g] = total;
     }
   }
-  const int64_t grain = std::max<int64_t>(1, (32 << 10) / (kBlock * in / 2));
-  const Operands ops{xs, qs, ss, bs, xsum.data(), ys, in, groups, out};
+  const Operands ops{reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()),
+                     tiles.data_ptr<uint8_t>(), xsum.data(), y.data_ptr<c10::BFloat16>(), in,
+                     groups, out};
+  const int64_t grain = std::max<int64_t>(1, (32 << 10) / (groups * kTileBytes));
   at::parallel_for(0, out / kBlock, grain, [&](int64_t begin, int64_t end) {
-    with_rows(rows, [&](auto count) { blocks<decltype(count)::value>(ops, begin, end); });
+    for (int64_t b = begin; b < end; ++b) {
+      for (int64_t row0 = 0; row0 < rows; row0 += kMaxRows) {  // the block's tiles now cached
+        with_rows(std::min(kMaxRows, rows - row0),
+                  [&](auto count) { block_rows<decltype(count)::value>(ops, b, row0); });
+      }
+    }
   });
 #else
   TORCH_CHECK(false, "int4_gemv: built without AVX-512 BF16");
@@ -162,7 +160,7 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Te
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(specpage_cpu, m) {
-  m.def("int4_gemv(Tensor x, Tensor packed, Tensor scale, Tensor bias) -> Tensor");
+  m.def("int4_gemv(Tensor x, Tensor tiles) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specpage_cpu, CPU, m) { m.impl("int4_gemv", &int4_gemv); }
