@@ -148,7 +148,9 @@ class Sequence:
         self.num_prompt = len(request.prompt_token_ids)
         self.num_computed = 0  # positions whose KV the target holds (committed)
         self.num_draft_computed = 0  # positions whose KV the draft holds; <= num_computed
-        self.draft_state = b""  # a draft head's output at num_computed - 1 (core/ledger.py)
+        # a draft head's output at num_draft_computed - 1, then the target's
+        # tapped states it has not absorbed (core/ledger.py)
+        self.draft_state = b""
         self.status = Status.WAITING
         self.finish_reason: FinishReason | None = None
         self.logprobs: list[float] = []

@@ -2,13 +2,17 @@
 the machine of tests/test_core_stateful.py, whose fake executor now
 simulates a head's KV instead of a draft model's.
 
-The fake head writes tentative KV for its deeper proposals, then absorbs
-every position the target computed whose next token is known, and returns
-its state (here: the position it ends at). After every step each running
-sequence's committed positions hold its own tokens in the target's KV and
-in the head's (it never lags), its state names the position before its
-first uncomputed token, and a head proposes only from a state, in a step
-that computes the newest token alone.
+The fake head catches up on the positions a sequence left unabsorbed
+before it proposes, writes tentative KV for its deeper proposals, then
+absorbs every position the target computed whose next token is known,
+unless the sequence did not speculate, has a state and stays within its
+block (then it carries them, as the real head does), and returns its state
+(here: the last position it absorbed). After every step each running
+sequence's committed positions hold its own tokens in the target's KV and,
+up to where it lags, in the head's; it lags only within the block being
+filled; its state names the position before the first it has not
+absorbed, and a head proposes only from a state, in a step that computes
+the newest token alone.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant
 
 from specpage.block_pool import BlockPool
+from specpage.core import ledger
 from specpage.core.engine_core import EngineCore
 from specpage.core.step import DraftKind, SeqResult, StepBatch, StepResult
 from specpage.engine_config import EngineConfig
@@ -54,9 +59,11 @@ class FakeHeadExecutor(FakeExecutor):
                         kv.pop(dst_slot, None)
         results = []
         for w in batch.seqs:
-            assert w.draft_start == w.start and w.draft_tokens == [], w  # never lags
+            assert w.draft_tokens == [] or w.draft_state, w  # lags only after a state
+            assert w.draft_start + len(w.draft_tokens) == w.start, w
             if w.k:
-                assert len(w.tokens) == 1 and int(w.draft_state) == w.start - 1, w
+                assert len(w.tokens) == 1 and int(w.draft_state) == w.draft_start - 1, w
+                self._write(self.head, w.block_table, w.draft_start, w.draft_tokens)  # catch up
             proposals = [self.rng.randrange(1, VOCAB) for _ in range(w.k)]
             self._write(self.head, w.block_table, w.end - 1, [TENTATIVE] * (w.k - 1))
             self._write(self.target, w.block_table, w.start, w.tokens + proposals)
@@ -68,10 +75,17 @@ class FakeHeadExecutor(FakeExecutor):
             else:
                 assert w.following >= 0, w
                 accepted, tokens, forks, absorbed = 0, [], [], w.tokens
-            self._write(self.head, w.block_table, w.start, absorbed)
-            state = str(w.start + len(absorbed) - 1).encode()
+            carry = (w.sample and not w.k and w.draft_state
+                     and w.end // BLOCK_SIZE == w.draft_start // BLOCK_SIZE)
+            if carry:
+                state, lag = w.draft_state, len(w.draft_tokens) + len(absorbed)
+            else:
+                first = w.start if w.k else w.draft_start
+                self._write(self.head, w.block_table, first,
+                            ([] if w.k else w.draft_tokens) + absorbed)
+                state, lag = str(w.start + len(absorbed) - 1).encode(), 0
             results.append(SeqResult(tokens, w.k if w.sample else 0, accepted, [], forks, [],
-                                     draft_state=state))
+                                     draft_state=state, draft_lag=lag))
         return StepResult(results, (len(batch.seqs), 0.01), [])
 
 
@@ -86,6 +100,7 @@ class HeadCoreMachine(CoreMachine):
                                eos_token_ids=(0,), draft_kind=DraftKind.HEAD)
         self.core.scheduler.choose_k = lambda seq, batch: self.rng.randint(0, K_MAX)
         self.executor = FakeHeadExecutor(self.rng)
+        self.lags = 0  # checks that found a sequence lagging
 
     @invariant()
     def pool_and_counters_agree(self) -> None:
@@ -94,19 +109,23 @@ class HeadCoreMachine(CoreMachine):
             return
         pool = self.core.pool
         for seq in self.core.scheduler.running:
-            assert seq.num_draft_computed == seq.num_computed, seq
+            absorbed = seq.num_computed - ledger.head_lag(seq)
+            if absorbed < seq.num_computed:  # lags within the block being filled only
+                assert absorbed // BLOCK_SIZE == seq.num_computed // BLOCK_SIZE, seq
+                self.lags += 1
             table = pool.block_table(seq.seq_id)
-            for position in range(seq.num_computed):
+            for position in range(absorbed):
                 slot = table[position // BLOCK_SIZE] * BLOCK_SIZE + position % BLOCK_SIZE
                 assert self.executor.head.get(slot) == seq.token_ids[position], (seq, position)
             if seq.num_computed:
-                assert int(seq.draft_state) == seq.num_computed - 1, seq
+                assert int(seq.draft_state) == absorbed - 1, seq
 
 
 def test_the_head_rule_through_the_boundary() -> None:
     """Seeded long runs: preemption, forks, prefix-cache hits, accepted
-    and rejected proposals, aborts, all checked after every step."""
-    totals = {"preemptions": 0, "cached": 0, "accepted": 0, "rejected": 0, "aborts": 0}
+    and rejected proposals, aborts, heads lagging, all checked after every step."""
+    totals = {"preemptions": 0, "cached": 0, "accepted": 0, "rejected": 0, "aborts": 0,
+              "lags": 0}
     for seed in range(12):
         rng = random.Random(seed)
         machine = HeadCoreMachine()
@@ -129,6 +148,7 @@ def test_the_head_rule_through_the_boundary() -> None:
         totals["accepted"] += stats.accepted_tokens
         totals["rejected"] += stats.drafted_tokens - stats.accepted_tokens
         totals["aborts"] += stats.aborts
+        totals["lags"] += machine.lags
         machine.teardown()
     assert all(totals.values()), totals
 

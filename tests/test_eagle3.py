@@ -110,6 +110,32 @@ def test_first_proposals_equal_a_reference_from_transformers_hidden_states(model
     assert [p for _, p in firsts] == [reference[end - 2] for end, _ in firsts]
 
 
+def test_a_head_left_behind_catches_up_to_the_reference(models):
+    """Steps without speculation leave positions unabsorbed (no head forward
+    runs at all in most of them) within the block being filled; the step
+    that speculates next absorbs them first, and its proposal is still the
+    reference's, computed from transformers' hidden states."""
+    hf, root, _ = models
+    eng = engine(models, head="head", spec_k=2, block_size=8)
+    eng.scheduler.choose_k = lambda seq, batch: 2 if seq.num_tokens % 7 == 0 else 0
+    seen = record_proposals(eng)
+    steps_with_a_head_forward = set()  # the step's number: proposals recorded so far
+    run = eng.executor.draft.run
+    eng.executor.draft.run = (lambda spans, hidden: steps_with_a_head_forward.add(len(seen))
+                              or run(spans, hidden))
+    prompt = prompts(1, seed=5, lengths=(9,))[0]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    tokens = drain(eng, {0: [("a", prompt, params)]})[("a", 0)][0]
+    assert tokens == hf_greedy(hf, prompt, 40)
+    reference = reference_proposals(root / "head", hf, prompt + tokens)
+    firsts = [(w, p[0]) for batch, proposal in seen
+              for w, p in zip(batch, proposal.tokens, strict=True) if p]
+    behind = [(w, p) for w, p in firsts if w.draft_tokens]
+    assert behind, "no proposal followed positions left unabsorbed"
+    assert [p for _, p in firsts] == [reference[w.end - 2] for w, _ in firsts]
+    assert len(steps_with_a_head_forward) <= len(seen) // 2, (steps_with_a_head_forward, len(seen))
+
+
 def test_greedy_with_a_head_equals_transformers_across_mixed_batches(models):
     """Arrivals over several steps, chunked prefill (a 12-token step
     budget), k changing from step to step (0 too): the target's output,
@@ -218,8 +244,9 @@ def test_pool_invariants_hold_every_step_and_aborts_leak_nothing(models):
         if eng.has_unfinished():
             eng.step()
         eng.pool.check_integrity()
-        for seq in eng.scheduler.running:
-            assert seq.num_draft_computed == seq.num_computed  # the head never lags
+        for seq in eng.scheduler.running:  # the head lags only within the block being filled
+            assert (seq.num_draft_computed == seq.num_computed
+                    or seq.num_draft_computed // 4 == seq.num_computed // 4), seq
         steps += 1
         assert steps < 5000
     stats = eng.stats()

@@ -170,7 +170,8 @@ class EngineCore:
     def _work(self, entry: ScheduledSeq) -> SeqWork:
         seq = entry.seq
         start, params = seq.num_computed, seq.request.params
-        draft_start, draft_tokens = (ledger.draft_span(seq, self.draft_kind) if entry.k
+        draft_start, draft_tokens = (ledger.draft_span(seq, self.draft_kind)
+                                     if entry.k or self.draft_kind is DraftKind.HEAD
                                      else (start, []))
         end = start + entry.num_new
         forks = (params.n - 1 if entry.wants_logits and seq.index == 0
@@ -239,7 +240,7 @@ def _check_result(scheduled: list[ScheduledSeq], result: StepResult) -> None:
         raise StepResultError(f"{len(result.seqs)} results for {len(scheduled)} sequences")
     for i, (entry, done) in enumerate(zip(scheduled, result.seqs, strict=True)):
         if not entry.wants_logits:
-            ok = msgspec.structs.replace(done, draft_state=b"") == NOTHING
+            ok = msgspec.structs.replace(done, draft_state=b"", draft_lag=0) == NOTHING
         else:
             ok = (done.num_proposed == entry.k and 0 <= done.num_accepted <= entry.k
                   and len(done.tokens) == done.num_accepted + 1)

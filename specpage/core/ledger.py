@@ -12,14 +12,19 @@ in the steps where it proposes, and a position is committed only once both
 models hold its KV (`num_commit`).
 
 A draft head (DraftKind.HEAD, models/eagle3.py) reads the target's hidden
-states, which nothing keeps past the step that computed them, so it never
-lags: in every step it absorbs every position the target commits. Its
-input at position p is the target's features at p and token p + 1, so
-after verification it can absorb up to the last accepted proposal, and
+states, which nothing keeps past the step that computed them. Its input at
+position p is the target's features at p and token p + 1, so after
+verification it can absorb up to the last accepted proposal, and
 `num_commit` is num_new + accepted. Its output at the last absorbed
-position (`Sequence.draft_state`) starts the next step's proposal, so it
-proposes only in a step that computes one new token, from a state
-(`head_span`).
+position starts the next step's proposal, so it proposes only in a step
+that computes one new token, from a state (`head_span`). In a step where
+no sequence needs it, the head does not run at all: a sequence that does
+not speculate may leave positions unabsorbed, and carries their tapped
+states after its output in `Sequence.draft_state` (`num_draft_computed`
+marks where they start); the next forward that runs the head over it
+absorbs them first. The head lags only within the block the target is
+filling, so every full block, the only kind the prefix cache shares,
+holds the head's KV as well as the target's; `head_lag` says how far.
 
 Two places where a head's KV is an approximation, which costs acceptance
 only (the target verifies every token): a fork shares its parent's KV and
@@ -60,9 +65,16 @@ def release(pool: BlockPool, seq: Sequence) -> None:
 
 def draft_span(seq: Sequence, kind: DraftKind = DraftKind.MODEL) -> tuple[int, list[int]]:
     """Where the draft's KV ends, and the committed tokens it lacks from there."""
-    if kind is DraftKind.HEAD:
-        return seq.num_computed, []
-    return seq.num_draft_computed, seq.token_ids[seq.num_draft_computed : seq.num_computed]
+    start = seq.num_computed - head_lag(seq) if kind is DraftKind.HEAD else seq.num_draft_computed
+    return start, seq.token_ids[start : seq.num_computed]
+
+
+def head_lag(seq: Sequence) -> int:
+    """Committed positions a head has not absorbed (their tapped states follow
+    its output in draft_state). Without a state it holds what the target
+    holds: it absorbed its last forward's span whole, or the sequence was
+    just admitted, and cached blocks hold the head's KV too."""
+    return seq.num_computed - seq.num_draft_computed if seq.draft_state else 0
 
 
 def head_span(seq: Sequence, num_new: int, k: int, kind: DraftKind) -> tuple[int, int]:
@@ -107,10 +119,12 @@ def apply(pool: BlockPool, seq: Sequence, num_new: int, k: int, done: SeqResult,
         # it sampled, or a head stopped short of the proposals reserved for it
         pool.rollback(seq.seq_id)
     seq.num_computed += n
-    if k > 0 or kind is DraftKind.HEAD:  # the draft ran over the span: caught up
-        seq.num_draft_computed = seq.num_computed
     if kind is DraftKind.HEAD:
+        assert done.draft_lag == 0 or done.draft_state, done
+        seq.num_draft_computed = seq.num_computed - done.draft_lag
         seq.draft_state = done.draft_state
+    elif k > 0:  # the draft ran over the span: caught up
+        seq.num_draft_computed = seq.num_computed
     check(pool, seq)
 
 

@@ -19,7 +19,7 @@ class DraftKind(enum.StrEnum):
     """What proposes, which decides what a step commits (core/ledger.py)."""
 
     MODEL = "model"  # a draft model over tokens: may lag the target, catches up
-    HEAD = "head"  # an EAGLE-3 head over the target's hidden states: never lags
+    HEAD = "head"  # an EAGLE-3 head over the target's hidden states: lags within a block
 
 
 class Sampling(msgspec.Struct, frozen=True, array_like=True):
@@ -50,7 +50,9 @@ class SeqWork(msgspec.Struct, frozen=True, array_like=True):
     sampling: Sampling
     num_forks: int = 0  # further samples drawing their first token from these logits
     following: int = -1  # the token at position end, when the span stops short of the newest
-    draft_state: bytes = b""  # a head's output at start - 1, fp32 (see core/ledger.py)
+    # a head's output at draft_start - 1, then the target's tapped states at
+    # draft_start .. start - 1, which it has not absorbed yet; fp32 (see core/ledger.py)
+    draft_state: bytes = b""
 
     @property
     def end(self) -> int:
@@ -73,7 +75,10 @@ class SeqResult(msgspec.Struct, frozen=True, array_like=True):
     logprobs: list[float] = []  # of tokens, when asked for
     fork_tokens: list[int] = []  # first tokens of samples 1..n-1
     fork_logprobs: list[float] = []  # theirs, when asked for
-    draft_state: bytes = b""  # a head's output at the last position it absorbed, fp32
+    # a head's output at the last position it absorbed, then the tapped states
+    # of the draft_lag positions after it that it has not; fp32 (core/ledger.py)
+    draft_state: bytes = b""
+    draft_lag: int = 0
 
 
 Cost = tuple[int, float]  # (positions in a forward, seconds it took)

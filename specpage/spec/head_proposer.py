@@ -10,8 +10,14 @@ After verification it absorbs: one forward over every position the target
 computed whose next token is now known (the span's tokens and the accepted
 proposals), reading the target's features there, which overwrites the
 tentative K/V with the real thing and leaves the state for the next step.
-Every sequence of the step is absorbed, speculating or not (core/ledger.py
-says why the head never lags); only proposals need its LM head.
+
+Only proposals need the head's state, so a sequence that does not
+speculate leaves its positions unabsorbed while they stay within the block
+the target is filling (core/ledger.py): it carries their tapped states, and
+the next forward over it (a proposal's, or an absorb that runs anyway)
+takes them first. A step in which no sequence needs the head runs no head
+forward at all, so speculation switched off costs the head nothing but a
+forward over a block's positions once per block.
 """
 
 from __future__ import annotations
@@ -28,8 +34,8 @@ from specpage.spec.proposer import Proposal, draw
 from specpage.spec.verdict import Verdict
 
 
-def encode_state(row: torch.Tensor) -> bytes:
-    return row.detach().float().cpu().numpy().tobytes()
+def encode_state(*rows: torch.Tensor) -> bytes:
+    return b"".join(row.detach().float().cpu().numpy().tobytes() for row in rows)
 
 
 def decode_state(state: bytes) -> torch.Tensor:
@@ -37,8 +43,23 @@ def decode_state(state: bytes) -> torch.Tensor:
 
 
 class HeadProposer:
-    def __init__(self, runner: HeadRunner) -> None:
+    def __init__(self, runner: HeadRunner, defer: bool = True) -> None:
         self.runner = runner
+        self.defer = defer  # leave positions unabsorbed where no head forward runs
+        self.hidden = runner.config.hidden_size
+        self.taps = runner.model.fc.in_features  # a position's tapped states, concatenated
+
+    def _state(self, w: SeqWork) -> tuple[torch.Tensor, torch.Tensor]:
+        """w's head output at draft_start - 1 [hidden] and the tapped states of
+        the positions it has not absorbed [draft_start .. start - 1, taps]."""
+        raw = decode_state(w.draft_state)
+        return raw[: self.hidden], raw[self.hidden :].view(-1, self.taps)
+
+    @staticmethod
+    def _unabsorbed(w: SeqWork) -> list[int]:
+        """The tokens the head embeds at the positions it has not absorbed:
+        each one's next token."""
+        return w.draft_tokens[1:] + w.tokens[:1] if w.draft_tokens else []
 
     def propose(self, batch: list[SeqWork]) -> Proposal:
         tokens: list[list[int]] = [[] for _ in batch]
@@ -49,8 +70,20 @@ class HeadProposer:
             return Proposal.none(len(batch))
         start = time.perf_counter()
         # [rows, hidden]: each row's output at the position before its newest token
-        states = torch.stack([decode_state(batch[i].draft_state) for i in active])
-        logits = self.runner.logits(states.to(self.runner.device))
+        held = [self._state(batch[i]) for i in active]
+        states = torch.stack([state for state, _ in held]).to(self.runner.device)
+        behind = [row for row, i in enumerate(active) if batch[active[row]].draft_tokens]
+        if behind:  # first the positions they left unabsorbed
+            spans = [SeqSpan(self._unabsorbed(batch[active[row]]), batch[active[row]].draft_start,
+                             batch[active[row]].block_table) for row in behind]
+            taps = torch.cat([held[row][1] for row in behind])
+            out = self.runner.run(spans, self.runner.features(taps))
+            ends = torch.tensor([len(s.token_ids) for s in spans]).cumsum(0) - 1
+            states = states.to(out.dtype)
+            states[behind] = out[ends]
+            costs.append((len(taps), time.perf_counter() - start))
+            start = time.perf_counter()
+        logits = self.runner.logits(states)
         depth = 0
         while True:
             draw(logits, [batch[i] for i in active], depth, [tokens[i] for i in active],
@@ -70,24 +103,53 @@ class HeadProposer:
             logits = self.runner.logits(states)
         return Proposal(tokens, [torch.stack(p) if p else None for p in probs], costs)
 
+    def _needs_forward(self, w: SeqWork) -> bool:
+        """Whether the head must absorb w's positions this step: it proposed
+        (its next proposal starts from them), the span does not sample (a
+        prefill chunk), it has no state to carry them after, or they would
+        fill the block (see core/ledger.py)."""
+        if not self.defer or w.k > 0 or not w.sample or not w.draft_state:
+            return True
+        return w.end // self.runner.block_size != w.draft_start // self.runner.block_size
+
     def absorb(self, batch: list[SeqWork], proposal: Proposal,
                verdict: Verdict) -> tuple[list[SeqResult], list[Cost]]:
-        """The head over every position the target now holds for good,
-        reading the target's features there; each result gets its state."""
+        """The head over the positions the target now holds for good, reading
+        the target's features there, for the sequences that need it; the
+        others carry the features on. Each result gets its state."""
         assert verdict.features is not None, "the verifier tapped no features"
         start = time.perf_counter()
-        spans, rows, offset = [], [], 0
-        for w, drafted, done in zip(batch, proposal.tokens, verdict.results, strict=True):
+        results = list(verdict.results)
+        spans, taps, absorbing, offset = [], [], [], 0
+        for i, (w, drafted, done) in enumerate(zip(batch, proposal.tokens, verdict.results,
+                                                     strict=True)):
             if w.sample:
                 following = (w.tokens + done.tokens)[1:]  # up to the next token sampled
             else:
                 assert w.following >= 0, w
                 following = w.tokens[1:] + [w.following]
-            spans.append(SeqSpan(following, w.start, w.block_table))
-            rows.extend(range(offset, offset + len(following)))
+            rows = verdict.features[offset : offset + len(following)]
             offset += len(w.tokens) + len(drafted)  # the target's rows for this span
-        out = self.runner.run(spans, self.runner.features(verdict.features[rows]))
+            if not self._needs_forward(w):
+                state, behind = self._state(w)
+                results[i] = msgspec.structs.replace(
+                    done, draft_state=encode_state(state, behind, rows),
+                    draft_lag=len(behind) + len(rows))
+                continue
+            if drafted or not w.draft_tokens:  # a proposal took what it left unabsorbed
+                spans.append(SeqSpan(following, w.start, w.block_table))
+            else:
+                spans.append(SeqSpan(self._unabsorbed(w) + following, w.draft_start,
+                                     w.block_table))
+                taps.append(self._state(w)[1].to(rows.dtype))
+            taps.append(rows)
+            absorbing.append(i)
+        if not spans:
+            return results, []
+        hidden = torch.cat(taps)
+        out = self.runner.run(spans, self.runner.features(hidden))
         ends = torch.tensor([len(s.token_ids) for s in spans]).cumsum(0) - 1
-        results = [msgspec.structs.replace(done, draft_state=encode_state(out[int(end)]))
-                   for done, end in zip(verdict.results, ends, strict=True)]
-        return results, [(len(rows), time.perf_counter() - start)]
+        for i, end in zip(absorbing, ends.tolist(), strict=True):
+            results[i] = msgspec.structs.replace(results[i], draft_state=encode_state(out[end]),
+                                                 draft_lag=0)
+        return results, [(len(hidden), time.perf_counter() - start)]
