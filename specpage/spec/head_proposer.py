@@ -34,10 +34,6 @@ from specpage.spec.proposer import Proposal, draw
 from specpage.spec.verdict import Verdict
 
 
-def encode_state(*rows: torch.Tensor) -> bytes:
-    return b"".join(row.detach().float().cpu().numpy().tobytes() for row in rows)
-
-
 def decode_state(state: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(state), dtype=torch.float32)
 
@@ -121,6 +117,7 @@ class HeadProposer:
         start = time.perf_counter()
         results = list(verdict.results)
         spans, taps, absorbing, offset = [], [], [], 0
+        carried = None  # the features as fp32 host memory, once some sequence carries them
         for i, (w, drafted, done) in enumerate(zip(batch, proposal.tokens, verdict.results,
                                                      strict=True)):
             if w.sample:
@@ -128,13 +125,14 @@ class HeadProposer:
             else:
                 assert w.following >= 0, w
                 following = w.tokens[1:] + [w.following]
-            rows = verdict.features[offset : offset + len(following)]
-            offset += len(w.tokens) + len(drafted)  # the target's rows for this span
+            first, offset = offset, offset + len(w.tokens) + len(drafted)  # the span's rows
+            rows = verdict.features[first : first + len(following)]
             if not self._needs_forward(w):
-                state, behind = self._state(w)
+                if carried is None:
+                    carried = verdict.features.detach().float().cpu().numpy()
                 results[i] = msgspec.structs.replace(
-                    done, draft_state=encode_state(state, behind, rows),
-                    draft_lag=len(behind) + len(rows))
+                    done, draft_state=w.draft_state + carried[first : first + len(rows)].tobytes(),
+                    draft_lag=len(w.draft_tokens) + len(rows))
                 continue
             if drafted or not w.draft_tokens:  # a proposal took what it left unabsorbed
                 spans.append(SeqSpan(following, w.start, w.block_table))
@@ -149,7 +147,8 @@ class HeadProposer:
         hidden = torch.cat(taps)
         out = self.runner.run(spans, self.runner.features(hidden))
         ends = torch.tensor([len(s.token_ids) for s in spans]).cumsum(0) - 1
-        for i, end in zip(absorbing, ends.tolist(), strict=True):
-            results[i] = msgspec.structs.replace(results[i], draft_state=encode_state(out[end]),
+        states = out[ends].detach().float().cpu().numpy()
+        for i, state in zip(absorbing, states, strict=True):
+            results[i] = msgspec.structs.replace(results[i], draft_state=state.tobytes(),
                                                  draft_lag=0)
         return results, [(len(hidden), time.perf_counter() - start)]
