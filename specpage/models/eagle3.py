@@ -28,13 +28,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specpage.attention.backend import AttentionBackend, AttentionMetadata
+from specpage.models import fused
 from specpage.models.config import ModelConfig, ModelLoadError
 from specpage.models.decoder import Linear, RMSNorm
-from specpage.models.rope import apply_rope, cos_sin, inverse_frequencies
+from specpage.models.rope import cos_sin, inverse_frequencies
 
 NUM_FEATURE_LAYERS = 3  # low, middle and high: what fc reads
 
@@ -112,20 +112,16 @@ class Eagle3Head(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         """The layer's pre-norm output [num_tokens, hidden]; writes its K/V."""
-        n = embeds.shape[0]
         rope = cos_sin(self.inv_freq, positions, embeds.dtype)
         normed = self.hidden_norm(hidden)
         residual = normed if self.config.norm_before_residual else hidden
         x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = apply_rope(q.view(n, self.num_heads, self.head_dim), *rope)
-        k = apply_rope(k.view(n, self.num_kv_heads, self.head_dim), *rope)
-        backend.write_kv(cache, k, v.view(n, self.num_kv_heads, self.head_dim), meta)
+        # the target layers' fused kernels (models/fused.py), where they build
+        q, k, v = fused.rope_qk(self.qkv_proj(x), *rope, self.num_heads, self.num_kv_heads)
+        backend.write_kv(cache, k, v, meta)
         attn = backend.attend(q, cache, meta, self.head_dim**-0.5)
-        residual = residual + self.o_proj(attn)
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(residual)).chunk(2, dim=-1)
-        return residual + self.down_proj(F.silu(gate) * up)
+        residual, normed = self.post_attention_layernorm.after_add(self.o_proj(attn), residual)
+        return residual + self.down_proj(fused.silu_and_mul(self.gate_up_proj(normed)))
 
     def logits(self, prenorm: torch.Tensor) -> torch.Tensor:
         """[rows, hidden] -> fp32 logits over the target's vocabulary
