@@ -150,7 +150,9 @@ def adaptive(r: dict) -> list[str]:
     t = r["tok_s"]
     rows = [f"| {r['requests']} concurrent requests, mixed lengths, greedy, speculation off | "
             f"{spread(t['off'])} tok/s | median (min–max) of {r['rounds']} rotated rounds |"]
-    for key, name in (("default_draft", "default draft"), ("useless_draft", "random-weight draft")):
+    names = {"default_draft": "default draft", "useless_draft": "random-weight draft",
+             "head": "EAGLE-3 head", "useless_head": "random-weight EAGLE-3 head"}
+    for key, name in ((key, names[key]) for key in names if key in t):
         rows.append(f"| the same, {name}, adaptive k | {spread(t[key])} tok/s | "
                     f"against speculation off: {verdict(r[key + '_vs_off'])}; "
                     f"{fmt(r['drafted_per_output_token'][key], 3)} proposals per output token |")
