@@ -15,6 +15,8 @@ from specpage.engine import Engine, EngineConfig
 from specpage.kernels.native import native_kernels
 from specpage.models.eagle3 import LoadedHead
 from specpage.models.loader import ModelLoadError, load_model
+from specpage.models.quant import Int4Linear
+from specpage.models.quant_names import QuantizationError
 from specpage.request import SamplingParams
 from tests.head_util import HEAD_FILE, reference_proposals, tiny_head
 from tests.models_util import tiny_checkpoint
@@ -39,6 +41,10 @@ def models(tmp_path_factory):
               eagle_aux_hidden_state_layer_ids=TAPS)
     # head_dim 32: the native CPU attention kernel's size (16 is the reference's)
     tiny_head(root / "wide", hf.config, seed=3, num_attention_heads=2, num_key_value_heads=1,
+              eagle_aux_hidden_state_layer_ids=TAPS)
+    # shapes int4 takes (inputs in groups of 32, outputs in sixteens)
+    tiny_head(root / "even", hf.config, seed=4, intermediate_size=96,
+              draft_vocab=[t for t, _ in counts.most_common(16)],
               eagle_aux_hidden_state_layer_ids=TAPS)
     return hf, root, favourites
 
@@ -134,6 +140,45 @@ def test_a_head_left_behind_catches_up_to_the_reference(models):
     assert behind, "no proposal followed positions left unabsorbed"
     assert [p for _, p in firsts] == [reference[w.end - 2] for w, _ in firsts]
     assert len(steps_with_a_head_forward) <= len(seen) // 2, (steps_with_a_head_forward, len(seen))
+
+
+@pytest.mark.parametrize("head,quantization", [("small", None), ("even", "q4")])
+def test_a_q4_target_runs_its_head_in_its_own_dtype(models, head, quantization):
+    """A q4 target computes in bf16 unless a dtype is chosen; the head, which
+    reads its hidden states and embedding, computes in bf16 with it, as it
+    is (loaded in fp32) or itself in int4, and the output stays the q4
+    target's own."""
+    _, root, _ = models
+    options = dict(block_size=4, num_blocks=512, adaptive_k=False)
+    target = load_model(root / "target", quantization="q4")
+    assert target.model.embed_tokens.weight.dtype == torch.bfloat16
+    head = load_model(root / head, quantization=quantization)
+    if quantization:
+        assert head.quantization == "q4 g32 round-to-nearest, bf16 activations"
+        assert all(isinstance(getattr(head.model, name), Int4Linear)
+                   for name in ("fc", "qkv_proj", "o_proj", "gate_up_proj", "down_proj",
+                                "lm_head"))
+    eng = Engine(target, head, None, EngineConfig(spec_k=3, **options))
+    assert eng.executor.draft.dtype == torch.bfloat16
+    assert eng.executor.draft.model.inv_freq.dtype == torch.float32
+    alone = Engine(load_model(root / "target", quantization="q4"), None, None,
+                   EngineConfig(spec_k=0, **options))
+    arrivals = {0: [(str(i), p, GREEDY) for i, p in enumerate(prompts(4, seed=6))]}
+    assert drain(eng, arrivals) == drain(alone, arrivals)
+    assert eng.stats().drafted_tokens > 0  # it proposed (the favourites are fp32's: rejected)
+
+
+def test_q4_on_a_head_it_cannot_take_names_the_layer(models):
+    _, root, _ = models
+    with pytest.raises(QuantizationError, match="down_proj: q4 needs in_features a multiple "
+                                                "of the group size 32; this weight has 80"):
+        load_model(root / "small", quantization="q4")
+    with pytest.raises(QuantizationError, match="lm_head: q4 needs out_features a multiple "
+                                                "of 16; this weight has 4 outputs"):
+        tiny = root / "narrow"
+        tiny_head(tiny, models[0].config, intermediate_size=96, draft_vocab=models[2],
+                  eagle_aux_hidden_state_layer_ids=TAPS)
+        load_model(tiny, quantization="q4")
 
 
 def test_greedy_with_a_head_equals_transformers_across_mixed_batches(models):

@@ -144,7 +144,8 @@ def test_one_int4_linear_matches_the_fp32_linear_within_bf16(ggufs: dict[str, Pa
 def test_the_native_kernel_computes_the_blocks_products_for_every_row_count() -> None:
     """The kernel's tiles (quant.int4_stream) against the blocks' dense
     weights: every row count it takes, an odd number of groups, and outputs
-    spanning several tiles, so that a misplaced nibble, scale or bias shows."""
+    spanning several tiles, so that a misplaced nibble, scale or bias shows;
+    and a row's result is the same bits alone or among others."""
     torch.manual_seed(3)
     outputs, inputs = 48, 96
     q = torch.randint(0, 16, (outputs, inputs), dtype=torch.uint8)
@@ -158,6 +159,9 @@ def test_the_native_kernel_computes_the_blocks_products_for_every_row_count() ->
         actual = module.int4_product(x).float()
         error = (actual - expected).abs().max() / expected.abs().max()
         assert error < 2**-7, (rows, float(error))
+        # each row's sums run in the same order whatever the row count
+        alone = torch.cat([module.int4_product(x[r : r + 1]) for r in range(rows)])
+        assert torch.equal(actual, alone.float()), rows
 
 
 @pytest.mark.skipif(not keeps_dense_copy(), reason="no native bf16 products on this CPU")

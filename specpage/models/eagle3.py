@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from specpage import hugepages
 from specpage.attention.backend import AttentionBackend, AttentionMetadata
 from specpage.models import fused
 from specpage.models.config import ModelConfig, ModelLoadError
@@ -142,6 +143,12 @@ class LoadedHead:
     config: Eagle3Config
     folder: Path
     identity: bytes  # digest of the config and the weight files' headers and sizes
+    quantization: str = "none"  # what models/quant_load applied to its linears
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """What it computes in (its norms' dtype: its linears may be int4)."""
+        return self.model.norm.weight.dtype
 
 
 _UNFUSED = {  # our parameter -> the checkpoint's tensors concatenated into it
@@ -191,6 +198,19 @@ def load_head(folder: Path, tensors: dict[str, torch.Tensor], dtype: torch.dtype
             tensors["embed_tokens.weight"].to(device=device, dtype=dtype))
     _check_shapes(model, config, folder)
     return LoadedHead(model, config, folder, identity)
+
+
+def in_dtype(head: LoadedHead, dtype: torch.dtype) -> LoadedHead:
+    """The head computing in `dtype` (the target's: it reads the target's
+    hidden states and embedding), its rotary frequencies kept in fp32."""
+    model = head.model
+    if head.dtype == dtype:
+        return head
+    inv_freq = model.inv_freq
+    model.to(dtype)
+    model.inv_freq = inv_freq
+    hugepages.pack(model)
+    return head
 
 
 def _draft_to_target(d2t: torch.Tensor | None, config: Eagle3Config,

@@ -84,6 +84,11 @@ def load_model(
         files = weight_files(folder)
         head = load_head(folder, read_tensors(files), resolve_dtype(dtype, device), device,
                          identity(folder, files))
+        if quantization not in (None, "none"):
+            from specpage.models.quant_load import quantize_head
+
+            head = quantize_head(head, Quantization.parse(quantization),
+                                 dtype_chosen=dtype is not None)
         hugepages.pack(head.model)
         return head
     config = ModelConfig.from_folder(folder)

@@ -65,13 +65,19 @@ def keeps_dense_copy() -> bool:
     return uses_onednn(torch.empty(0, dtype=KERNEL_DTYPE), DENSE_FROM_ROWS)
 
 
-def check_shape(name: str, in_features: int, group: int) -> None:
+OUT_MULTIPLE = 16  # outputs both int4 kernels take in whole blocks of
+
+
+def check_shape(name: str, in_features: int, group: int, out_features: int = 0) -> None:
     if group not in GROUP_SIZES:
         raise QuantizationError(f"{name}: q4 group size {group} unsupported; "
                                 f"use one of {', '.join(map(str, GROUP_SIZES))}")
     if in_features % group:
         raise QuantizationError(f"{name}: q4 needs in_features a multiple of the group size "
                                 f"{group}; this weight has {in_features} inputs")
+    if out_features % OUT_MULTIPLE:
+        raise QuantizationError(f"{name}: q4 needs out_features a multiple of {OUT_MULTIPLE}; "
+                                f"this weight has {out_features} outputs")
 
 
 def native_int4(blocks: Int4Blocks) -> bool:
@@ -215,7 +221,7 @@ def quantize_rtn(weight: torch.Tensor, group: int = 32, name: str = "weight") ->
     the kernel's bf16 first and q chosen against the rounded values, so the
     kernel computes exactly what was chosen."""
     rows, cols = weight.shape
-    check_shape(name, cols, group)
+    check_shape(name, cols, group, rows)
     w = weight.detach().float().view(rows, cols // group, group)
     low, high = w.amin(-1), w.amax(-1)
     levels = 2**4 - 1

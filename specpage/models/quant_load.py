@@ -10,9 +10,11 @@
            (their blocks are reused, nothing is re-quantized), else none
 
 Only each layer's qkv_proj, o_proj, gate_up_proj and down_proj are swapped,
-after loading; norms, the embedding and the KV cache stay in the activation
-dtype (bf16 for a quantized model unless a dtype is asked for). The tied
-embedding / LM head stays dense in that dtype: measured on the vocabulary
+after loading (an EAGLE-3 head's too, with its fc and its LM head over the
+draft vocabulary, by q4 only: a head is no GGUF, so auto leaves it); norms,
+the embedding and the KV cache stay in the activation dtype (bf16 for a
+quantized model unless a dtype is asked for). The tied embedding / LM head
+stays dense in that dtype: measured on the vocabulary
 projection alone (bench/quantization.py, head_alone), bf16 was ~3x faster
 than fp32 on 32 rows in every run, and on one row between 0.5x and 1.5x
 fp32's speed as the shared machine's load changed; torch's int8 kernel (one
@@ -34,12 +36,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specpage.models.gguf_blocks import FORMATS, GGUF_PARTS, GGUFWeights, Int4Blocks
-from specpage.models.quant import Int4Linear, quantize_rtn
+from specpage.models.quant import Int4Linear, check_shape, quantize_rtn
 from specpage.models.quant_names import Quantization, QuantizationError
 
 if TYPE_CHECKING:
     from specpage.models.config import ModelConfig
     from specpage.models.decoder import DecoderModel
+    from specpage.models.eagle3 import LoadedHead
 
 
 class Loaded(Protocol):
@@ -132,6 +135,32 @@ def quantize_loaded(loaded: L, quantization: Quantization, path: Path,
 
 
 PROJECTIONS = tuple(GGUF_PARTS)  # qkv_proj, o_proj, gate_up_proj, down_proj
+HEAD_PROJECTIONS = ("fc", *PROJECTIONS, "lm_head")
+
+
+def quantize_head(head: LoadedHead, quantization: Quantization,
+                  dtype_chosen: bool) -> LoadedHead:
+    """An EAGLE-3 head with its linears swapped for Int4Linear, round to
+    nearest from its weights (a head is small: ~10M weights, quantized in
+    well under a second, so nothing is cached), computing in bf16 unless
+    the caller chose a dtype, as a quantized target does."""
+    if quantization.kind != "q4":
+        return head
+    model = head.model
+    for name in HEAD_PROJECTIONS:
+        dense = getattr(model, name)
+        bias = None if dense.bias is None else dense.bias.detach()
+        blocks = quantize_rtn(dense.weight.detach().float(), quantization.group, name)
+        setattr(model, name, Int4Linear(blocks, bias))
+    applied = f"q4 g{quantization.group} round-to-nearest"
+    if not dtype_chosen and model.inv_freq.device.type == "cpu":
+        inv_freq = model.inv_freq
+        model.to(QUANTIZED_DTYPE)
+        model.inv_freq = inv_freq
+        applied += ", bf16 activations"
+    log.info("quantized %s: %s", head.folder, applied)
+    identity = hashlib.sha256(head.identity + applied.encode()).digest()
+    return dataclasses.replace(head, identity=identity, quantization=applied)
 
 
 def _swap(model: DecoderModel, blocks_of: Callable[[int, str], Int4Blocks]) -> None:
@@ -143,6 +172,8 @@ def _swap(model: DecoderModel, blocks_of: Callable[[int, str], Int4Blocks]) -> N
                 raise QuantizationError(f"layers.{i}.{name}: quantized weight is "
                                         f"{tuple(blocks.q.shape)}, the model's "
                                         f"{tuple(dense.weight.shape)}")
+            out_features, in_features = blocks.q.shape
+            check_shape(f"layers.{i}.{name}", in_features, blocks.group, out_features)
             bias = None if dense.bias is None else dense.bias.detach()
             setattr(layer, name, Int4Linear(blocks, bias))
 

@@ -28,8 +28,7 @@ class HeadRunner:
         self.config = head.config.layer
         self.embedding = head.model.embed_tokens or target_embedding
         self.block_size = block_size
-        weight = self.model.fc.weight
-        self.device, self.dtype = weight.device, weight.dtype
+        self.device, self.dtype = head.model.norm.weight.device, head.dtype
         c = self.config
         if self.device.type == "cpu":
             native_kernels()  # built (once per machine) or loaded now, not in a timed forward
@@ -41,7 +40,7 @@ class HeadRunner:
     @staticmethod
     def bytes_per_block(head: LoadedHead, block_size: int) -> int:
         c = head.config.layer
-        element = head.model.fc.weight.element_size()
+        element = head.model.norm.weight.element_size()
         return 2 * block_size * c.num_kv_heads * c.head_dim * element
 
     @torch.inference_mode()

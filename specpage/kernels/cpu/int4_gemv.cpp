@@ -61,13 +61,16 @@ struct Operands {
   int64_t in, groups, out;
 };
 
+// Two chains of vdpbf16ps per row (even and odd pairs of a group), so that
+// the adds of one row do not all wait on each other; the same for every row
+// count, so a row's result does not depend on how many rows a call brings
+// (a verify step's tokens are the decode step's).
+constexpr int kChains = 2;
+
 // Output block b for kRows rows of x from row0, the rows a compile-time
-// count so that every accumulator stays in a register. One row alone keeps
-// four chains of vdpbf16ps, two rows two, so that the adds of a group do
-// not wait on each other.
+// count so that every accumulator stays in a register.
 template <int64_t kRows>
 void block_rows(const Operands& p, int64_t b, int64_t row0) {
-  constexpr int kChains = kRows == 1 ? 4 : (kRows == 2 ? 2 : 1);
   constexpr int kOrOfAnd = 0xEA;  // ternary logic: (a & b) | c
   const __m512i nibble = _mm512_set1_epi16(0x000f);
   const __m512i bf16_128 = _mm512_set1_epi16(0x4300);
