@@ -39,9 +39,8 @@ def decode_state(state: bytes) -> torch.Tensor:
 
 
 class HeadProposer:
-    def __init__(self, runner: HeadRunner, defer: bool = True) -> None:
+    def __init__(self, runner: HeadRunner) -> None:
         self.runner = runner
-        self.defer = defer  # leave positions unabsorbed where no head forward runs
         self.hidden = runner.config.hidden_size
         self.taps = runner.model.fc.in_features  # a position's tapped states, concatenated
 
@@ -68,10 +67,10 @@ class HeadProposer:
         # [rows, hidden]: each row's output at the position before its newest token
         held = [self._state(batch[i]) for i in active]
         states = torch.stack([state for state, _ in held]).to(self.runner.device)
-        behind = [row for row, i in enumerate(active) if batch[active[row]].draft_tokens]
+        behind = [row for row, i in enumerate(active) if batch[i].draft_tokens]
         if behind:  # first the positions they left unabsorbed
-            spans = [SeqSpan(self._unabsorbed(batch[active[row]]), batch[active[row]].draft_start,
-                             batch[active[row]].block_table) for row in behind]
+            lagging = [batch[active[row]] for row in behind]
+            spans = [SeqSpan(self._unabsorbed(w), w.draft_start, w.block_table) for w in lagging]
             taps = torch.cat([held[row][1] for row in behind])
             out = self.runner.run(spans, self.runner.features(taps))
             ends = torch.tensor([len(s.token_ids) for s in spans]).cumsum(0) - 1
@@ -104,7 +103,7 @@ class HeadProposer:
         (its next proposal starts from them), the span does not sample (a
         prefill chunk), it has no state to carry them after, or they would
         fill the block (see core/ledger.py)."""
-        if not self.defer or w.k > 0 or not w.sample or not w.draft_state:
+        if w.k > 0 or not w.sample or not w.draft_state:
             return True
         return w.end // self.runner.block_size != w.draft_start // self.runner.block_size
 
