@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass
 
 import grpc
+import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from specpage import systemd
@@ -37,7 +38,7 @@ from specpage.frontend import Frontend
 from specpage.llm import load_tokenizer, resolve_model
 from specpage.metrics import Metrics, MetricsServer
 from specpage.models.config import ModelLoadError
-from specpage.models.loader import LoadedModel, load_model
+from specpage.models.loader import LoadedModel, draft_dtype, load_model
 from specpage.models.quant_names import check_tensor_parallel
 from specpage.openai_api.listener import HTTPListener, start_http
 from specpage.reflection import enable_reflection
@@ -67,11 +68,11 @@ def build_engine(config: Config) -> Engine:
     if m.draft:
         systemd.status(f"loading draft {m.draft}")
         log.info("loading draft", extra={"model": m.draft})
-        draft = load_named(m.draft, m.dtype, m.device, m.quantization)
+        draft = load_named(m.draft, draft_dtype(m.dtype, target), m.device, m.quantization)
     return Engine(target, draft, load_tokenizer(target.folder), e)
 
 
-def load_named(name: str, dtype: str | None, device: str,
+def load_named(name: str, dtype: str | torch.dtype | None, device: str,
                quantization: str = "none") -> LoadedModel:
     """A model by name or path; a file it cannot read (a packaged model
     missing, no permission) is a start-up failure that names the file."""

@@ -14,7 +14,7 @@ from specpage.completion import Completion, Durations
 from specpage.engine import Engine, EngineConfig, RequestOutput
 from specpage.models.config import ModelLoadError
 from specpage.models.fetch import ensure_model, known_models
-from specpage.models.loader import LoadedModel, load_model
+from specpage.models.loader import LoadedModel, draft_dtype, load_model
 from specpage.models.quant_names import check_tensor_parallel
 from specpage.request import SamplingParams, ValidationError
 
@@ -69,8 +69,8 @@ class LLM:
         self.target: LoadedModel = load_model(target_path, dtype, device, quantization)
         check_tensor_parallel(self.target.quantization,
                               (config or EngineConfig()).tensor_parallel_size)
-        self.draft = (load_model(resolve_model(draft), dtype, device, quantization)
-                      if draft else None)
+        self.draft = (load_model(resolve_model(draft), draft_dtype(dtype, self.target), device,
+                                 quantization) if draft else None)
         self.tokenizer = load_tokenizer(self.target.folder)
         self.engine = Engine(self.target, self.draft, self.tokenizer, config)
         self._ids = itertools.count()

@@ -229,6 +229,21 @@ def test_q4_target_and_draft_speculating_equal_q4_without_speculation(
     assert all(len(tokens) == 24 for tokens in expected)
 
 
+def test_a_draft_computes_in_its_targets_dtype_unless_one_is_chosen(
+        ggufs: dict[str, Path], tmp_path: Path) -> None:
+    """auto leaves a float draft unquantized; it loads in its q4 target's
+    bf16, not the loader's fp32, unless a dtype is asked for."""
+    draft = write_gguf(tmp_path / "draft.F32.gguf", "F32", seed=1)
+    config = EngineConfig(spec_k=2, adaptive_k=False, num_blocks=64)
+    llm = LLM(ggufs["Q4_1"], draft, config, quantization="auto")
+    assert llm.target.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert llm.draft is not None and llm.draft.quantization == "none"
+    assert llm.draft.model.embed_tokens.weight.dtype == torch.bfloat16
+    chosen = LLM(ggufs["Q4_1"], draft, config, dtype="fp32", quantization="auto")
+    assert chosen.draft is not None
+    assert chosen.draft.model.embed_tokens.weight.dtype == torch.float32
+
+
 def test_unknown_quantization_names_it() -> None:
     with pytest.raises(QuantizationError, match="unknown quantization 'q5'.*none, q4"):
         load_model("no-such-folder", quantization="q5")

@@ -70,6 +70,13 @@ def resolve_dtype(name: str | torch.dtype | None, device: torch.device) -> torch
             f"unknown dtype {name!r}; known: {AUTO}, {', '.join(DTYPES)}") from None
 
 
+def draft_dtype(dtype: str | torch.dtype | None, target: LoadedModel) -> str | torch.dtype:
+    """The dtype to load a draft in: the one asked for, else the target's
+    own (a q4 target computes in bf16 unless a dtype is chosen, and a draft
+    left at the loader's fp32 beside it would cost twice the bytes a step)."""
+    return dtype if dtype is not None else target.model.embed_tokens.weight.dtype
+
+
 def load_model(
     path: str | Path, dtype: str | torch.dtype | None = None, device: str | torch.device = "cpu",
     quantization: str | None = None,

@@ -128,6 +128,7 @@ def quantize_loaded(loaded: L, quantization: Quantization, path: Path,
         inv_freq = loaded.model.inv_freq  # fp32 whatever the weights' dtype, as HF keeps it
         loaded.model.to(QUANTIZED_DTYPE)
         loaded.model.inv_freq = inv_freq
+    if loaded.model.embed_tokens.weight.dtype == QUANTIZED_DTYPE:
         applied += ", bf16 activations"
     log.info("quantized %s: %s", loaded.folder, applied)
     identity = hashlib.sha256(loaded.identity + applied.encode()).digest()
@@ -157,6 +158,7 @@ def quantize_head(head: LoadedHead, quantization: Quantization,
         inv_freq = model.inv_freq
         model.to(QUANTIZED_DTYPE)
         model.inv_freq = inv_freq
+    if head.dtype == QUANTIZED_DTYPE:
         applied += ", bf16 activations"
     log.info("quantized %s: %s", head.folder, applied)
     identity = hashlib.sha256(head.identity + applied.encode()).digest()
