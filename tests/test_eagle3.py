@@ -14,7 +14,7 @@ from specpage.attention.cpu import CpuAttention
 from specpage.engine import Engine, EngineConfig
 from specpage.kernels.native import native_kernels
 from specpage.models.eagle3 import LoadedHead
-from specpage.models.loader import ModelLoadError, load_model
+from specpage.models.loader import ModelLoadError, draft_dtype, load_model
 from specpage.models.quant import Int4Linear
 from specpage.models.quant_names import QuantizationError
 from specpage.request import SamplingParams
@@ -145,14 +145,13 @@ def test_a_head_left_behind_catches_up_to_the_reference(models):
 @pytest.mark.parametrize("head,quantization", [("small", None), ("even", "q4")])
 def test_a_q4_target_runs_its_head_in_its_own_dtype(models, head, quantization):
     """A q4 target computes in bf16 unless a dtype is chosen; the head, which
-    reads its hidden states and embedding, computes in bf16 with it, as it
-    is (loaded in fp32) or itself in int4, and the output stays the q4
-    target's own."""
+    reads its hidden states and embedding, loads in bf16 with it (draft_dtype),
+    as it is or itself in int4, and the output stays the q4 target's own."""
     _, root, _ = models
     options = dict(block_size=4, num_blocks=512, adaptive_k=False)
     target = load_model(root / "target", quantization="q4")
     assert target.model.embed_tokens.weight.dtype == torch.bfloat16
-    head = load_model(root / head, quantization=quantization)
+    head = load_model(root / head, draft_dtype(None, target), quantization=quantization)
     if quantization:
         assert head.quantization == "q4 g32 round-to-nearest, bf16 activations"
         assert all(isinstance(getattr(head.model, name), Int4Linear)

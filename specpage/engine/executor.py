@@ -15,7 +15,7 @@ from collections.abc import Callable
 from specpage.core.step import StepBatch, StepResult
 from specpage.engine_config import EngineConfig
 from specpage.model_runner import ModelRunner
-from specpage.models.eagle3 import LoadedHead, in_dtype
+from specpage.models.eagle3 import LoadedHead
 from specpage.models.loader import LoadedModel
 from specpage.spec import cost_cache
 from specpage.spec.calibrate import Plan, calibration_sizes, measure
@@ -37,9 +37,7 @@ class Executor:
         self.proposer: DraftProposer | HeadProposer | None = None
         feature_layers: tuple[int, ...] = ()
         if isinstance(draft, LoadedHead):
-            # the head reads the target's hidden states and embedding, so it
-            # computes in the target's dtype (a q4 target's is bf16 unless chosen)
-            draft = in_dtype(draft, target.model.embed_tokens.weight.dtype)
+            # the head reads the target's hidden states and embedding
             self.draft = HeadRunner(draft, target.model.embed_tokens, config.num_blocks,
                                     config.block_size)
             self.proposer = HeadProposer(self.draft)

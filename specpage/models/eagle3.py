@@ -30,7 +30,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from specpage import hugepages
 from specpage.attention.backend import AttentionBackend, AttentionMetadata
 from specpage.models import fused
 from specpage.models.config import ModelConfig, ModelLoadError
@@ -198,19 +197,6 @@ def load_head(folder: Path, tensors: dict[str, torch.Tensor], dtype: torch.dtype
             tensors["embed_tokens.weight"].to(device=device, dtype=dtype))
     _check_shapes(model, config, folder)
     return LoadedHead(model, config, folder, identity)
-
-
-def in_dtype(head: LoadedHead, dtype: torch.dtype) -> LoadedHead:
-    """The head computing in `dtype` (the target's: it reads the target's
-    hidden states and embedding), its rotary frequencies kept in fp32."""
-    model = head.model
-    if head.dtype == dtype:
-        return head
-    inv_freq = model.inv_freq
-    model.to(dtype)
-    model.inv_freq = inv_freq
-    hugepages.pack(model)
-    return head
 
 
 def _draft_to_target(d2t: torch.Tensor | None, config: Eagle3Config,

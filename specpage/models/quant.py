@@ -119,8 +119,8 @@ class Int4Linear(nn.Module):
             self.register_buffer("packed", packed)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(),
                                                            requires_grad=False)
-        # A buffer, so that hugepages.pack moves it with the weights; loading
-        # casts the model's dtype before the swap, so nothing casts it after.
+        # A buffer, so that hugepages.pack moves it with the weights; the
+        # quantizers cast a model after the swap only to bf16, its own dtype.
         self.dense: torch.Tensor | None
         self.register_buffer("dense", dequantize(blocks, exact=self.native)
                              if keeps_dense_copy() else None, persistent=False)

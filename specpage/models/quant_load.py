@@ -56,6 +56,7 @@ class Loaded(Protocol):
 
 
 L = TypeVar("L", bound=Loaded)
+H = TypeVar("H", bound="Loaded | LoadedHead")
 
 log = logging.getLogger(__name__)
 
@@ -124,11 +125,19 @@ def quantize_loaded(loaded: L, quantization: Quantization, path: Path,
         blocks = _rtn_cached(loaded, quantization.group)
         _swap(loaded.model, lambda i, name: blocks[f"layers.{i}.{name}"])
         applied = f"q4 g{quantization.group} round-to-nearest"
-    if not dtype_chosen and loaded.model.inv_freq.device.type == "cpu":
-        inv_freq = loaded.model.inv_freq  # fp32 whatever the weights' dtype, as HF keeps it
-        loaded.model.to(QUANTIZED_DTYPE)
-        loaded.model.inv_freq = inv_freq
-    if loaded.model.embed_tokens.weight.dtype == QUANTIZED_DTYPE:
+    return _applied(loaded, applied, dtype_chosen)
+
+
+def _applied(loaded: H, applied: str, dtype_chosen: bool) -> H:
+    """A model or head whose linears were just swapped: computing in bf16
+    unless the caller chose a dtype, its identity told apart from the
+    unquantized one's, and what was applied recorded."""
+    model = loaded.model
+    if not dtype_chosen and model.inv_freq.device.type == "cpu":
+        inv_freq = model.inv_freq  # fp32 whatever the weights' dtype, as HF keeps it
+        model.to(QUANTIZED_DTYPE)
+        model.inv_freq = inv_freq
+    if model.norm.weight.dtype == QUANTIZED_DTYPE:
         applied += ", bf16 activations"
     log.info("quantized %s: %s", loaded.folder, applied)
     identity = hashlib.sha256(loaded.identity + applied.encode()).digest()
@@ -147,22 +156,12 @@ def quantize_head(head: LoadedHead, quantization: Quantization,
     the caller chose a dtype, as a quantized target does."""
     if quantization.kind != "q4":
         return head
-    model = head.model
     for name in HEAD_PROJECTIONS:
-        dense = getattr(model, name)
+        dense = getattr(head.model, name)
         bias = None if dense.bias is None else dense.bias.detach()
-        blocks = quantize_rtn(dense.weight.detach().float(), quantization.group, name)
-        setattr(model, name, Int4Linear(blocks, bias))
-    applied = f"q4 g{quantization.group} round-to-nearest"
-    if not dtype_chosen and model.inv_freq.device.type == "cpu":
-        inv_freq = model.inv_freq
-        model.to(QUANTIZED_DTYPE)
-        model.inv_freq = inv_freq
-    if head.dtype == QUANTIZED_DTYPE:
-        applied += ", bf16 activations"
-    log.info("quantized %s: %s", head.folder, applied)
-    identity = hashlib.sha256(head.identity + applied.encode()).digest()
-    return dataclasses.replace(head, identity=identity, quantization=applied)
+        setattr(head.model, name, Int4Linear(quantize_rtn(dense.weight, quantization.group, name),
+                                             bias))
+    return _applied(head, f"q4 g{quantization.group} round-to-nearest", dtype_chosen)
 
 
 def _swap(model: DecoderModel, blocks_of: Callable[[int, str], Int4Blocks]) -> None:

@@ -125,14 +125,15 @@ class HeadProposer:
                 assert w.following >= 0, w
                 following = w.tokens[1:] + [w.following]
             first, offset = offset, offset + len(w.tokens) + len(drafted)  # the span's rows
-            rows = verdict.features[first : first + len(following)]
+            last = first + len(following)
             if not self._needs_forward(w):
                 if carried is None:
                     carried = verdict.features.detach().float().cpu().numpy()
                 results[i] = msgspec.structs.replace(
-                    done, draft_state=w.draft_state + carried[first : first + len(rows)].tobytes(),
-                    draft_lag=len(w.draft_tokens) + len(rows))
+                    done, draft_state=w.draft_state + carried[first:last].tobytes(),
+                    draft_lag=len(w.draft_tokens) + len(following))
                 continue
+            rows = verdict.features[first:last]
             if drafted or not w.draft_tokens:  # a proposal took what it left unabsorbed
                 spans.append(SeqSpan(following, w.start, w.block_table))
             else:
