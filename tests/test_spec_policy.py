@@ -7,6 +7,7 @@ from specpage.request import Request, SamplingParams, Sequence
 from specpage.spec.policy import (
     PROBE_EVERY,
     PROBE_IDLE,
+    STALE,
     WINDOW,
     CostCurve,
     SpecPolicy,
@@ -282,3 +283,22 @@ def test_a_speculating_sequence_now_and_then_tries_one_proposal_more():
     assert 0 < best < policy.k_max
     ks = [policy.choose_k(sequence(num_tokens=n), batch=1) for n in range(16, 48)]
     assert ks == [best + 1 if n % PROBE_IDLE <= best else best for n in range(16, 48)]
+
+
+def test_a_size_no_longer_run_follows_the_machine_down():
+    """The machine's memory rate doubles while every forward runs at one
+    size: a size last run in the slow spell must not keep its slow cost
+    against the size run since, or the comparison between them (the choice
+    of k) is decided by when each was run. Upwards it keeps its own, as a
+    size never run: looking cheaper, it gets tried and corrected."""
+    cost = CostCurve([(32, 0.100), (64, 0.150)])
+    for _ in range(WINDOW):  # slow spell: k = 0, 32 positions, as measured
+        cost.observe(32, 0.100)
+    for _ in range(STALE - 1):  # every sequence speculates, in a fast spell
+        cost.observe(64, 0.075)
+    assert cost(32) == pytest.approx(0.100)  # not stale yet
+    cost.observe(64, 0.075)
+    assert cost(32) == pytest.approx(0.050) and cost(64) == pytest.approx(0.075)
+    for _ in range(WINDOW):  # a slower spell than measured: 32 keeps its own
+        cost.observe(64, 0.300)
+    assert cost(32) == pytest.approx(0.100) and cost(64) == pytest.approx(0.300)

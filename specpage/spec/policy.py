@@ -43,6 +43,16 @@ from specpage.request import Sequence
 # forwards. (On a 2-core machine beside a test run, one-position forwards of
 # a small model took from 3 to 50 ms, in stretches of several forwards.)
 WINDOW = 16
+# Forwards of a curve after which a size not run since is stale: its
+# correction is then capped by that of the nearest size run since, so that
+# when the whole machine gets faster (its memory rate doubles within
+# minutes on some hosts) the sizes no longer run follow it down. Else a
+# size last run in a slow spell keeps its slow cost against sizes measured
+# in the fast one, and k stays where that comparison puts it: at 32 streams
+# with a draft, every sequence speculated at half the tokens per second of
+# not speculating. Capped only downwards, as a size never run: a stale size
+# that looks no costlier than measured gets tried, and then corrected.
+STALE = WINDOW
 # Tokens between probes (one proposal more than pays): while a sequence does
 # not speculate, often while speculation pays at the shared acceptance (on a
 # CPU, verifying 2 positions costs about as much as 1); otherwise, and at any
@@ -78,10 +88,12 @@ class CostCurve:
     Each point is then corrected by the forwards actually run near it: its
     scale is the least of the last WINDOW ratios of observed to measured
     seconds there. A point not run yet takes the scale of the nearest point
-    that was, when that is below 1 (the machine is faster than measured),
-    and otherwise keeps its start-up measurement: a size that looks no
-    costlier than measured gets tried, and then corrected, where one that
-    looked costlier on a busy moment might never be run again.
+    run in the last STALE forwards, when that is below 1 (the machine is
+    faster than measured), and otherwise keeps its start-up measurement: a
+    size that looks no costlier than measured gets tried, and then
+    corrected, where one that looked costlier on a busy moment might never
+    be run again. A point run, but not in the last STALE forwards, keeps its
+    own scale or takes that nearest point's, whichever is less.
     """
 
     def __init__(self, points: Seq[tuple[float, float]]) -> None:
@@ -99,6 +111,7 @@ class CostCurve:
         # per point, the latest ratios of observed to measured seconds
         self._ratios: list[deque[float]] = [deque(maxlen=WINDOW) for _ in self._xs]
         self._least: list[float | None] = [None] * len(self._xs)  # min of each window
+        self._last_run = [-1] * len(self._xs)  # the observation that last ran each point
         self._corrected = list(self._ys)
         self.observations = 0
 
@@ -122,15 +135,18 @@ class CostCurve:
         nearest = self._nearest(items)
         self._ratios[nearest].append(seconds / max(self.base(items), 1e-12))
         self._least[nearest] = min(self._ratios[nearest])  # the one window that changed
-        run = [(log, least)
-               for log, least in zip(self._logs, self._least, strict=True) if least is not None]
+        self._last_run[nearest] = self.observations
+        fresh = [(log, least) for log, least, last in zip(self._logs, self._least, self._last_run,
+                                                           strict=True)
+                 if least is not None and last > self.observations - STALE]
         floor = 0.0
         for i, (log, measured) in enumerate(zip(self._logs, self._ys, strict=True)):
             least = self._least[i]
-            if least is not None:
+            if least is not None and self._last_run[i] > self.observations - STALE:
                 scale = least
             else:
-                scale = min(1.0, min(run, key=lambda point: abs(point[0] - log))[1])
+                near = min(fresh, key=lambda point: abs(point[0] - log))[1]
+                scale = min(1.0 if least is None else least, near)
             floor = max(floor, measured * scale)
             self._corrected[i] = floor
 
