@@ -68,7 +68,7 @@ def keeps_dense_copy() -> bool:
 OUT_MULTIPLE = 16  # outputs both int4 kernels take in whole blocks of
 
 
-def check_shape(name: str, in_features: int, group: int, out_features: int = 0) -> None:
+def check_shape(name: str, in_features: int, group: int, out_features: int) -> None:
     if group not in GROUP_SIZES:
         raise QuantizationError(f"{name}: q4 group size {group} unsupported; "
                                 f"use one of {', '.join(map(str, GROUP_SIZES))}")

@@ -40,8 +40,7 @@ class HeadRunner:
     @staticmethod
     def bytes_per_block(head: LoadedHead, block_size: int) -> int:
         c = head.config.layer
-        element = head.model.norm.weight.element_size()
-        return 2 * block_size * c.num_kv_heads * c.head_dim * element
+        return 2 * block_size * c.num_kv_heads * c.head_dim * head.dtype.itemsize
 
     @torch.inference_mode()
     def features(self, taps: torch.Tensor) -> torch.Tensor:

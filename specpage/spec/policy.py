@@ -48,10 +48,9 @@ WINDOW = 16
 # when the whole machine gets faster (its memory rate doubles within
 # minutes on some hosts) the sizes no longer run follow it down. Else a
 # size last run in a slow spell keeps its slow cost against sizes measured
-# in the fast one, and k stays where that comparison puts it: at 32 streams
-# with a draft, every sequence speculated at half the tokens per second of
-# not speculating. Capped only downwards, as a size never run: a stale size
-# that looks no costlier than measured gets tried, and then corrected.
+# in the fast one, and k stays where that comparison puts it. Capped only
+# downwards, as a size never run: a stale size that looks no costlier than
+# measured gets tried, and then corrected.
 STALE = WINDOW
 # Tokens between probes (one proposal more than pays): while a sequence does
 # not speculate, often while speculation pays at the shared acceptance (on a
@@ -136,14 +135,16 @@ class CostCurve:
         self._ratios[nearest].append(seconds / max(self.base(items), 1e-12))
         self._least[nearest] = min(self._ratios[nearest])  # the one window that changed
         self._last_run[nearest] = self.observations
-        fresh = [(log, least) for log, least, last in zip(self._logs, self._least, self._last_run,
-                                                           strict=True)
-                 if least is not None and last > self.observations - STALE]
+        # each point's least ratio where it ran in the last STALE forwards
+        recent = [least if last > self.observations - STALE else None
+                  for least, last in zip(self._least, self._last_run, strict=True)]
+        fresh = [(log, least) for log, least in zip(self._logs, recent, strict=True)
+                 if least is not None]
         floor = 0.0
         for i, (log, measured) in enumerate(zip(self._logs, self._ys, strict=True)):
-            least = self._least[i]
-            if least is not None and self._last_run[i] > self.observations - STALE:
-                scale = least
+            least, own = self._least[i], recent[i]
+            if own is not None:
+                scale = own
             else:
                 near = min(fresh, key=lambda point: abs(point[0] - log))[1]
                 scale = min(1.0 if least is None else least, near)
