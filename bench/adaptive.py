@@ -96,6 +96,12 @@ def main() -> None:
         **{f"{name}_vs_off": compare(spreads[name], spreads["off"]) for name in drafts},
         "drafted_per_output_token": {name: s.drafted_tokens / total for name, s in stats.items()},
         "per_token_acceptance": {name: s.per_token_acceptance for name, s in stats.items()},
+        # greedy outputs of each system's last run against speculation off's
+        # (the same tokens but where a CPU sum's order flips a near-tie)
+        "same_outputs_as_off": {name: sum(a == b for a, b in zip(systems[name].outputs,
+                                                                  systems["off"].outputs,
+                                                                  strict=True))
+                                for name in drafts},
         "machine": machine(),
     })
 

@@ -152,10 +152,14 @@ def adaptive(r: dict) -> list[str]:
             f"{spread(t['off'])} tok/s | median (min–max) of {r['rounds']} rotated rounds |"]
     names = {"default_draft": "default draft", "useless_draft": "random-weight draft",
              "head": "EAGLE-3 head", "useless_head": "random-weight EAGLE-3 head"}
+    same = r.get("same_outputs_as_off", {})
     for key, name in ((key, names[key]) for key in names if key in t):
+        outputs = (f"; {same[key]} of {r['requests']} outputs as speculation off's"
+                   if key in same else "")
         rows.append(f"| the same, {name}, adaptive k | {spread(t[key])} tok/s | "
                     f"against speculation off: {verdict(r[key + '_vs_off'])}; "
-                    f"{fmt(r['drafted_per_output_token'][key], 3)} proposals per output token |")
+                    f"{fmt(r['drafted_per_output_token'][key], 3)} proposals per output "
+                    f"token{outputs} |")
     return rows
 
 
