@@ -1,6 +1,9 @@
 """Weights and KV caches on transparent huge pages: the same values, the
 same sharing, and plain tensors where huge pages cannot be had."""
 
+import ctypes
+import mmap
+
 import pytest
 import torch
 from torch import nn
@@ -33,10 +36,12 @@ def test_a_large_tensor_is_aligned_and_on_huge_pages():
     assert cache.data_ptr() % hugepages.HUGE_PAGE == 0
     assert cache.is_contiguous() and not cache.any()
     assert advised(cache.data_ptr())
-    # torch's own allocation: 4 KB pages. 64 MB, above glibc's largest mmap
-    # threshold (32 MB), so malloc maps it afresh; a smaller one can come from
-    # heap memory that an earlier huge-page tensor advised and freed.
-    assert not advised(torch.zeros(1 << 24).data_ptr())
+    # A plain anonymous mapping has not asked. (Not a torch tensor: malloc may
+    # reuse memory an earlier huge-page tensor advised, or be set, as glibc's
+    # malloc.hugetlb tunable does, to advise every mapping it makes itself.)
+    plain = mmap.mmap(-1, 2 * hugepages.HUGE_PAGE)
+    address = ctypes.addressof(ctypes.c_char.from_buffer(plain))
+    assert not advised(address)
 
 
 def test_small_and_non_cpu_tensors_are_plain():
