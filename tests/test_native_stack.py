@@ -96,6 +96,24 @@ def test_the_direct_loop_gives_the_modules_logits_and_kv(
     assert not torch.equal(cache, runner.kv_cache.new_zeros(()).expand_as(cache))
 
 
+@pytest.mark.parametrize("quantization", [None, "q4"])
+def test_two_threads_reading_ahead_change_nothing(
+        checkpoint: Path, quantization: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a second thread the norms, rotary embedding and SiLU of a step of
+    few rows run while it reads the next products' weights ahead, and each
+    int4 product reads on into the next: the same logits and KV."""
+    runner = prefilled(checkpoint, quantization, 3)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for spans in ([SeqSpan([7], 40, table(0))], [SeqSpan([9, 8, 7, 6, 5], 40, table(1), 5)]):
+            (logits, cache, _), (ref_logits, ref_cache, _) = both_ways(runner, spans, monkeypatch)
+            assert torch.equal(logits, ref_logits)
+            assert torch.equal(cache, ref_cache)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_q4_rows_take_the_int4_kernel_below_the_dense_copy(checkpoint: Path) -> None:
     """The native call chooses each product's kernel as Int4Linear.forward does."""
     model = load_model(checkpoint, "bf16", quantization="q4").model

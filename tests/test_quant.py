@@ -162,6 +162,11 @@ def test_the_native_kernel_computes_the_blocks_products_for_every_row_count() ->
         # each row's sums run in the same order whatever the row count
         alone = torch.cat([module.int4_product(x[r : r + 1]) for r in range(rows)])
         assert torch.equal(actual, alone.float()), rows
+        # reading on into a next product's tiles (decoder_stack's) changes no bit
+        chained = bf16_kernels().int4_gemv(x, module.tiles, module.tiles[:1])
+        assert torch.equal(chained, module.int4_product(x)), rows
+    with pytest.raises(RuntimeError, match=r"next must be contiguous uint8 .* next product's"):
+        bf16_kernels().int4_gemv(x, module.tiles, module.tiles[..., :128])
 
 
 @pytest.mark.skipif(not keeps_dense_copy(), reason="no native bf16 products on this CPU")
