@@ -18,7 +18,9 @@ SmolLM2-135M-Instruct, one run:
   the same rotated rounds as the steps and the ratio taken round by round
   (the machine's memory rate moves within minutes); and the vocabulary
   projection alone, dense fp32 / bf16 against int8 (torch's
-  _weight_int8pack_mm), the measurement behind keeping it dense.
+  _weight_int8pack_mm) and Q8Head (the head's own Q8_0 blocks on the int4
+  kernel), the measurement behind a q4 GGUF model's head: Q8Head up to 8
+  rows, dense bf16 past them.
 
     python bench/quantization.py [--quick]
 """
@@ -49,8 +51,15 @@ from bench.prompts import chat_prompts  # noqa: E402
 from specpage.engine import EngineConfig  # noqa: E402
 from specpage.llm import LLM  # noqa: E402
 from specpage.model_runner import ModelRunner, SeqSpan  # noqa: E402
+from specpage.models.decoder import PackedWeight, cpu_linear  # noqa: E402
 from specpage.models.loader import LoadedModel  # noqa: E402
-from specpage.models.quant import Int4Linear, keeps_dense_copy  # noqa: E402
+from specpage.models.quant import (  # noqa: E402
+    Q8_GROUP,
+    Q8_HEAD_MAX_ROWS,
+    Int4Linear,
+    Q8Head,
+    keeps_dense_copy,
+)
 from specpage.request import SamplingParams  # noqa: E402
 
 BLOCK_SIZE = 16
@@ -130,29 +139,42 @@ def decode_step(llm: LLM, batch: int) -> Callable[[None], float]:
 def step_bytes(loaded: LoadedModel) -> int:
     """Bytes a batch-1 decode step reads: every linear as stored (packed
     int4 with its scales, or dense), the norms, and the vocabulary projection
-    (the tied embedding, as stored; the lookup reads one row, not counted)."""
+    (Q8Head's tiles where the model has one, else the tied embedding, as
+    stored; the lookup reads one row, not counted)."""
     total = 0
+    q8_head = loaded.model.q8_head
     for module in loaded.model.modules():
         if isinstance(module, Int4Linear):
             total += module.nbytes
+        elif isinstance(module, Q8Head):
+            total += module.tiles.nbytes
+        elif isinstance(module, torch.nn.Embedding) and q8_head is not None:
+            continue
         elif isinstance(module, torch.nn.Linear | torch.nn.Embedding) or hasattr(module, "eps"):
             total += sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
     return total
 
 
 def head_alone(quick: bool) -> dict[str, Any]:
-    """The vocabulary projection on one row and on 32: dense fp32 (x @ W.T
-    held transposed, the decoder's one-row path), dense bf16 both ways, and
-    int8 per row (torch's only CPU int8 weight-only kernel)."""
+    """The vocabulary projection on 1, 8 and 32 rows: dense fp32 (x @ W.T
+    held transposed, the decoder's one-row path), dense bf16 both ways and
+    on the decoder's own product (cpu_linear: the native kernels where the
+    CPU has AVX-512 BF16), int8 per row (torch's only CPU int8 weight-only
+    kernel), and, up to its 8 rows, Q8Head on the weight's Q8_0 blocks (a
+    q4 GGUF model's head)."""
     vocab, hidden = 49152, 576
-    weight = torch.randn(vocab, hidden) * 0.05
+    groups = (torch.randn(vocab, hidden) * 0.05).view(vocab, hidden // Q8_GROUP, Q8_GROUP)
+    d = groups.abs().amax(-1, keepdim=True) / 127
+    weight = (d * (groups / d).round()).view(vocab, hidden)  # Q8_0 blocks, as a GGUF's head
+    q8_head = Q8Head.of(weight)
+    packed = PackedWeight()
     transposed = weight.T.contiguous()
     bf16, bf16_t = weight.bfloat16(), transposed.bfloat16()
     scales = weight.abs().amax(1) / 127
     int8 = (weight / scales[:, None]).round().to(torch.int8)
     scales_bf16 = scales.bfloat16()
     out: dict[str, Any] = {}
-    for rows in (1, 32):
+    for rows in (1, 8, 32):
         x = torch.randn(rows, hidden)
         xb = x.bfloat16()
         systems: dict[str, Callable[[None], float]] = {
@@ -162,7 +184,11 @@ def head_alone(quick: bool) -> dict[str, Any]:
             "bf16_Wx": lambda _, xb=xb: median_seconds(lambda: bf16 @ xb.T, CALLS, 0),
             "int8": lambda _, xb=xb: median_seconds(
                 lambda: torch.ops.aten._weight_int8pack_mm(xb, int8, scales_bf16), CALLS, 0),
+            "bf16_decoder": lambda _, xb=xb: median_seconds(
+                lambda: cpu_linear(xb, bf16, None, packed), CALLS, 0),
         }
+        if q8_head is not None and rows <= Q8_HEAD_MAX_ROWS:
+            systems["q8_head"] = lambda _, xb=xb: median_seconds(lambda: q8_head(xb), CALLS, 0)
         spreads = rotated(systems, None, None, rounds(quick))
         out[f"rows_{rows}_ms"] = {k: v.median * 1e3 for k, v in spreads.items()}
     return out

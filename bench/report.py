@@ -312,8 +312,9 @@ def quantization(r: dict) -> list[str]:
         label = rows_key.removeprefix("rows_").removesuffix("_ms")
         rows.append(f"| 30 layers' projections alone, {label} rows | "
                     + ", ".join(f"{k} {fmt(v, 1)} ms" for k, v in h.items()) + " | |")
-    for rows_key, label in (("rows_1_ms", "1 row"), ("rows_32_ms", "32 rows")):
-        h = s["head_alone"][rows_key]
+    for rows_key, h in s["head_alone"].items():
+        label = rows_key.removeprefix("rows_").removesuffix("_ms")
+        label = "1 row" if label == "1" else f"{label} rows"
         rows.append(f"| vocabulary projection alone, {label} | "
                     + ", ".join(f"{k} {fmt(v, 1)} ms" for k, v in h.items()) + " | |")
     return rows

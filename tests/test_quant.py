@@ -26,13 +26,15 @@ from tests.test_fetch import _byte_level_alphabet
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 64, 128, 2, 4, 2
 
 
-def write_gguf(path: Path, linear_type: str, seed: int = 0) -> Path:
+def write_gguf(path: Path, linear_type: str, seed: int = 0, vocab_multiple: int = 1) -> Path:
     """A tiny random Llama laid out like SmolLM2's GGUF: Q8_0 tied
-    embedding, F32 norms, every linear in ``linear_type``."""
+    embedding, F32 norms, every linear in ``linear_type``; the vocabulary
+    padded with unused tokens to a multiple of ``vocab_multiple``."""
     import gguf
 
     rng = np.random.default_rng(seed)
     tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *_byte_level_alphabet(), "he"]
+    tokens += [f"<unused{i}>" for i in range(-len(tokens) % vocab_multiple)]
     vocab, kv = len(tokens), HIDDEN // HEADS * KV_HEADS
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_context_length(256)
@@ -80,8 +82,11 @@ def write_gguf(path: Path, linear_type: str, seed: int = 0) -> Path:
 @pytest.fixture(scope="module")
 def ggufs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("quant")
-    return {kind: write_gguf(folder / f"tiny.{kind}.gguf", kind)
-            for kind in ("Q4_0", "Q4_1", "Q8_0")}
+    files = {kind: write_gguf(folder / f"tiny.{kind}.gguf", kind)
+             for kind in ("Q4_0", "Q4_1", "Q8_0")}
+    # a vocabulary in whole blocks of 16: the head runs on its Q8_0 blocks (Q8Head)
+    files["Q4_1 vocab 272"] = write_gguf(folder / "tiny.Q4_1.v272.gguf", "Q4_1", vocab_multiple=16)
+    return files
 
 
 def loaded(path: Path, quantization: str | None = None, dtype: str | None = None) -> LoadedModel:
@@ -167,6 +172,73 @@ def test_the_native_kernel_computes_the_blocks_products_for_every_row_count() ->
         assert torch.equal(chained, module.int4_product(x)), rows
     with pytest.raises(RuntimeError, match=r"next must be contiguous uint8 .* next product's"):
         bf16_kernels().int4_gemv(x, module.tiles, module.tiles[..., :128])
+
+
+def test_q8_blocks_are_recovered_exactly_and_only_from_q8_0_weights(
+        ggufs: dict[str, Path]) -> None:
+    """The fp32 embedding dequantized from a GGUF's Q8_0 blocks gives back
+    its q and d exactly (d·q is the weight, bit for bit); a float weight, or
+    one not in groups of 32, is no such blocks."""
+    weight = loaded(ggufs["Q4_1 vocab 272"]).model.embed_tokens.weight.detach()
+    blocks = quant.q8_blocks(weight)
+    assert blocks is not None
+    q, d = blocks
+    assert q.dtype == torch.int8 and int(q.abs().max()) == 127
+    assert torch.equal((d[..., None] * q.float().view(*d.shape, 32)).view_as(weight), weight)
+    assert quant.q8_blocks(torch.randn(32, 64)) is None
+    assert quant.q8_blocks(weight[:, :48].contiguous()) is None
+    assert quant.q8_blocks(weight.bfloat16()) is None
+
+
+@pytest.mark.skipif(bf16_kernels() is None, reason="no native int4 kernel on this CPU")
+def test_the_q8_head_computes_the_vocabulary_projection_on_its_exact_weights(
+        ggufs: dict[str, Path]) -> None:
+    """A q4 load of a GGUF whose tied embedding is Q8_0 (and whose vocabulary
+    is in blocks of 16) projects a few rows on those blocks: within bf16 of
+    the fp32 weights' product for 1-8 rows, a row's logits the same bits
+    alone or among others; past 8 rows, or in fp32, the dense head."""
+    path = ggufs["Q4_1 vocab 272"]
+    weight = loaded(path).model.embed_tokens.weight.detach()
+    model = loaded(path, "q4")
+    assert model.quantization == ("q4 from GGUF Q4_1 blocks, Q8_0 vocabulary projection, "
+                                  "bf16 activations")
+    head = model.model.q8_head
+    assert isinstance(head, quant.Q8Head)
+    torch.manual_seed(0)
+    x = torch.randn(8, HIDDEN).bfloat16()
+    expected = x.double() @ weight.double().T
+    for rows in range(1, 9):
+        assert head.takes(x[:rows])
+        actual = head(x[:rows]).double()
+        error = (actual - expected[:rows]).abs().max() / expected[:rows].abs().max()
+        assert error < 2**-7, (rows, float(error))
+        assert torch.equal(head(x[rows - 1 : rows]), head(x[:rows])[rows - 1 :])
+    assert not head.takes(torch.zeros(9, HIDDEN, dtype=torch.bfloat16))
+    assert not head.takes(x.float())
+    assert loaded(path, "q4", "fp32").model.q8_head is None  # fp32 activations: dense
+    assert loaded(path).model.q8_head is None  # no quantization: the exact dense head
+
+
+@pytest.mark.skipif(bf16_kernels() is None, reason="no native int4 kernel on this CPU")
+def test_speculation_on_the_q8_head_equals_decoding_on_it(
+        ggufs: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The verify step's rows and the decode step's take the same Q8Head
+    and int4 kernels (held below their dense thresholds): a self-drafting q4
+    target's greedy tokens are those of the target alone. (A draft loads in
+    its target's bf16, so its own head is no longer exact Q8_0 blocks.)"""
+    monkeypatch.setattr(quant, "DENSE_FROM_ROWS", 10**9)
+    monkeypatch.setattr(quant, "Q8_HEAD_MAX_ROWS", 10**9)
+    path = ggufs["Q4_1 vocab 272"]
+    prompts = [[40, 41, 42, 43, 44], [50, 60, 70], [100, 101, 102, 103, 104, 105, 106]]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    plain = LLM(path, None, EngineConfig(spec_k=0, adaptive_k=False, num_blocks=64),
+                quantization="q4")
+    spec = LLM(path, path, EngineConfig(spec_k=3, adaptive_k=False, num_blocks=64),
+               quantization="q4")
+    assert plain.target.model.q8_head is not None and spec.target.model.q8_head is not None
+    assert spec.draft is not None and spec.draft.model.q8_head is None
+    expected = [c.token_ids for c in plain.generate(prompts, params)]
+    assert [c.token_ids for c in spec.generate(prompts, params)] == expected
 
 
 @pytest.mark.skipif(not keeps_dense_copy(), reason="no native bf16 products on this CPU")

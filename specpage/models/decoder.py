@@ -292,6 +292,9 @@ class DecoderModel(nn.Module):
         )
         self._head_t: torch.Tensor | None = None
         self._head_packed = PackedWeight()
+        # The vocabulary projection of a few rows on the head's own Q8_0
+        # blocks (models/quant.py Q8Head), set by a q4 load from a GGUF.
+        self.q8_head: nn.Module | None = None
         # native_stack.stack_plan by row count, made on first use; cleared
         # when the model's tensors are replaced (.to() and the like).
         self._stack_plans: dict[int, native_stack.StackPlan | None] = {}
@@ -331,7 +334,9 @@ class DecoderModel(nn.Module):
         else:
             _, x = self.norm.after_add(branch, x)
         head = self._head()
-        if x.shape[0] == 1 and head.device.type == "cpu" and head.dtype == torch.float32:
+        if self.q8_head is not None and self.output_vocab is None and self.q8_head.takes(x):
+            logits = self.q8_head(x).float()
+        elif x.shape[0] == 1 and head.device.type == "cpu" and head.dtype == torch.float32:
             logits = (x @ self._transposed_head(head)).float()
         else:
             logits = cpu_linear(x, head, None, self._head_packed).float()

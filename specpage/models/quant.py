@@ -201,6 +201,70 @@ def int4_stream(blocks: Int4Blocks) -> torch.Tensor:
                       per_tile(scale), per_tile(bias)], dim=2).contiguous()
 
 
+Q8_GROUP = 32  # inputs per scale of GGML's Q8_0
+Q8_LEVELS = 127  # Q8_0: q in -127..127, d = max |w| / 127 per group
+Q8_HEAD_MAX_ROWS = 8  # rows up to which the vocabulary projection takes Q8Head
+
+
+def q8_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(q [rows, cols] int8, d [rows, cols / 32] fp32) with weight = d·q
+    exactly, group by group, as GGML's Q8_0 holds it (d = max |w| / 127, so
+    the largest |q| of a group is 127); None where the weight is not such
+    blocks (a float checkpoint's weight, or a shape not in groups of 32)."""
+    rows, cols = weight.shape
+    if weight.dtype != torch.float32 or cols % Q8_GROUP:
+        return None
+    groups = weight.view(rows, cols // Q8_GROUP, Q8_GROUP)
+    d = groups.abs().amax(-1) / Q8_LEVELS
+    q = torch.round(groups / torch.where(d > 0, d, 1.0)[..., None])
+    if not torch.equal(d[..., None] * q, groups):
+        return None
+    return q.to(torch.int8).view(rows, cols), d
+
+
+class Q8Head(nn.Module):
+    """The vocabulary projection of a few rows on its own Q8_0 blocks
+    (a GGUF's token embedding, tied to the LM head), on the native int4
+    kernel: q + 128 = 16·hi + lo with hi, lo in 0..15, so that
+
+        W x = [16d·hi − 128d | d·lo] [x | x],
+
+    one int4 product over twice the inputs, weights exact (the fp32 blocks'
+    d·q, not rounded to bf16 as the dense head is). The tiles read 9 of the
+    dense bf16 head's 16 bits per weight (12 with the int4 tiles' fp32 scale
+    and bias per 32 of each half); bench/quantization.py measures it
+    against the dense head (head_alone)."""
+
+    def __init__(self, q: torch.Tensor, d: torch.Tensor) -> None:
+        super().__init__()
+        rows, cols = q.shape
+        self.out_features, self.in_features = rows, cols
+        levels = q.to(torch.int32) + 128
+        blocks = Int4Blocks(torch.cat([levels >> 4, levels & 15], dim=1).to(torch.uint8),
+                            torch.cat([16 * d, d], dim=1),
+                            torch.cat([-128 * d, torch.zeros_like(d)], dim=1), Q8_GROUP)
+        self.register_buffer("tiles", int4_stream(blocks), persistent=False)
+
+    @staticmethod
+    def of(weight: torch.Tensor) -> Q8Head | None:
+        """A Q8Head for this [vocab, hidden] weight where it is Q8_0 blocks
+        and the native int4 kernel takes its shape; else None."""
+        rows, cols = weight.shape
+        if bf16_kernels() is None or rows % OUT_MULTIPLE or weight.device.type != "cpu":
+            return None
+        blocks = q8_blocks(weight.detach())
+        return None if blocks is None else Q8Head(*blocks)
+
+    def takes(self, x: torch.Tensor) -> bool:
+        return x.dtype == KERNEL_DTYPE and 1 <= x.shape[0] <= Q8_HEAD_MAX_ROWS
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, in_features] bf16 -> [rows, out_features] bf16."""
+        y: torch.Tensor = bf16_kernels().int4_gemv(  # type: ignore[union-attr]
+            torch.cat([x, x], dim=1), self.tiles)
+        return y
+
+
 def dequantize(blocks: Int4Blocks, exact: bool = False) -> torch.Tensor:
     """The weights the int4 kernel computes with, [out, in] in KERNEL_DTYPE:
     (q − 8)·scale + zero, with scale and zero exact (the native kernel) or
