@@ -38,6 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import (  # noqa: E402
+    Spread,
     finish,
     machine,
     median_seconds,
@@ -134,6 +135,20 @@ def decode_step(llm: LLM, batch: int) -> Callable[[None], float]:
     runner.forward([SeqSpan(p, 0, t, 1) for p, t in zip(prompts, tables, strict=True)])
     spans = [SeqSpan([5], CONTEXT, t, 1) for t in tables]
     return lambda _: median_seconds(lambda: runner.forward(spans), repeats=CALLS, warmup=0)
+
+
+def without_q8_head(step: Callable[[None], float], llm: LLM) -> Callable[[None], float]:
+    """A step of this model with its Q8Head set aside: the dense bf16 head."""
+    model = llm.target.model
+
+    def run(arg: None) -> float:
+        kept, model.q8_head = model.q8_head, None
+        try:
+            return step(arg)
+        finally:
+            model.q8_head = kept
+
+    return run
 
 
 def step_bytes(loaded: LoadedModel) -> int:
@@ -277,6 +292,9 @@ def main() -> None:
                                                       batch)}
         if batch == 1 and bf16 is not None:
             runners["bf16"] = decode_step(bf16, batch)
+        if batch == 1:  # the same q4 model with its vocabulary projection dense bf16
+            runners["q4_dense_head"] = without_q8_head(decode_step(systems["q4_gguf"], batch),
+                                                       systems["q4_gguf"])
         if batch == 1:  # the floors' memory rates, in the same rounds as the steps
             runners |= memory_rates()
         spreads = rotated(runners, None, None, rounds(args.quick, full=5))
@@ -295,6 +313,9 @@ def main() -> None:
                         "over_floor": floor["ratio"], "read_alone_ms": read["floor_ms"],
                         "over_read_alone": read["ratio"]}
     speed["floor"] = floors
+    speed["q4_dense_head_vs_q4"] = Spread.of(
+        [a / b for a, b in zip(steps["q4_dense_head"].runs, steps["q4"].runs, strict=True)]
+    ).as_json()
     speed["q4_vs_floor"] = floors["q4_gguf"]["over_floor"]["median"]
     speed["q4_vs_read_alone"] = floors["q4_gguf"]["over_read_alone"]["median"]
     speed["q4_fp32_activations_vs_floor"] = (

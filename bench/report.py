@@ -292,11 +292,18 @@ def quantization(r: dict) -> list[str]:
                 f"{w['max_abs']:.2e}, mean {w['mean_abs']:.2e} | at most "
                 f"{100 * w['max_relative_to_group']:.2f}% of the group's largest weight |")
     labels = {"fp32": "fp32", "bf16": "bf16 weights", "q4": "q4 (bf16 activations)",
-              "q4_fp32_activations": "q4, fp32 activations"}
+              "q4_fp32_activations": "q4, fp32 activations",
+              "q4_dense_head": "q4 with its vocabulary projection dense bf16 (no Q8Head)"}
     for batch in (1, 32):
         for key, m in s[f"batch_{batch}_ms"].items():
-            rows.append(f"| decode step, batch {batch}, {labels.get(key, key)} | "
-                        f"{spread({k: 1000 * m[k] for k in ('median', 'min', 'max')})} ms | |")
+            note = ""
+            if key == "q4_dense_head" and "q4_dense_head_vs_q4" in s:
+                ratio = s["q4_dense_head_vs_q4"]
+                note = (f"{fmt(ratio['median'], 2)}× q4's step ({fmt(ratio['min'], 2)}–"
+                        f"{fmt(ratio['max'], 2)}), round by round")
+            step = spread({k: 1000 * m[k] for k in ("median", "min", "max")})
+            rows.append(f"| decode step, batch {batch}, {labels.get(key, key)} | {step} ms | "
+                        f"{note} |")
     f = s["floor"]
     rows.append(f"| batch-1 floor from the bytes a q4 step reads ({f['q4_gguf']['bytes'] / 1e6:.0f}"
                 f" MB) | {fmt(f['q4_gguf']['floor_ms'], 1)} ms | measured step is "
