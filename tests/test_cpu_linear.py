@@ -118,7 +118,7 @@ def test_the_native_product_refuses_what_it_cannot_take_by_name():
     with pytest.raises(RuntimeError, match="in a multiple of 32"):
         kernels.int4_gemv(torch.zeros(1, 100, dtype=torch.bfloat16), tiles)
     with pytest.raises(RuntimeError, match=r"tiles must be contiguous uint8 \[out / 16, in / 32, "
-                                           r"384\].* for x of 128 inputs"):
+                                           r"320 or 384\].* for x of 128 inputs"):
         kernels.int4_gemv(torch.zeros(1, 128, dtype=torch.bfloat16), tiles)
     with pytest.raises(RuntimeError, match="at least one row"):
         kernels.int4_gemv(torch.zeros(0, 96, dtype=torch.bfloat16), tiles)

@@ -154,10 +154,19 @@ def test_the_native_kernel_computes_the_blocks_products_for_every_row_count() ->
     torch.manual_seed(3)
     outputs, inputs = 48, 96
     q = torch.randint(0, 16, (outputs, inputs), dtype=torch.uint8)
-    blocks = Int4Blocks(q, torch.rand(outputs, 3) * 0.02, torch.randn(outputs, 3) * 0.1, 32)
+    # scales and offsets fp16 cannot hold (fp32 in the tiles), and a GGUF's (fp16)
+    scale, offset = torch.rand(outputs, 3) * 0.02, torch.randn(outputs, 3) * 0.1
+    for tile_bytes in (384, 320):
+        if tile_bytes == 320:
+            scale, offset = scale.half().float(), offset.half().float()
+        check_native_products(Int4Blocks(q, scale, offset, 32), tile_bytes)
+
+
+def check_native_products(blocks: Int4Blocks, tile_bytes: int) -> None:
+    outputs, inputs = blocks.q.shape
     weights = blocks.dequantize()
     module = Int4Linear(blocks)
-    assert module.native and module.tiles.shape == (3, 3, 384)
+    assert module.native and module.tiles.shape == (3, 3, tile_bytes)
     for rows in (*range(1, 9), 13, 24):  # past 8 rows: further passes over a block
         x = torch.randn(rows, inputs).bfloat16()
         expected = x.float() @ weights.T
@@ -172,6 +181,13 @@ def test_the_native_kernel_computes_the_blocks_products_for_every_row_count() ->
         assert torch.equal(chained, module.int4_product(x)), rows
     with pytest.raises(RuntimeError, match=r"next must be contiguous uint8 .* next product's"):
         bf16_kernels().int4_gemv(x, module.tiles, module.tiles[..., :128])
+    if tile_bytes == 320:  # fp16 scales and offsets: the same bits as fp32 scales and biases
+        as_fp32 = quant.int4_stream(blocks, half=False)
+        assert as_fp32.shape == (3, 3, 384)
+        assert torch.equal(bf16_kernels().int4_gemv(x, as_fp32), module.int4_product(x))
+    else:
+        with pytest.raises(QuantizationError, match="float16 holds exactly"):
+            quant.int4_stream(blocks, half=True)
 
 
 def test_q8_blocks_are_recovered_exactly_and_only_from_q8_0_weights(

@@ -1,9 +1,10 @@
 """Weight-only int4 linears on CPU: group-wise 4-bit weights with a scale and
 zero per group of 32, 64 or 128 inputs. Where the build has AVX-512 BF16 and
 the groups are of 32, specpage's own kernel (kernels/cpu/int4_gemv.cpp)
-multiplies them, with the blocks' scale and offset in fp32 as the file holds
-them; elsewhere torch's ``_weight_int4pack_mm_for_cpu`` (the kernel gpt-fast
-and torchao use), as described below.
+multiplies them, with the blocks' scale and offset exact as the file holds
+them (float16, or fp32 where a float16 cannot hold them); elsewhere torch's
+``_weight_int4pack_mm_for_cpu`` (the kernel gpt-fast and torchao use), as
+described below.
 
 The kernel's convention, checked against a dense reference:
     w = (q − 8) · scale + zero,   q in 0..15,
@@ -93,7 +94,7 @@ class Int4Linear(nn.Module):
     call shape as decoder.Linear: x [rows, in_features] -> [rows, out_features].
 
     On a CPU with AVX-512 BF16 the native kernel runs it, with the blocks'
-    own scale and offset in fp32; elsewhere torch's int4 kernel, with them
+    own scale and offset, exact; elsewhere torch's int4 kernel, with them
     rounded to bf16 as it requires."""
 
     def __init__(self, blocks: Int4Blocks, bias: torch.Tensor | None = None) -> None:
@@ -179,12 +180,27 @@ class Int4Linear(nn.Module):
 NIBBLE_BYTES = 256  # of a tile: 16 outputs x 32 inputs
 
 
-def int4_stream(blocks: Int4Blocks) -> torch.Tensor:
+def fp16_exact(blocks: Int4Blocks) -> bool:
+    """Whether every scale and offset is a float16 value (a GGUF's always
+    are: GGML stores d and m so; round-to-nearest's offsets are fp32 sums),
+    so that the native kernel's tiles can hold them in 16 bits."""
+    return all(bool((v.float().half().float() == v.float()).all())
+               for v in (blocks.scale, blocks.offset))
+
+
+def int4_stream(blocks: Int4Blocks, half: bool | None = None) -> torch.Tensor:
     """The native kernel's operand (kernels/cpu/int4_gemv.cpp), uint8
-    [out / 16, in / 32, 384]: per 16 outputs and group of 32 inputs, the
-    nibbles as 4 chunks of 32 16-bit words (word 2l + t of chunk j holds
-    q[l][2(4j + k) + t] in its nibble k), then the 16 scales and the 16
-    biases (offset - 128 scale) in fp32, exact as the blocks hold them."""
+    [out / 16, in / 32, 320 or 384]: per 16 outputs and group of 32 inputs,
+    the nibbles as 4 chunks of 32 16-bit words (word 2l + t of chunk j holds
+    q[l][2(4j + k) + t] in its nibble k), then, where float16 holds them
+    exactly (fp16_exact), the 16 scales and the 16 offsets in float16 (the
+    kernel takes the bias, offset - 128 scale, in fp32); else the 16 scales
+    and the 16 biases in fp32. Exact either way. (half: force the one or the
+    other; float16 only where it is exact.)"""
+    if half is None:
+        half = fp16_exact(blocks)
+    elif half and not fp16_exact(blocks):
+        raise QuantizationError("float16 tiles need scales and offsets float16 holds exactly")
     out_features, in_features = blocks.q.shape
     tiles, groups = out_features // 16, in_features // 32
     # q as [tile, l, group, j, k, t]: input 32g + 2(4j + k) + t
@@ -192,13 +208,15 @@ def int4_stream(blocks: Int4Blocks) -> torch.Tensor:
     words = q[..., 0, :] | (q[..., 1, :] << 4) | (q[..., 2, :] << 8) | (q[..., 3, :] << 12)
     words = words.permute(0, 2, 3, 1, 4).to(torch.uint16).contiguous()  # [tile, g, j, l, t]
     scale = blocks.scale.float()
-    bias = blocks.offset.float() - 128 * scale  # sum W x = scale dot(128 + q, x) + bias sum(x)
+    # sum W x = scale dot(128 + q, x) + bias sum(x)
+    second = blocks.offset.float() if half else blocks.offset.float() - 128 * scale
 
     def per_tile(values: torch.Tensor) -> torch.Tensor:
+        values = values.half() if half else values
         return values.view(tiles, 16, groups).transpose(1, 2).contiguous().view(torch.uint8)
 
     return torch.cat([words.view(torch.uint8).view(tiles, groups, NIBBLE_BYTES),
-                      per_tile(scale), per_tile(bias)], dim=2).contiguous()
+                      per_tile(scale), per_tile(second)], dim=2).contiguous()
 
 
 Q8_GROUP = 32  # inputs per scale of GGML's Q8_0
@@ -230,10 +248,10 @@ class Q8Head(nn.Module):
         W x = [16d·hi − 128d | d·lo] [x | x],
 
     one int4 product over twice the inputs, weights exact (the fp32 blocks'
-    d·q, not rounded to bf16 as the dense head is). The tiles read 9 of the
-    dense bf16 head's 16 bits per weight (12 with the int4 tiles' fp32 scale
-    and bias per 32 of each half); bench/quantization.py measures it
-    against the dense head (head_alone)."""
+    d·q, not rounded to bf16 as the dense head is). Its tiles read 10 bits
+    per weight (two nibbles, and each half's fp16 scale and offset per 32)
+    against the dense bf16 head's 16; bench/quantization.py measures it
+    against the dense head (head_alone, and the step with it set aside)."""
 
     def __init__(self, q: torch.Tensor, d: torch.Tensor) -> None:
         super().__init__()

@@ -5,11 +5,20 @@
 //
 // Each vector lane is one output, so nothing is summed across lanes. The
 // weights are one stream, in the order the kernel reads them: per block of
-// 16 outputs and group of 32 inputs, 384 bytes,
+// 16 outputs and group of 32 inputs, a tile of
 //   256 bytes: four 64-byte chunks of 32 16-bit words; word 2l + t of chunk
 //              j holds, in its nibble k, q[16b + l][32g + 2(4j + k) + t];
+// then, where every scale and offset is a float16 value (a GGUF's d and m
+// always are), 320 bytes in all:
+//    32 bytes: scale of the 16 outputs, fp16;
+//    32 bytes: offset of the 16 outputs, fp16,
+// and bias = offset - 128 scale taken in fp32 as the tile is read (one
+// rounding, as models/quant.py takes it); else (round-to-nearest's offsets
+// are fp32 sums), 384 bytes:
 //    64 bytes: scale of the 16 outputs, fp32;
 //    64 bytes: bias = offset - 128 scale of the 16 outputs, fp32.
+// The tiles' last dimension says which; fp32 scales and biases are a third
+// of what a product reads, fp16 ones a fifth.
 // A nibble k of a word becomes the bf16 128 + q (the bits 0x4300 | q, exact)
 // with one shift and one ternary logic op, so a chunk gives four vectors of
 // 16 outputs x one pair of inputs; vdpbf16ps multiplies each by that pair of
@@ -56,13 +65,14 @@ using namespace specpage_cpu;
 constexpr int64_t kGroup = 32;       // inputs per scale
 constexpr int64_t kBlock = 16;       // outputs per block: one vector's lanes
 constexpr int64_t kNibbleBytes = kBlock * kGroup / 2;
-constexpr int64_t kTileBytes = kNibbleBytes + 2 * kBlock * 4;  // + scales and biases
+constexpr int64_t kHalfTileBytes = kNibbleBytes + 2 * kBlock * 2;  // + fp16 scales, offsets
+constexpr int64_t kFloatTileBytes = kNibbleBytes + 2 * kBlock * 4;  // + fp32 scales, biases
 constexpr int64_t kMaxRows = 8;  // rows one pass over a block takes (more: passes)
 
 #if defined(__AVX512BF16__)
 struct Operands {
   const uint16_t* x;     // bf16 [rows, in]
-  const uint8_t* tiles;  // [out / 16, groups, kTileBytes]
+  const uint8_t* tiles;  // [out / 16, groups, tile bytes]
   const float* xsum;     // [rows, groups]
   c10::BFloat16* y;      // [rows, out]
   int64_t in, groups, out;
@@ -84,8 +94,9 @@ constexpr int kChains = 2;
 
 // Output block b for kRows rows of x from row0, the rows a compile-time
 // count so that every accumulator stays in a register.
-template <int64_t kRows>
+template <int64_t kRows, bool kHalf>
 void block_rows(const Operands& p, int64_t b, int64_t row0, const Ahead& ahead) {
+  constexpr int64_t kTileBytes = kHalf ? kHalfTileBytes : kFloatTileBytes;
   constexpr int kOrOfAnd = 0xEA;  // ternary logic: (a & b) | c
   const __m512i nibble = _mm512_set1_epi16(0x000f);
   const __m512i bf16_128 = _mm512_set1_epi16(0x4300);
@@ -125,9 +136,18 @@ void block_rows(const Operands& p, int64_t b, int64_t row0, const Ahead& ahead) 
         }
       }
     }
-    const float* scale_and_bias = reinterpret_cast<const float*>(tile + kNibbleBytes);
-    const __m512 scale = _mm512_loadu_ps(scale_and_bias);
-    const __m512 bias = _mm512_loadu_ps(scale_and_bias + kBlock);
+    __m512 scale, bias;
+    if constexpr (kHalf) {
+      scale = _mm512_cvtph_ps(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + kNibbleBytes)));
+      const __m512 offset = _mm512_cvtph_ps(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + kNibbleBytes + 2 * kBlock)));
+      bias = _mm512_fnmadd_ps(scale, _mm512_set1_ps(128.0f), offset);
+    } else {
+      const float* scale_and_bias = reinterpret_cast<const float*>(tile + kNibbleBytes);
+      scale = _mm512_loadu_ps(scale_and_bias);
+      bias = _mm512_loadu_ps(scale_and_bias + kBlock);
+    }
     for (int64_t r = 0; r < kRows; ++r) {
       __m512 sum = dot[r][0];
       for (int c = 1; c < kChains; ++c) sum = _mm512_add_ps(sum, dot[r][c]);
@@ -149,15 +169,18 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& tiles,
   const int64_t rows = x.size(0), in = x.size(1), groups = in / kGroup;
   TORCH_CHECK(rows >= 1, "int4_gemv needs at least one row of x");
   TORCH_CHECK(in % kGroup == 0, "int4_gemv needs in a multiple of ", kGroup, ", got ", in);
-  TORCH_CHECK(tiles.dim() == 3 && tiles.is_contiguous() && tiles.scalar_type() == at::kByte &&
-                  tiles.size(1) == groups && tiles.size(2) == kTileBytes,
-              "tiles must be contiguous uint8 [out / 16, in / 32, ", kTileBytes,
-              "] (models/quant.py's int4_stream) for x of ", in, " inputs");
-  TORCH_CHECK(!next.has_value() || (next->dim() == 3 && next->is_contiguous() &&
-                                    next->scalar_type() == at::kByte &&
-                                    next->size(2) == kTileBytes),
-              "next must be contiguous uint8 [out / 16, in / 32, ", kTileBytes,
-              "]: the next product's tiles");
+  auto is_tiles = [](const at::Tensor& t) {
+    return t.dim() == 3 && t.is_contiguous() && t.scalar_type() == at::kByte &&
+           (t.size(2) == kHalfTileBytes || t.size(2) == kFloatTileBytes);
+  };
+  TORCH_CHECK(is_tiles(tiles) && tiles.size(1) == groups,
+              "tiles must be contiguous uint8 [out / 16, in / 32, ", kHalfTileBytes, " or ",
+              kFloatTileBytes, "] (models/quant.py's int4_stream) for x of ", in, " inputs");
+  TORCH_CHECK(!next.has_value() || is_tiles(*next),
+              "next must be contiguous uint8 [out / 16, in / 32, ", kHalfTileBytes, " or ",
+              kFloatTileBytes, "]: the next product's tiles");
+  const bool half = tiles.size(2) == kHalfTileBytes;
+  const int64_t tile_bytes = tiles.size(2);
   const int64_t out = tiles.size(0) * kBlock;
   at::Tensor y = at::empty({rows, out}, x.options());
 #if defined(__AVX512BF16__)
@@ -173,7 +196,7 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& tiles,
   const Operands ops{reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()),
                      tiles.data_ptr<uint8_t>(), xsum.data(), y.data_ptr<c10::BFloat16>(), in,
                      groups, out};
-  const int64_t blocks = out / kBlock, block_bytes = groups * kTileBytes;
+  const int64_t blocks = out / kBlock, block_bytes = groups * tile_bytes;
   const int64_t grain = std::max<int64_t>(1, (32 << 10) / block_bytes);
   // parallel_for's split: `used` threads, shares of `chunk` blocks
   const int64_t used = std::min<int64_t>(at::get_num_threads(), (blocks + grain - 1) / grain);
@@ -181,7 +204,7 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& tiles,
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
     Ahead ahead{ops.tiles + end * block_bytes};
     if (next.has_value() && next->numel() > 0) {  // this thread's share of next, split alike
-      const int64_t next_blocks = next->size(0), next_bytes = next->size(1) * kTileBytes;
+      const int64_t next_blocks = next->size(0), next_bytes = next->size(1) * next->size(2);
       const int64_t next_chunk = (next_blocks + used - 1) / used;
       const int64_t first = std::min(next_blocks, begin / chunk * next_chunk);
       const int64_t last = std::min(next_blocks, first + next_chunk);
@@ -191,7 +214,11 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& tiles,
     for (int64_t b = begin; b < end; ++b) {
       for (int64_t row0 = 0; row0 < rows; row0 += kMaxRows) {  // the block's tiles now cached
         with_rows(std::min(kMaxRows, rows - row0), [&](auto count) {
-          block_rows<decltype(count)::value>(ops, b, row0, ahead);
+          if (half) {
+            block_rows<decltype(count)::value, true>(ops, b, row0, ahead);
+          } else {
+            block_rows<decltype(count)::value, false>(ops, b, row0, ahead);
+          }
         });
       }
     }
