@@ -180,8 +180,10 @@ def head_alone(quick: bool) -> dict[str, Any]:
     vocab, hidden = 49152, 576
     groups = (torch.randn(vocab, hidden) * 0.05).view(vocab, hidden // Q8_GROUP, Q8_GROUP)
     d = groups.abs().amax(-1, keepdim=True) / 127
-    weight = (d * (groups / d).round()).view(vocab, hidden)  # Q8_0 blocks, as a GGUF's head
-    q8_head = Q8Head.of(weight)
+    q = (groups / d).round()
+    weight = (d * q).view(vocab, hidden)  # Q8_0 blocks, as a GGUF's head
+    q8_head = (Q8Head(q.to(torch.int8).view(vocab, hidden), d[..., 0])
+               if Q8Head.usable(vocab, hidden) else None)
     packed = PackedWeight()
     transposed = weight.T.contiguous()
     bf16, bf16_t = weight.bfloat16(), transposed.bfloat16()

@@ -190,20 +190,19 @@ def check_native_products(blocks: Int4Blocks, tile_bytes: int) -> None:
             quant.int4_stream(blocks, half=True)
 
 
-def test_q8_blocks_are_recovered_exactly_and_only_from_q8_0_weights(
+def test_a_ggufs_q8_0_blocks_are_read_as_the_fp32_weights_hold_them(
         ggufs: dict[str, Path]) -> None:
-    """The fp32 embedding dequantized from a GGUF's Q8_0 blocks gives back
-    its q and d exactly (d·q is the weight, bit for bit); a float weight, or
-    one not in groups of 32, is no such blocks."""
-    weight = loaded(ggufs["Q4_1 vocab 272"]).model.embed_tokens.weight.detach()
-    blocks = quant.q8_blocks(weight)
+    """The token embedding's Q8_0 blocks read from the file: d·q is the
+    embedding the loader dequantized, bit for bit; another type reads as None."""
+    path = ggufs["Q4_1 vocab 272"]
+    model = loaded(path)
+    blocks = GGUFWeights(path, model.config).q8_0("token_embd.weight")
     assert blocks is not None
     q, d = blocks
-    assert q.dtype == torch.int8 and int(q.abs().max()) == 127
+    weight = model.model.embed_tokens.weight.detach()
+    assert q.dtype == torch.int8 and q.shape == weight.shape and d.shape == (272, HIDDEN // 32)
     assert torch.equal((d[..., None] * q.float().view(*d.shape, 32)).view_as(weight), weight)
-    assert quant.q8_blocks(torch.randn(32, 64)) is None
-    assert quant.q8_blocks(weight[:, :48].contiguous()) is None
-    assert quant.q8_blocks(weight.bfloat16()) is None
+    assert GGUFWeights(path, model.config).q8_0("blk.0.attn_q.weight") is None
 
 
 @pytest.mark.skipif(bf16_kernels() is None, reason="no native int4 kernel on this CPU")
@@ -216,6 +215,7 @@ def test_the_q8_head_computes_the_vocabulary_projection_on_its_exact_weights(
     path = ggufs["Q4_1 vocab 272"]
     weight = loaded(path).model.embed_tokens.weight.detach()
     model = loaded(path, "q4")
+    assert loaded(path, "q4", "bf16").model.q8_head is not None  # bf16 chosen, as serve does
     assert model.quantization == ("q4 from GGUF Q4_1 blocks, Q8_0 vocabulary projection, "
                                   "bf16 activations")
     head = model.model.q8_head
@@ -240,8 +240,7 @@ def test_speculation_on_the_q8_head_equals_decoding_on_it(
         ggufs: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     """The verify step's rows and the decode step's take the same Q8Head
     and int4 kernels (held below their dense thresholds): a self-drafting q4
-    target's greedy tokens are those of the target alone. (A draft loads in
-    its target's bf16, so its own head is no longer exact Q8_0 blocks.)"""
+    target's greedy tokens are those of the target alone."""
     monkeypatch.setattr(quant, "DENSE_FROM_ROWS", 10**9)
     monkeypatch.setattr(quant, "Q8_HEAD_MAX_ROWS", 10**9)
     path = ggufs["Q4_1 vocab 272"]
@@ -252,7 +251,7 @@ def test_speculation_on_the_q8_head_equals_decoding_on_it(
     spec = LLM(path, path, EngineConfig(spec_k=3, adaptive_k=False, num_blocks=64),
                quantization="q4")
     assert plain.target.model.q8_head is not None and spec.target.model.q8_head is not None
-    assert spec.draft is not None and spec.draft.model.q8_head is None
+    assert spec.draft is not None and spec.draft.model.q8_head is not None
     expected = [c.token_ids for c in plain.generate(prompts, params)]
     assert [c.token_ids for c in spec.generate(prompts, params)] == expected
 

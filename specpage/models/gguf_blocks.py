@@ -26,6 +26,7 @@ from specpage.models.quant_names import QuantizationError
 BLOCK = 32  # inputs per Q4_0/Q4_1 block (GGML's QK4_0, QK4_1)
 # GGML type name -> (bytes per block, has a minimum)
 FORMATS = {"Q4_0": (2 + BLOCK // 2, False), "Q4_1": (2 + 2 + BLOCK // 2, True)}
+Q8_0_BYTES = 2 + BLOCK  # a float16 d, then 32 int8: w = d·q
 
 # our projection -> the GGUF tensors concatenated into it along the output
 # rows, in the order loader.hf_to_fused concatenates the HF ones
@@ -143,6 +144,21 @@ class GGUFWeights:
                 blocks = blocks.take_rows(rope_unpermute(rows, heads[part]))
             parts.append(blocks)
         return parts[0] if len(parts) == 1 else Int4Blocks.cat(parts)
+
+    def q8_0(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(q [rows, cols] int8, d [rows, cols / 32] fp32) of a Q8_0 tensor
+        (w = d·q, exactly as GGML dequantizes it); None where the tensor is
+        of another type."""
+        info = self._tensor(name)
+        if info.type_name != "Q8_0":
+            return None
+        cols, rows = info.shape[0], int(np.prod(info.shape[1:]))
+        row_bytes = cols // BLOCK * Q8_0_BYTES
+        raw = self.data[info.offset:info.offset + rows * row_bytes]
+        blocks = np.ascontiguousarray(raw).reshape(rows, cols // BLOCK, Q8_0_BYTES)
+        d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        q = blocks[..., 2:].copy().view(np.int8).reshape(rows, cols)
+        return torch.from_numpy(q), torch.from_numpy(d)
 
     def _tensor(self, name: str) -> TensorInfo:
         try:

@@ -220,35 +220,19 @@ def int4_stream(blocks: Int4Blocks, half: bool | None = None) -> torch.Tensor:
 
 
 Q8_GROUP = 32  # inputs per scale of GGML's Q8_0
-Q8_LEVELS = 127  # Q8_0: q in -127..127, d = max |w| / 127 per group
 Q8_HEAD_MAX_ROWS = 8  # rows up to which the vocabulary projection takes Q8Head
-
-
-def q8_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(q [rows, cols] int8, d [rows, cols / 32] fp32) with weight = d·q
-    exactly, group by group, as GGML's Q8_0 holds it (d = max |w| / 127, so
-    the largest |q| of a group is 127); None where the weight is not such
-    blocks (a float checkpoint's weight, or a shape not in groups of 32)."""
-    rows, cols = weight.shape
-    if weight.dtype != torch.float32 or cols % Q8_GROUP:
-        return None
-    groups = weight.view(rows, cols // Q8_GROUP, Q8_GROUP)
-    d = groups.abs().amax(-1) / Q8_LEVELS
-    q = torch.round(groups / torch.where(d > 0, d, 1.0)[..., None])
-    if not torch.equal(d[..., None] * q, groups):
-        return None
-    return q.to(torch.int8).view(rows, cols), d
 
 
 class Q8Head(nn.Module):
     """The vocabulary projection of a few rows on its own Q8_0 blocks
-    (a GGUF's token embedding, tied to the LM head), on the native int4
-    kernel: q + 128 = 16·hi + lo with hi, lo in 0..15, so that
+    (q int8, d per 32: a GGUF's token embedding, tied to the LM head, read
+    from the file), on the native int4 kernel: q + 128 = 16·hi + lo with hi,
+    lo in 0..15, so that
 
         W x = [16d·hi − 128d | d·lo] [x | x],
 
-    one int4 product over twice the inputs, weights exact (the fp32 blocks'
-    d·q, not rounded to bf16 as the dense head is). Its tiles read 10 bits
+    one int4 product over twice the inputs, weights exact (the file's d·q,
+    not rounded to bf16 as the dense head is). Its tiles read 10 bits
     per weight (two nibbles, and each half's fp16 scale and offset per 32)
     against the dense bf16 head's 16; bench/quantization.py measures it
     against the dense head (head_alone, and the step with it set aside)."""
@@ -264,14 +248,10 @@ class Q8Head(nn.Module):
         self.register_buffer("tiles", int4_stream(blocks), persistent=False)
 
     @staticmethod
-    def of(weight: torch.Tensor) -> Q8Head | None:
-        """A Q8Head for this [vocab, hidden] weight where it is Q8_0 blocks
-        and the native int4 kernel takes its shape; else None."""
-        rows, cols = weight.shape
-        if bf16_kernels() is None or rows % OUT_MULTIPLE or weight.device.type != "cpu":
-            return None
-        blocks = q8_blocks(weight.detach())
-        return None if blocks is None else Q8Head(*blocks)
+    def usable(out_features: int, in_features: int) -> bool:
+        """Whether the native int4 kernel takes a head of this shape."""
+        return (bf16_kernels() is not None and out_features % OUT_MULTIPLE == 0
+                and in_features % Q8_GROUP == 0)
 
     def takes(self, x: torch.Tensor) -> bool:
         return x.dtype == KERNEL_DTYPE and 1 <= x.shape[0] <= Q8_HEAD_MAX_ROWS

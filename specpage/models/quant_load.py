@@ -126,10 +126,11 @@ def quantize_loaded(loaded: L, quantization: Quantization, path: Path,
         _swap(loaded.model, weights.blocks)
         applied = f"q4 from GGUF {'/'.join(sorted(types))} blocks"
         model = loaded.model
-        if not dtype_chosen:  # bf16 rows, which Q8Head takes; the fp32 blocks still exact
-            model.q8_head = Q8Head.of(model.embed_tokens.weight if model.lm_head is None
-                                      else model.lm_head.weight)
-        if model.q8_head is not None:
+        # bf16 activations (Q8Head's): the default, or chosen
+        head = (weights.q8_0("token_embd.weight" if model.lm_head is None else "output.weight")
+                if not dtype_chosen or model.norm.weight.dtype == QUANTIZED_DTYPE else None)
+        if head is not None and Q8Head.usable(*head[0].shape):
+            model.q8_head = Q8Head(*head)
             applied += ", Q8_0 vocabulary projection"
     else:
         blocks = _rtn_cached(loaded, quantization.group)
