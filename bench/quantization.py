@@ -107,22 +107,40 @@ def quality(systems: dict[str, LLM], prompts: int, max_tokens: int) -> dict[str,
         values = logits(llm.target, tokens)
         nll = torch.nn.functional.cross_entropy(values[:-1], torch.tensor(tokens[1:]))
         diff = (values - ref_logits).abs()
-        same_prefix = [next((i for i, (a, b) in enumerate(zip(x, y, strict=False)) if a != b),
-                            min(len(x), len(y)))
-                       for x, y in zip(answers[name], answers["fp32"], strict=True)]
         out[name] = {
             "perplexity": math.exp(float(nll)),
             "max_logit_diff": float(diff.max()), "mean_logit_diff": float(diff.mean()),
-            "greedy_same_answers": sum(a == b for a, b in zip(answers[name], answers["fp32"],
-                                                                strict=True)),
-            "greedy_tokens_before_first_difference": sum(same_prefix),
-            "greedy_tokens": sum(len(a) for a in answers["fp32"]),
+            **agreement(answers[name], answers["fp32"]),
             "quantization": llm.target.quantization,
         }
     fp32 = out["fp32"]["perplexity"]
     for name in systems:
         out[name]["perplexity_vs_fp32"] = out[name]["perplexity"] / fp32 - 1
+    # The q4 model's greedy answers with its vocabulary projection dense bf16
+    # (Q8Head set aside; the held-out text's many rows take the dense head
+    # either way, so only the answers can differ).
+    q4 = systems["q4_gguf"]
+    model = q4.target.model
+    if model.q8_head is not None:
+        kept, model.q8_head = model.q8_head, None
+        try:
+            dense = [c.token_ids for c in q4.generate(texts, params, chat=True)]
+        finally:
+            model.q8_head = kept
+        out["q4_gguf_dense_head"] = {**agreement(dense, answers["fp32"]),
+                                     "answers_as_q4": agreement(dense, answers["q4_gguf"])}
     return out
+
+
+def agreement(answers: list[list[int]], reference: list[list[int]]) -> dict[str, int]:
+    """Greedy answers against a reference's: how many are the same, and the
+    tokens before each one's first difference, summed."""
+    same_prefix = [next((i for i, (a, b) in enumerate(zip(x, y, strict=False)) if a != b),
+                        min(len(x), len(y)))
+                   for x, y in zip(answers, reference, strict=True)]
+    return {"greedy_same_answers": sum(a == b for a, b in zip(answers, reference, strict=True)),
+            "greedy_tokens_before_first_difference": sum(same_prefix),
+            "greedy_tokens": sum(len(a) for a in reference)}
 
 
 def decode_step(llm: LLM, batch: int) -> Callable[[None], float]:

@@ -287,6 +287,15 @@ def quantization(r: dict) -> list[str]:
                     f"{q['chat_prompts']} answers identical, "
                     f"{m['greedy_tokens_before_first_difference']} of {m['greedy_tokens']} "
                     f"tokens before the first difference |")
+    if "q4_gguf_dense_head" in q:
+        m, same = q["q4_gguf_dense_head"], q["q4_gguf_dense_head"]["answers_as_q4"]
+        rows.append(f"| q4 with its vocabulary projection dense bf16 (no Q8Head): greedy | | "
+                    f"{m['greedy_same_answers']} of {q['chat_prompts']} answers identical to "
+                    f"fp32's, {m['greedy_tokens_before_first_difference']} of "
+                    f"{m['greedy_tokens']} tokens before the first difference; against q4's "
+                    f"(Q8Head): {same['greedy_same_answers']} identical, "
+                    f"{same['greedy_tokens_before_first_difference']} of {same['greedy_tokens']} "
+                    f"tokens |")
     w = q["kernel_weights_vs_gguf"]
     rows.append(f"| kernel weights (bf16 scale and zero) vs the GGUF's d·q + m | max "
                 f"{w['max_abs']:.2e}, mean {w['mean_abs']:.2e} | at most "

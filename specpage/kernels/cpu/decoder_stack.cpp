@@ -170,7 +170,8 @@ void read_ahead(const Weight* weights, int64_t count, int64_t tid, int64_t threa
 template <typename F>
 void overlapped(F&& serial, const Weight* next, int64_t count) {
   const int64_t threads = at::get_num_threads();
-  const bool readable = std::any_of(next, next + count, [](const Weight& w) { return w.blocks > 0; });
+  const bool readable =
+      std::any_of(next, next + count, [](const Weight& w) { return w.blocks > 0; });
   if (threads < 2 || !readable || omp_in_parallel()) {
     serial();
     return;
@@ -233,12 +234,12 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> decoder_stack(
       products[i].next = products[i + 1].operands[0];
     }
   }
-  // the weights from product i on, two products' worth; none where the
-  // other ops have rows enough to use threads of their own
-  auto ahead = [&](int64_t i) { return weights.data() + i; };
+  // `serial` while the weights of products i and i + 1 are read ahead; none
+  // where the other ops have rows enough to use threads of their own
   const int64_t reads_ahead = embedded.size(0) <= kReadAheadRows ? 2 : 0;
-  auto upcoming = [&](int64_t i) {
-    return std::min<int64_t>(reads_ahead, static_cast<int64_t>(weights.size()) - i);
+  auto before = [&](int64_t i, auto&& serial) {
+    overlapped(serial, weights.data() + i,
+               std::min<int64_t>(reads_ahead, static_cast<int64_t>(weights.size()) - i));
   };
   for (size_t i = 0; i < taps.size(); ++i) {
     TORCH_CHECK(taps[i] >= 0 && taps[i] < layers && (i == 0 || taps[i - 1] < taps[i]),
@@ -251,13 +252,13 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> decoder_stack(
   Tensor x = embedded, normed, branch;
   for (int64_t l = 0; l < layers; ++l) {
     const int64_t i = 4 * l;  // this layer's first product
-    overlapped([&] {
+    before(i, [&] {
       if (l == 0) {
         normed = k.rms_norm.call(x, norms[0], eps);
       } else {
         std::tie(x, normed) = k.add_rms_norm.call(branch, x, norms[2 * l], eps);
       }
-    }, ahead(i), upcoming(i));
+    });
     if (tap < taps.size() && taps[tap] == l) {
       tapped.push_back(x);
       ++tap;
@@ -266,17 +267,16 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> decoder_stack(
     Tensor cache = caches[l];
     const Tensor qkv = product(p[0], normed);
     Tensor q;  // attention runs outside: it has threads of its own
-    overlapped([&] {
+    before(i + 1, [&] {
       q = k.rope_into_cache.call(qkv, cos, sin, heads, kv_heads, cache, slot_mapping);
-    }, ahead(i + 1), upcoming(i + 1));
+    });
     const Tensor attended =
         k.attention.call(q, cache, block_tables, query_start, context_lens, scale);
     const Tensor o = product(p[1], attended);
-    overlapped([&] { std::tie(x, normed) = k.add_rms_norm.call(o, x, norms[2 * l + 1], eps); },
-               ahead(i + 2), upcoming(i + 2));
+    before(i + 2, [&] { std::tie(x, normed) = k.add_rms_norm.call(o, x, norms[2 * l + 1], eps); });
     const Tensor gate_up = product(p[2], normed);
     Tensor act;
-    overlapped([&] { act = k.silu_and_mul.call(gate_up); }, ahead(i + 3), upcoming(i + 3));
+    before(i + 3, [&] { act = k.silu_and_mul.call(gate_up); });
     branch = product(p[3], act);
   }
   return {x, branch, tapped};
