@@ -27,9 +27,10 @@ SmolLM2-135M-Instruct, one run:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -52,14 +53,13 @@ from bench.prompts import chat_prompts  # noqa: E402
 from specpage.engine import EngineConfig  # noqa: E402
 from specpage.llm import LLM  # noqa: E402
 from specpage.model_runner import ModelRunner, SeqSpan  # noqa: E402
+from specpage.models import quant  # noqa: E402
 from specpage.models.decoder import PackedWeight, cpu_linear  # noqa: E402
 from specpage.models.loader import LoadedModel  # noqa: E402
 from specpage.models.quant import (  # noqa: E402
     Q8_GROUP,
-    Q8_HEAD_MAX_ROWS,
     Int4Linear,
     Q8Head,
-    keeps_dense_copy,
 )
 from specpage.request import SamplingParams  # noqa: E402
 
@@ -81,16 +81,38 @@ HELD_OUT = (
 )
 
 
-def load(quantization: str, dtype: str | None = None, spec_k: int = 0) -> LLM:
+def load(quantization: str, dtype: str | None = None, spec_k: int = 0,
+         int8x: bool = True) -> LLM:
+    """SmolLM2-135M-Instruct; int8x False: its int4 products on bf16 x
+    (quant.INT8X_PRODUCTS), where by default they take x to int8."""
     config = EngineConfig(spec_k=spec_k, adaptive_k=False, num_blocks=1024)
-    return LLM("smollm2-135m", None, config, dtype=dtype, quantization=quantization)
+    with products(int8x):
+        return LLM("smollm2-135m", None, config, dtype=dtype, quantization=quantization)
+
+
+@contextlib.contextmanager
+def products(int8x: bool) -> Iterator[None]:
+    """Int4 layers and Q8Heads built inside take x to int8 (int8x) or not."""
+    kept, quant.INT8X_PRODUCTS = quant.INT8X_PRODUCTS, int8x
+    try:
+        yield
+    finally:
+        quant.INT8X_PRODUCTS = kept
+
+
+SPAN = 8  # tokens per forward over the held-out text: a verify step's few rows
 
 
 def logits(loaded: LoadedModel, tokens: list[int]) -> torch.Tensor:
-    """fp32 logits [len(tokens), vocab] of one prefill over the whole text."""
+    """fp32 logits [len(tokens), vocab] over the text in forwards of SPAN
+    tokens, so that the products run as a decode or verify step runs them
+    (a long prefill may take other kernels: quant.DENSE_FROM_ROWS)."""
     runner = ModelRunner(loaded, -(-len(tokens) // BLOCK_SIZE), BLOCK_SIZE)
     table = list(range(-(-len(tokens) // BLOCK_SIZE)))
-    return runner.forward([SeqSpan(tokens, 0, table, len(tokens))]).float()
+    parts = [runner.forward([SeqSpan(tokens[at : at + SPAN], at, table,
+                                     len(tokens[at : at + SPAN]))])
+             for at in range(0, len(tokens), SPAN)]
+    return torch.cat(parts).float()
 
 
 def quality(systems: dict[str, LLM], prompts: int, max_tokens: int) -> dict[str, Any]:
@@ -193,15 +215,19 @@ def head_alone(quick: bool) -> dict[str, Any]:
     held transposed, the decoder's one-row path), dense bf16 both ways and
     on the decoder's own product (cpu_linear: the native kernels where the
     CPU has AVX-512 BF16), int8 per row (torch's only CPU int8 weight-only
-    kernel), and, up to its 8 rows, Q8Head on the weight's Q8_0 blocks (a
-    q4 GGUF model's head)."""
+    kernel), and Q8Head on the weight's Q8_0 blocks (a q4 GGUF model's head
+    up to Q8_HEAD_MAX_ROWS rows) with x to int8 where the CPU can, and on
+    the bf16 int4 kernel."""
     vocab, hidden = 49152, 576
     groups = (torch.randn(vocab, hidden) * 0.05).view(vocab, hidden // Q8_GROUP, Q8_GROUP)
-    d = groups.abs().amax(-1, keepdim=True) / 127
+    d = (groups.abs().amax(-1, keepdim=True) / 127).half().float()  # GGML stores d in fp16
     q = (groups / d).round()
     weight = (d * q).view(vocab, hidden)  # Q8_0 blocks, as a GGUF's head
-    q8_head = (Q8Head(q.to(torch.int8).view(vocab, hidden), d[..., 0])
-               if Q8Head.usable(vocab, hidden) else None)
+    q8_heads = {}
+    if Q8Head.usable(vocab, hidden):
+        for name, int8x in (("q8_head", True), ("q8_head_bf16_products", False)):
+            with products(int8x):
+                q8_heads[name] = Q8Head(q.to(torch.int8).view(vocab, hidden), d[..., 0])
     packed = PackedWeight()
     transposed = weight.T.contiguous()
     bf16, bf16_t = weight.bfloat16(), transposed.bfloat16()
@@ -222,8 +248,8 @@ def head_alone(quick: bool) -> dict[str, Any]:
             "bf16_decoder": lambda _, xb=xb: median_seconds(
                 lambda: cpu_linear(xb, bf16, None, packed), CALLS, 0),
         }
-        if q8_head is not None and rows <= Q8_HEAD_MAX_ROWS:
-            systems["q8_head"] = lambda _, xb=xb: median_seconds(lambda: q8_head(xb), CALLS, 0)
+        for name, head in q8_heads.items():
+            systems[name] = lambda _, xb=xb, head=head: median_seconds(lambda: head(xb), CALLS, 0)
         spreads = rotated(systems, None, None, rounds(quick))
         out[f"rows_{rows}_ms"] = {k: v.median * 1e3 for k, v in spreads.items()}
     return out
@@ -236,24 +262,28 @@ LAYERS_TIMED = 30  # each with weights of its own, so they stream from memory as
 
 def linears_alone(quick: bool) -> dict[str, Any]:
     """All 30 layers' projections (weights of their own, as in a decode
-    step) on 1 to 32 rows: fp32 dense (the decoder's few-rows path), q8
+    step) on 1 to 128 rows: fp32 dense (the decoder's few-rows path), q8
     (torch's _weight_int8pack_mm, per-row int8, bf16 input), q4 (the int4
-    kernel, group 32, bf16 input) and, where Int4Linear keeps one, its dense
-    bf16 copy on oneDNN: the measurements behind refusing q8 and behind
-    quant.DENSE_FROM_ROWS."""
+    kernel, group 32: x to int8 where the CPU can), q4 on bf16 x and, where
+    that keeps one, its dense bf16 copy on oneDNN: the measurements behind
+    refusing q8, behind quant.DENSE_FROM_ROWS and behind int8x layers
+    keeping no dense copy."""
     from specpage.models.quant import quantize_rtn
 
     layers = []
     for _ in range(LAYERS_TIMED):
-        products = []
+        layer = []
         for rows, cols in LAYER_SHAPES:
             weight = torch.randn(rows, cols) * 0.05
             scales = weight.abs().amax(1) / 127
-            products.append((weight, (weight / scales[:, None]).round().to(torch.int8),
-                             scales.bfloat16(), Int4Linear(quantize_rtn(weight, 32))))
-        layers.append(products)
+            blocks = quantize_rtn(weight, 32)
+            with products(False):
+                bf16_products = Int4Linear(blocks)
+            layer.append((weight, (weight / scales[:, None]).round().to(torch.int8),
+                          scales.bfloat16(), Int4Linear(blocks), bf16_products))
+        layers.append(layer)
     out: dict[str, Any] = {}
-    for rows in (1, 4, 8, 32) if quick else (1, 2, 4, 6, 8, 12, 16, 32):
+    for rows in (1, 4, 8, 32) if quick else (1, 2, 4, 6, 8, 12, 16, 32, 64, 128):
         inputs = {cols: torch.randn(rows, cols) for _, cols in LAYER_SHAPES}
         spreads = rotated(_linear_systems(layers, inputs), None, None, rounds(quick))
         out[f"rows_{rows}_ms"] = {k: v.median * 1e3 for k, v in spreads.items()}
@@ -271,21 +301,26 @@ def _linear_systems(layers: list[list[tuple[Any, ...]]], inputs: dict[int, torch
 
     def q8() -> None:
         for layer in layers:
-            for w, w8, s8, _ in layer:
+            for w, w8, s8, *_ in layer:
                 torch.ops.aten._weight_int8pack_mm(inputs[w.shape[1]].bfloat16(), w8, s8)
 
     def q4() -> None:
         for layer in layers:
-            for w, _, _, module in layer:
+            for w, _, _, module, _ in layer:
+                module.int4_product(inputs[w.shape[1]].bfloat16())
+
+    def q4_bf16_products() -> None:
+        for layer in layers:
+            for w, *_, module in layer:
                 module.int4_product(inputs[w.shape[1]].bfloat16())
 
     def q4_dense_copy() -> None:
         for layer in layers:
-            for w, _, _, module in layer:
+            for w, *_, module in layer:
                 module.dense_product(inputs[w.shape[1]].bfloat16())
 
-    ways = [("fp32", fp32), ("q8", q8), ("q4", q4)]
-    if keeps_dense_copy():
+    ways = [("fp32", fp32), ("q8", q8), ("q4", q4), ("q4_bf16_products", q4_bf16_products)]
+    if layers[0][0][-1].dense is not None:  # the bf16 products' layers keep one here
         ways.append(("q4_dense_copy", q4_dense_copy))
     return {name: (lambda _, fn=fn: median_seconds(fn, CALLS, 0)) for name, fn in ways}
 
@@ -294,6 +329,7 @@ def main() -> None:
     args = parse_args(__doc__)
     prompts, max_tokens = (2, 16) if args.quick else (32, 128)
     systems = {"fp32": load("none"), "q4_gguf": load("q4"),
+               "q4_gguf_bf16_products": load("q4", int8x=False),
                "q4_gguf_fp32_activations": load("q4", "fp32"), "q4_rtn": None}
     # Round-to-nearest from the fp32 weights: a float checkpoint, quantized at load.
     rtn_folder = systems["fp32"].target.folder
@@ -304,10 +340,11 @@ def main() -> None:
                               prompts, max_tokens)
     quality_figures["kernel_weights_vs_gguf"] = scale_rounding(systems["fp32"].target)
     speed: dict[str, Any] = {}
-    bf16 = None if args.quick else load("none", "bf16")  # a sixth model: full runs only
+    bf16 = None if args.quick else load("none", "bf16")  # a seventh model: full runs only
     for batch in (1, 32):
         runners = {"fp32": decode_step(systems["fp32"], batch),
                    "q4": decode_step(systems["q4_gguf"], batch),
+                   "q4_bf16_products": decode_step(systems["q4_gguf_bf16_products"], batch),
                    "q4_fp32_activations": decode_step(systems["q4_gguf_fp32_activations"],
                                                       batch)}
         if batch == 1 and bf16 is not None:
@@ -325,6 +362,7 @@ def main() -> None:
                                       for k, v in spreads.items()}
     floors = {}
     for name, step in (("fp32", "fp32"), ("q4_gguf", "q4"),
+                       ("q4_gguf_bf16_products", "q4_bf16_products"),
                        ("q4_gguf_fp32_activations", "q4_fp32_activations")):
         nbytes = step_bytes(systems[name].target)  # type: ignore[union-attr]
         floor = over_floor(steps[step], nbytes, rates["copy_traffic_gb_s"])
@@ -335,6 +373,9 @@ def main() -> None:
     speed["floor"] = floors
     speed["q4_dense_head_vs_q4"] = Spread.of(
         [a / b for a, b in zip(steps["q4_dense_head"].runs, steps["q4"].runs, strict=True)]
+    ).as_json()
+    speed["q4_bf16_products_vs_q4"] = Spread.of(
+        [a / b for a, b in zip(steps["q4_bf16_products"].runs, steps["q4"].runs, strict=True)]
     ).as_json()
     speed["q4_vs_floor"] = floors["q4_gguf"]["over_floor"]["median"]
     speed["q4_vs_read_alone"] = floors["q4_gguf"]["over_read_alone"]["median"]

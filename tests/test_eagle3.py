@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 from specpage.attention.cpu import CpuAttention
 from specpage.engine import Engine, EngineConfig
 from specpage.kernels.native import native_kernels
+from specpage.models import quant
 from specpage.models.eagle3 import LoadedHead
 from specpage.models.loader import ModelLoadError, draft_dtype, load_model
 from specpage.models.quant import Int4Linear
@@ -153,7 +154,8 @@ def test_a_q4_target_runs_its_head_in_its_own_dtype(models, head, quantization):
     assert target.model.embed_tokens.weight.dtype == torch.bfloat16
     head = load_model(root / head, draft_dtype(None, target), quantization=quantization)
     if quantization:
-        assert head.quantization == "q4 g32 round-to-nearest, bf16 activations"
+        assert head.quantization == ("q4 g32 round-to-nearest, bf16 activations"
+                                     + (", int8 product inputs" if quant.int8x_kernels() else ""))
         assert all(isinstance(getattr(head.model, name), Int4Linear)
                    for name in ("fc", "qkv_proj", "o_proj", "gate_up_proj", "down_proj",
                                 "lm_head"))

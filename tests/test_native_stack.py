@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from specpage.model_runner import ModelRunner, SeqSpan
-from specpage.models import native_stack
+from specpage.models import native_stack, quant
 from specpage.models.decoder import LayerTap, bf16_kernels
 from specpage.models.loader import load_model
 from specpage.models.quant import DENSE_FROM_ROWS
@@ -36,9 +36,20 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
+# q4 with x taken to int8 at the products where the CPU can (the default),
+# and q4 on the bf16 products
+QUANTIZATIONS = [None, "q4", "q4 bf16 products"]
+
+
 def prefilled(checkpoint: Path, quantization: str | None, prompts: int) -> ModelRunner:
-    runner = ModelRunner(load_model(checkpoint, "bf16", quantization=quantization),
-                         4 * prompts + 4, BLOCK)
+    int8x = quant.INT8X_PRODUCTS
+    quant.INT8X_PRODUCTS = quantization != "q4 bf16 products"
+    try:
+        loaded = load_model(checkpoint, "bf16",
+                            quantization=quantization and quantization.split()[0])
+    finally:
+        quant.INT8X_PRODUCTS = int8x
+    runner = ModelRunner(loaded, 4 * prompts + 4, BLOCK)
     with torch.inference_mode():
         runner.forward([SeqSpan([(11 * s + 3 * j) % 500 + 1 for j in range(40)], 0,
                                 table(s), 1) for s in range(prompts)])
@@ -66,7 +77,7 @@ def both_ways(runner: ModelRunner, spans: list[SeqSpan], monkeypatch: pytest.Mon
     return list(direct), list(modules)
 
 
-@pytest.mark.parametrize("quantization", [None, "q4"])
+@pytest.mark.parametrize("quantization", QUANTIZATIONS)
 @pytest.mark.parametrize("shape", ["decode 1", "decode 3", "verify 5", "verify 2 + decode 2",
                                    "decode 20", "decode 66"])
 def test_the_direct_loop_gives_the_modules_logits_and_kv(
@@ -88,15 +99,17 @@ def test_the_direct_loop_gives_the_modules_logits_and_kv(
     assert plan is not None  # the native call applies to these rows
     expected = {1: native_stack.GEMV, 3: native_stack.GEMV, 5: native_stack.GEMV,
                 4: native_stack.GEMV, 20: native_stack.PANELS, 66: native_stack.ONEDNN}[rows]
-    if quantization is None or rows >= DENSE_FROM_ROWS:
+    if quantization is None or (quantization == "q4 bf16 products" and rows >= DENSE_FROM_ROWS):
         assert plan.kinds[0] == expected
+    elif quantization == "q4" and quant.int8x_kernels():
+        assert plan.kinds[0] == native_stack.INT8X  # at every row count: no dense copy
     (logits, cache, _), (ref_logits, ref_cache, _) = both_ways(runner, spans, monkeypatch)
     assert torch.equal(logits, ref_logits)
     assert torch.equal(cache, ref_cache)
     assert not torch.equal(cache, runner.kv_cache.new_zeros(()).expand_as(cache))
 
 
-@pytest.mark.parametrize("quantization", [None, "q4"])
+@pytest.mark.parametrize("quantization", QUANTIZATIONS)
 def test_two_threads_reading_ahead_change_nothing(
         checkpoint: Path, quantization: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
     """With a second thread the norms, rotary embedding and SiLU of a step of
@@ -115,14 +128,21 @@ def test_two_threads_reading_ahead_change_nothing(
 
 
 def test_q4_rows_take_the_int4_kernel_below_the_dense_copy(checkpoint: Path) -> None:
-    """The native call chooses each product's kernel as Int4Linear.forward does."""
-    model = load_model(checkpoint, "bf16", quantization="q4").model
-    few = model.stack_plan(DENSE_FROM_ROWS - 1)
-    many = model.stack_plan(DENSE_FROM_ROWS)
+    """The native call chooses each product's kernel as Int4Linear.forward
+    does: on the bf16 products, int4 below DENSE_FROM_ROWS rows and the
+    dense copy from there; on int8x products, int8x at every row count."""
+    dense = load_model(checkpoint, "bf16").model.stack_plan(DENSE_FROM_ROWS)
+    assert dense is not None
+    model = prefilled(checkpoint, "q4 bf16 products", 1).model
+    few, many = model.stack_plan(DENSE_FROM_ROWS - 1), model.stack_plan(DENSE_FROM_ROWS)
     assert few is not None and many is not None
     assert few.kinds[0] == native_stack.INT4  # qkv of layer 0
-    dense = load_model(checkpoint, "bf16").model.stack_plan(DENSE_FROM_ROWS)
-    assert dense is not None and many.kinds[0] == dense.kinds[0] != native_stack.INT4
+    assert many.kinds[0] == dense.kinds[0] != native_stack.INT4
+    if quant.int8x_kernels():
+        model = prefilled(checkpoint, "q4", 1).model
+        for rows in (1, DENSE_FROM_ROWS, 200):
+            plan = model.stack_plan(rows)
+            assert plan is not None and set(plan.kinds) == {native_stack.INT8X}
 
 
 def test_the_tap_sees_the_same_states(checkpoint: Path,

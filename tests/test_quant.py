@@ -24,6 +24,22 @@ from tests.models_util import tiny_checkpoint
 from tests.test_fetch import _byte_level_alphabet
 
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 64, 128, 2, 4, 2
+# what a q4 model's quantization string ends with where the int4 products
+# take x to int8 (a CPU with AVX-512 VNNI)
+INT8X = ", int8 product inputs" if quant.int8x_kernels() else ""
+native = pytest.mark.skipif(bf16_kernels() is None, reason="no native int4 kernel on this CPU")
+both_products = pytest.mark.parametrize(
+    "int8x", [False, pytest.param(True, marks=pytest.mark.skipif(
+        not quant.int8x_kernels(), reason="no AVX-512 VNNI on this CPU"))])
+
+
+def int8_x(x: torch.Tensor) -> torch.Tensor:
+    """x as int8x_gemv takes it: per row and group of 32, d q with
+    d = max |x| / 127 and q = round(x / d), to nearest even; fp32."""
+    groups = x.float().view(x.shape[0], -1, 32)
+    amax = groups.abs().amax(-1, keepdim=True)
+    inverse = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return (torch.round(groups * inverse) * (amax / 127)).view(x.shape)
 
 
 def write_gguf(path: Path, linear_type: str, seed: int = 0, vocab_multiple: int = 1) -> Path:
@@ -101,7 +117,7 @@ def test_auto_runs_the_gguf_blocks_which_dequantize_to_the_fp32_weights(
 ) -> None:
     dense = loaded(ggufs[kind])
     quantized = loaded(ggufs[kind], "auto")
-    assert quantized.quantization == f"q4 from GGUF {kind} blocks, bf16 activations"
+    assert quantized.quantization == f"q4 from GGUF {kind} blocks, bf16 activations{INT8X}"
     assert dense.quantization == "none"
     assert quantized.identity != dense.identity  # their KV differ: keep prefix caches apart
     weights = GGUFWeights(ggufs[kind], dense.config)
@@ -126,7 +142,11 @@ def test_a_quantized_model_computes_in_bf16_unless_a_dtype_is_chosen(
     chosen = loaded(ggufs["Q4_1"], "q4", "fp32")
     assert chosen.quantization == "q4 from GGUF Q4_1 blocks"
     assert chosen.model.embed_tokens.weight.dtype == torch.float32
+    # fp32 asks for precision: the products keep x in bf16, not int8
     assert isinstance(chosen.model.layers[0].qkv_proj, Int4Linear)
+    assert not any(isinstance(m, Int4Linear) and m.int8x for m in chosen.model.modules())
+    assert all(m.int8x == bool(INT8X) for m in default.model.modules()
+               if isinstance(m, Int4Linear))
     assert loaded(ggufs["Q4_1"]).model.embed_tokens.weight.dtype == torch.float32
 
 
@@ -145,12 +165,16 @@ def test_one_int4_linear_matches_the_fp32_linear_within_bf16(ggufs: dict[str, Pa
         assert error < 2**-6, (name, float(error))
 
 
-@pytest.mark.skipif(bf16_kernels() is None, reason="no native int4 kernel on this CPU")
-def test_the_native_kernel_computes_the_blocks_products_for_every_row_count() -> None:
-    """The kernel's tiles (quant.int4_stream) against the blocks' dense
-    weights: every row count it takes, an odd number of groups, and outputs
-    spanning several tiles, so that a misplaced nibble, scale or bias shows;
-    and a row's result is the same bits alone or among others."""
+@native
+@both_products
+def test_the_native_kernel_computes_the_blocks_products_for_every_row_count(
+        int8x: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel's tiles (quant.int4_stream, or int8x_stream where x is
+    taken to int8) against the blocks' dense weights: every row count it
+    takes, an odd number of groups, and outputs spanning several tiles, so
+    that a misplaced nibble, scale or bias shows; and a row's result is the
+    same bits alone or among others."""
+    monkeypatch.setattr(quant, "INT8X_PRODUCTS", int8x)
     torch.manual_seed(3)
     outputs, inputs = 48, 96
     q = torch.randint(0, 16, (outputs, inputs), dtype=torch.uint8)
@@ -166,28 +190,50 @@ def check_native_products(blocks: Int4Blocks, tile_bytes: int) -> None:
     outputs, inputs = blocks.q.shape
     weights = blocks.dequantize()
     module = Int4Linear(blocks)
-    assert module.native and module.tiles.shape == (3, 3, tile_bytes)
+    assert module.native and module.int8x == quant.INT8X_PRODUCTS
+    assert module.tiles.shape == (3, 3, tile_bytes)
+    op = bf16_kernels().int8x_gemv if module.int8x else bf16_kernels().int4_gemv  # type: ignore[union-attr]
+    stream = quant.int8x_stream if module.int8x else quant.int4_stream
     for rows in (*range(1, 9), 13, 24):  # past 8 rows: further passes over a block
         x = torch.randn(rows, inputs).bfloat16()
-        expected = x.float() @ weights.T
+        # the products of x as the kernel takes it (int8x: to int8 per 32), to
+        # within the bf16 output's rounding
+        expected = (int8_x(x) if module.int8x else x.float()) @ weights.T
         actual = module.int4_product(x).float()
         error = (actual - expected).abs().max() / expected.abs().max()
         assert error < 2**-7, (rows, float(error))
+        if module.int8x:  # and x's own products within int8's rounding of x
+            exact = x.float() @ weights.T
+            assert (actual - exact).abs().max() / exact.abs().max() < 2**-5
         # each row's sums run in the same order whatever the row count
         alone = torch.cat([module.int4_product(x[r : r + 1]) for r in range(rows)])
         assert torch.equal(actual, alone.float()), rows
         # reading on into a next product's tiles (decoder_stack's) changes no bit
-        chained = bf16_kernels().int4_gemv(x, module.tiles, module.tiles[:1])
+        chained = op(x, module.tiles, module.tiles[:1])
         assert torch.equal(chained, module.int4_product(x)), rows
     with pytest.raises(RuntimeError, match=r"next must be contiguous uint8 .* next product's"):
-        bf16_kernels().int4_gemv(x, module.tiles, module.tiles[..., :128])
-    if tile_bytes == 320:  # fp16 scales and offsets: the same bits as fp32 scales and biases
-        as_fp32 = quant.int4_stream(blocks, half=False)
+        op(x, module.tiles, module.tiles[..., :128])
+    if tile_bytes == 320:  # fp16 scales and offsets: the same bits as fp32 ones
+        as_fp32 = stream(blocks, half=False)
         assert as_fp32.shape == (3, 3, 384)
-        assert torch.equal(bf16_kernels().int4_gemv(x, as_fp32), module.int4_product(x))
+        assert torch.equal(op(x, as_fp32), module.int4_product(x))
     else:
         with pytest.raises(QuantizationError, match="float16 holds exactly"):
-            quant.int4_stream(blocks, half=True)
+            stream(blocks, half=True)
+
+
+@native
+@pytest.mark.skipif(not quant.int8x_kernels(), reason="no AVX-512 VNNI on this CPU")
+def test_int8x_takes_a_group_that_is_not_finite_to_nan() -> None:
+    """A group of x holding an infinity or NaN gives NaN outputs, as a bf16
+    product would, and leaves the other rows alone."""
+    blocks = Int4Blocks(torch.randint(0, 16, (16, 64), dtype=torch.uint8),
+                        torch.full((16, 2), 0.01), torch.full((16, 2), -0.08), 32)
+    tiles = quant.int8x_stream(blocks)
+    x = torch.randn(3, 64).bfloat16()
+    x[0, 5], x[1, 40] = float("inf"), float("nan")
+    y = bf16_kernels().int8x_gemv(x, tiles)  # type: ignore[union-attr]
+    assert bool(y[:2].isnan().all()) and bool(y[2].isfinite().all())
 
 
 def test_a_ggufs_q8_0_blocks_are_read_as_the_fp32_weights_hold_them(
@@ -205,24 +251,28 @@ def test_a_ggufs_q8_0_blocks_are_read_as_the_fp32_weights_hold_them(
     assert GGUFWeights(path, model.config).q8_0("blk.0.attn_q.weight") is None
 
 
-@pytest.mark.skipif(bf16_kernels() is None, reason="no native int4 kernel on this CPU")
+@native
+@both_products
 def test_the_q8_head_computes_the_vocabulary_projection_on_its_exact_weights(
-        ggufs: dict[str, Path]) -> None:
+        ggufs: dict[str, Path], int8x: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """A q4 load of a GGUF whose tied embedding is Q8_0 (and whose vocabulary
     is in blocks of 16) projects a few rows on those blocks: within bf16 of
-    the fp32 weights' product for 1-8 rows, a row's logits the same bits
-    alone or among others; past 8 rows, or in fp32, the dense head."""
+    the fp32 weights' product (of x as int8x takes it, where it does) for 1-8
+    rows, a row's logits the same bits alone or among others; past 8 rows,
+    or in fp32, the dense head."""
+    monkeypatch.setattr(quant, "INT8X_PRODUCTS", int8x)
     path = ggufs["Q4_1 vocab 272"]
     weight = loaded(path).model.embed_tokens.weight.detach()
     model = loaded(path, "q4")
     assert loaded(path, "q4", "bf16").model.q8_head is not None  # bf16 chosen, as serve does
     assert model.quantization == ("q4 from GGUF Q4_1 blocks, Q8_0 vocabulary projection, "
-                                  "bf16 activations")
+                                  "bf16 activations" + (", int8 product inputs" if int8x else ""))
     head = model.model.q8_head
-    assert isinstance(head, quant.Q8Head)
+    assert isinstance(head, quant.Q8Head) and head.int8x == int8x
+    assert head.tiles.shape[2] == (544 if int8x else 320)
     torch.manual_seed(0)
     x = torch.randn(8, HIDDEN).bfloat16()
-    expected = x.double() @ weight.double().T
+    expected = (int8_x(x) if int8x else x).double() @ weight.double().T
     for rows in range(1, 9):
         assert head.takes(x[:rows])
         actual = head(x[:rows]).double()
@@ -258,10 +308,16 @@ def test_speculation_on_the_q8_head_equals_decoding_on_it(
 
 @pytest.mark.skipif(not keeps_dense_copy(), reason="no native bf16 products on this CPU")
 def test_many_rows_take_the_dense_copy_of_the_kernels_own_weights(
-        ggufs: dict[str, Path]) -> None:
-    """From DENSE_FROM_ROWS rows a product runs on the dense bf16 copy: the
-    kernel's weights (q - 8) * scale + zero, dequantized; its results agree
-    with the int4 kernel's within bf16, below and above the threshold."""
+        ggufs: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the bf16 products, from DENSE_FROM_ROWS rows a product runs on the
+    dense bf16 copy: the kernel's weights (q - 8) * scale + zero,
+    dequantized; its results agree with the int4 kernel's within bf16, below
+    and above the threshold. On int8x products no layer keeps one."""
+    if quant.int8x_kernels():
+        int8x = loaded(ggufs["Q4_1"], "q4")
+        assert not any(isinstance(m, Int4Linear) and m.dense is not None
+                       for m in int8x.model.modules())
+    monkeypatch.setattr(quant, "INT8X_PRODUCTS", False)
     quantized = loaded(ggufs["Q4_1"], "q4")
     torch.manual_seed(1)
     for name in PROJECTIONS:
@@ -282,7 +338,7 @@ def test_q4_from_float_weights_rounds_to_nearest_and_is_cached(tmp_path: Path) -
     tiny_checkpoint(tmp_path / "hf", num_hidden_layers=1)
     dense = loaded(tmp_path / "hf")
     first = loaded(tmp_path / "hf", "q4")
-    assert first.quantization == "q4 g32 round-to-nearest, bf16 activations"
+    assert first.quantization == f"q4 g32 round-to-nearest, bf16 activations{INT8X}"
     cached = list((Path(__import__("os").environ["SPECPAGE_CACHE_DIR"]) / "quantized").glob(
         f"{dense.identity.hex()[:32]}-q4-g32-*.safetensors"))
     assert len(cached) == 1
@@ -314,7 +370,7 @@ def test_q4_target_and_draft_speculating_equal_q4_without_speculation(
     spec = LLM(ggufs["Q4_1"], draft, EngineConfig(spec_k=3, adaptive_k=False, num_blocks=64),
                quantization="q4")
     assert spec.draft is not None
-    assert spec.draft.quantization == "q4 from GGUF Q4_0 blocks, bf16 activations"
+    assert spec.draft.quantization == f"q4 from GGUF Q4_0 blocks, bf16 activations{INT8X}"
     expected = [c.token_ids for c in plain.generate(prompts, params)]
     actual = [c.token_ids for c in spec.generate(prompts, params)]
     assert actual == expected
@@ -394,7 +450,7 @@ def test_a_daemon_with_quantization_q4_streams_what_the_in_process_q4_engine_doe
         target, draft = tiny_pair(tmp_path / "models")
         local = LLM(target, draft, EngineConfig(block_size=4, num_blocks=512, spec_k=3),
                     quantization="q4")
-        assert local.target.quantization == "q4 g32 round-to-nearest, bf16 activations"
+        assert local.target.quantization == f"q4 g32 round-to-nearest, bf16 activations{INT8X}"
         expected = [c.token_ids for c in local.generate(prompts, SamplingParams(**greedy))]
         fp32 = LLM(target, draft, EngineConfig(block_size=4, num_blocks=512, spec_k=3))
         # Differs from fp32, so equal streams show the setting reached the daemon.

@@ -12,7 +12,9 @@ torch's cpp_extension into the specpage cache, loaded from there afterwards.
   build lacks the instructions, has_bf16_gemv() is false and oneDNN takes
   them);
 - int4_gemv.cpp: group-wise int4 products of a few rows on AVX-512 BF16
-  (specpage/models/quant.py; torch's int4 kernel elsewhere);
+  (specpage/models/quant.py; torch's int4 kernel elsewhere), and, where the
+  CPU has AVX-512 VNNI, int4 and Q8_0 products of any number of rows with
+  x taken to int8 per group of 32 (int8x_gemv);
 - decoder_stack.cpp: a decoder's layers in one call, the ops above called
   from C++ in the order DecoderLayer.forward calls them
   (specpage/models/native_stack.py).

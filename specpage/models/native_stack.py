@@ -32,7 +32,7 @@ ENABLED = True  # tests switch it off to compare with the module path
 
 
 # The product kinds decoder_stack.cpp reads, by the kernel a product calls.
-GEMV, PANELS, INT4, ONEDNN = 0, 1, 2, 3
+GEMV, PANELS, INT4, ONEDNN, INT8X = 0, 1, 2, 3, 4
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ def stack_plan(layers: Sequence[Any], rows: int) -> StackPlan | None:
     if kernels is None or not kernels.has_bf16_gemv() or not layers:
         return None
     kinds_by_kernel = {kernels.bf16_gemv.default: GEMV, kernels.bf16_panels_product.default: PANELS,
-                       kernels.int4_gemv.default: INT4,
+                       kernels.int4_gemv.default: INT4, kernels.int8x_gemv.default: INT8X,
                        torch.ops.mkldnn._linear_pointwise.default: ONEDNN}
     plan = StackPlan([], [], [], [])
     for layer in layers:

@@ -19,17 +19,32 @@ activation dtype. Its scale and zero are bf16 (it requires the activation
 dtype), which rounds GGML's float16 d and m to 8 significant bits; the
 native kernel keeps them exact.
 
-The kernel reads 4 bits a weight, so it wins while a product is bound by
-reading the weights (a few rows); with more rows its unpacking costs more
-than the bytes it saves. Where oneDNN runs bf16 natively (AVX-512 BF16 or
-AMX), each layer also keeps its weights dense in bf16, dequantized from the
-very values the kernel reads, and products of DENSE_FROM_ROWS rows or more
-take them: a one-stream step reads the int4 weights, a 32-stream step the
-dense ones. That costs 2 bytes a weight of memory more (212 MB for
-SmolLM2-135M's projections).
+Where the CPU also has AVX-512 VNNI, each product takes its bf16 x to
+int8 per row and group of 32 (d = max |x| / 127, as llama.cpp's Q8 blocks
+do) and sums the weights' levels times those integers exactly in int32
+(int8x_gemv, vpdpbusd: 64 products an instruction, twice vdpbf16ps's, and
+no conversion of the levels to floats). The weights stay exact; x loses
+what 8 bits per group lose: on SmolLM2-135M's held-out text, perplexity
+moved from the bf16 products' by about +0.6% (fp32's +0.3%)
+(bench/quantization.py). That kernel is faster than the bf16 one at
+every row count and, measured on SmolLM2-135M's 30 layers of products
+(2 cores, ms, int8x / dense bf16 on oneDNN), faster than the dense bf16
+weights too: 1 row 3.4 / 16.1, 8: 5.1 / 15.3, 32: 18.9 / 27.7,
+128: 53.8 / 74.3, 512: 246 / 275; so its layers keep no dense copy.
+
+The bf16 kernel reads 4 bits a weight, so it wins while a product is
+bound by reading the weights (a few rows); with more rows its unpacking
+costs more than the bytes it saves. Where it runs and oneDNN runs bf16
+natively (AVX-512 BF16 or AMX), each layer also keeps its weights dense in
+bf16, dequantized from the very values the kernel reads, and products of
+DENSE_FROM_ROWS rows or more take them: a one-stream step reads the int4
+weights, a 32-stream step the dense ones. That costs 2 bytes a weight of
+memory more (212 MB for SmolLM2-135M's projections).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import nn
@@ -62,7 +77,8 @@ DENSE_FROM_ROWS = 24
 
 
 def keeps_dense_copy() -> bool:
-    """Whether Int4Linear keeps a dense bf16 copy for many rows (see above)."""
+    """Whether an Int4Linear on the bf16 products keeps a dense bf16 copy for
+    many rows (see above); one on int8x products keeps none."""
     return uses_onednn(torch.empty(0, dtype=KERNEL_DTYPE), DENSE_FROM_ROWS)
 
 
@@ -81,6 +97,21 @@ def check_shape(name: str, in_features: int, group: int, out_features: int) -> N
                                 f"this weight has {out_features} outputs")
 
 
+# Whether products of int4 (and Q8Head's Q8_0) weights take x to int8 per
+# group of 32 where the CPU has AVX-512 VNNI (int8x_gemv, as llama.cpp
+# does), rather than multiplying bf16 x (int4_gemv). Read when a layer is
+# built; bench/quantization.py sets it False to measure the bf16 products.
+# A model computing in a chosen fp32 is built with int8x False: that choice
+# asks for precision (models/quant_load.py).
+INT8X_PRODUCTS = True
+
+
+def int8x_kernels() -> bool:
+    """Whether int4 layers built now take their products with x in int8."""
+    kernels = bf16_kernels()
+    return INT8X_PRODUCTS and kernels is not None and bool(kernels.has_int8x_gemv())  # type: ignore[attr-defined]
+
+
 def native_int4(blocks: Int4Blocks) -> bool:
     """Whether these weights run on the native kernel (kernels/cpu/int4_gemv.cpp):
     a build with AVX-512 BF16, groups of 32 and whole blocks of 16 outputs."""
@@ -97,15 +128,19 @@ class Int4Linear(nn.Module):
     own scale and offset, exact; elsewhere torch's int4 kernel, with them
     rounded to bf16 as it requires."""
 
-    def __init__(self, blocks: Int4Blocks, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, blocks: Int4Blocks, bias: torch.Tensor | None = None,
+                 int8x: bool = True) -> None:
+        """int8x False: never take x to int8 (a model computing in fp32)."""
         super().__init__()
         self.out_features, self.in_features = blocks.q.shape
         self.group_size = blocks.group
         self.native = native_int4(blocks)
+        self.int8x = self.native and int8x and int8x_kernels()
         if self.native:
             # uint8, so no cast of the model's dtype touches the fp32 scales
             # inside; not persistent: the loader's cache keeps the blocks.
-            self.register_buffer("tiles", int4_stream(blocks), persistent=False)
+            self.register_buffer("tiles", int8x_stream(blocks) if self.int8x
+                                 else int4_stream(blocks), persistent=False)
         else:
             # Buffers, so they follow the model to a device; loading casts the model's
             # dtype before the swap, so nothing casts these bf16 ones after it.
@@ -124,7 +159,8 @@ class Int4Linear(nn.Module):
         # quantizers cast a model after the swap only to bf16, its own dtype.
         self.dense: torch.Tensor | None
         self.register_buffer("dense", dequantize(blocks, exact=self.native)
-                             if keeps_dense_copy() else None, persistent=False)
+                             if keeps_dense_copy() and not self.int8x else None,
+                             persistent=False)
         self._dense_packed = PackedWeight()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -144,13 +180,17 @@ class Int4Linear(nn.Module):
             return direct_bf16_product(self.dense, self._dense_packed, rows)
         if not self.native:
             return None
-        return bf16_kernels().int4_gemv.default, (self.tiles,)  # type: ignore[union-attr]
+        return self._native_op().default, (self.tiles,)
+
+    def _native_op(self) -> Any:
+        kernels: Any = bf16_kernels()
+        return kernels.int8x_gemv if self.int8x else kernels.int4_gemv
 
     def int4_product(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W.T by the int4 kernel, in KERNEL_DTYPE, no bias."""
         x = x.to(KERNEL_DTYPE).contiguous()
         if self.native:
-            y_native: torch.Tensor = bf16_kernels().int4_gemv(x, self.tiles)  # type: ignore[union-attr]
+            y_native: torch.Tensor = self._native_op()(x, self.tiles)
             return y_native
         y: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(
             x, self.packed, self.group_size, self.scales_and_zeros)
@@ -174,7 +214,7 @@ class Int4Linear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"group_size={self.group_size}, bias={self.bias is not None}, "
-                f"kernel={'native' if self.native else 'torch'}")
+                f"kernel={('int8x' if self.int8x else 'native') if self.native else 'torch'}")
 
 
 NIBBLE_BYTES = 256  # of a tile: 16 outputs x 32 inputs
@@ -197,10 +237,7 @@ def int4_stream(blocks: Int4Blocks, half: bool | None = None) -> torch.Tensor:
     kernel takes the bias, offset - 128 scale, in fp32); else the 16 scales
     and the 16 biases in fp32. Exact either way. (half: force the one or the
     other; float16 only where it is exact.)"""
-    if half is None:
-        half = fp16_exact(blocks)
-    elif half and not fp16_exact(blocks):
-        raise QuantizationError("float16 tiles need scales and offsets float16 holds exactly")
+    half = _half_tiles(blocks, half)
     out_features, in_features = blocks.q.shape
     tiles, groups = out_features // 16, in_features // 32
     # q as [tile, l, group, j, k, t]: input 32g + 2(4j + k) + t
@@ -210,13 +247,59 @@ def int4_stream(blocks: Int4Blocks, half: bool | None = None) -> torch.Tensor:
     scale = blocks.scale.float()
     # sum W x = scale dot(128 + q, x) + bias sum(x)
     second = blocks.offset.float() if half else blocks.offset.float() - 128 * scale
-
-    def per_tile(values: torch.Tensor) -> torch.Tensor:
-        values = values.half() if half else values
-        return values.view(tiles, 16, groups).transpose(1, 2).contiguous().view(torch.uint8)
-
+    dtype = torch.float16 if half else torch.float32
     return torch.cat([words.view(torch.uint8).view(tiles, groups, NIBBLE_BYTES),
-                      per_tile(scale), per_tile(second)], dim=2).contiguous()
+                      _per_tile(scale.to(dtype), tiles, groups),
+                      _per_tile(second.to(dtype), tiles, groups)], dim=2).contiguous()
+
+
+def _half_tiles(blocks: Int4Blocks, half: bool | None) -> bool:
+    """Whether tiles hold the scales and offsets in float16: asked (only
+    where exact), or where exact."""
+    if half is None:
+        return fp16_exact(blocks)
+    if half and not fp16_exact(blocks):
+        raise QuantizationError("float16 tiles need scales and offsets float16 holds exactly")
+    return half
+
+
+def int8x_stream(blocks: Int4Blocks, half: bool | None = None) -> torch.Tensor:
+    """int8x_gemv's operand for int4 blocks (kernels/cpu/int4_gemv.cpp),
+    uint8 [out / 16, in / 32, 320 or 384]: per 16 outputs and group of 32
+    inputs, 4 chunks of 16 x 4 bytes (byte 4l + t of chunk j holds q[l][8j + t]
+    in its low nibble, q[l][8j + 4 + t] in its high one), then the 16 scales
+    and the 16 offsets, in float16 where it holds them exactly (fp16_exact),
+    else fp32. (half: force the one or the other; float16 only where exact.)"""
+    half = _half_tiles(blocks, half)
+    out_features, in_features = blocks.q.shape
+    tiles, groups = out_features // 16, in_features // 32
+    # q as [tile, l, group, j, nibble, t]: input 32g + 8j + 4 nibble + t
+    q = blocks.q.to(torch.uint8).view(tiles, 16, groups, 4, 2, 4)
+    packed = (q[..., 0, :] | (q[..., 1, :] << 4)).permute(0, 2, 3, 1, 4)  # [tile, g, j, l, t]
+    dtype = torch.float16 if half else torch.float32
+    return torch.cat([packed.reshape(tiles, groups, NIBBLE_BYTES),
+                      _per_tile(blocks.scale.float().to(dtype), tiles, groups),
+                      _per_tile(blocks.offset.float().to(dtype), tiles, groups)],
+                     dim=2).contiguous()
+
+
+def q8_stream(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """int8x_gemv's operand for Q8_0 blocks (q int8 [out, in], d float16
+    values [out, in / 32]), uint8 [out / 16, in / 32, 544]: per 16 outputs and
+    group of 32 inputs, 8 chunks of 16 x 4 bytes (byte 4l + t of chunk j is
+    q[l][4j + t] + 128), then the 16 scales d in float16."""
+    out_features, in_features = q.shape
+    tiles, groups = out_features // 16, in_features // 32
+    if not bool((d.float().half().float() == d.float()).all()):
+        raise QuantizationError("Q8_0 scales must be float16 values")
+    levels = (q.to(torch.int16) + 128).to(torch.uint8).view(tiles, 16, groups, 8, 4)
+    levels = levels.permute(0, 2, 3, 1, 4).reshape(tiles, groups, 16 * 32)
+    return torch.cat([levels, _per_tile(d.float().half(), tiles, groups)], dim=2).contiguous()
+
+
+def _per_tile(values: torch.Tensor, tiles: int, groups: int) -> torch.Tensor:
+    """[out, groups] values as [tiles, groups, 16 values' bytes]."""
+    return values.view(tiles, 16, groups).transpose(1, 2).contiguous().view(torch.uint8)
 
 
 Q8_GROUP = 32  # inputs per scale of GGML's Q8_0
@@ -226,26 +309,33 @@ Q8_HEAD_MAX_ROWS = 8  # rows up to which the vocabulary projection takes Q8Head
 class Q8Head(nn.Module):
     """The vocabulary projection of a few rows on its own Q8_0 blocks
     (q int8, d per 32: a GGUF's token embedding, tied to the LM head, read
-    from the file), on the native int4 kernel: q + 128 = 16·hi + lo with hi,
+    from the file), weights exact (the file's d·q, not rounded to bf16 as
+    the dense head is). Where the CPU has AVX-512 VNNI (int8x_kernels), x is
+    taken to int8 and the blocks multiplied as they are (q8_stream: 8.5 bits
+    a weight); else on the bf16 int4 kernel: q + 128 = 16·hi + lo with hi,
     lo in 0..15, so that
 
         W x = [16d·hi − 128d | d·lo] [x | x],
 
-    one int4 product over twice the inputs, weights exact (the file's d·q,
-    not rounded to bf16 as the dense head is). Its tiles read 10 bits
-    per weight (two nibbles, and each half's fp16 scale and offset per 32)
-    against the dense bf16 head's 16; bench/quantization.py measures it
-    against the dense head (head_alone, and the step with it set aside)."""
+    one int4 product over twice the inputs (10 bits a weight: two nibbles,
+    and each half's fp16 scale and offset per 32). The dense bf16 head reads
+    16; bench/quantization.py measures it against the dense head (head_alone,
+    and the step with it set aside)."""
 
-    def __init__(self, q: torch.Tensor, d: torch.Tensor) -> None:
+    def __init__(self, q: torch.Tensor, d: torch.Tensor, int8x: bool = True) -> None:
         super().__init__()
         rows, cols = q.shape
         self.out_features, self.in_features = rows, cols
-        levels = q.to(torch.int32) + 128
-        blocks = Int4Blocks(torch.cat([levels >> 4, levels & 15], dim=1).to(torch.uint8),
-                            torch.cat([16 * d, d], dim=1),
-                            torch.cat([-128 * d, torch.zeros_like(d)], dim=1), Q8_GROUP)
-        self.register_buffer("tiles", int4_stream(blocks), persistent=False)
+        self.int8x = int8x and int8x_kernels()
+        if self.int8x:
+            tiles = q8_stream(q, d)
+        else:
+            levels = q.to(torch.int32) + 128
+            blocks = Int4Blocks(torch.cat([levels >> 4, levels & 15], dim=1).to(torch.uint8),
+                                torch.cat([16 * d, d], dim=1),
+                                torch.cat([-128 * d, torch.zeros_like(d)], dim=1), Q8_GROUP)
+            tiles = int4_stream(blocks)
+        self.register_buffer("tiles", tiles, persistent=False)
 
     @staticmethod
     def usable(out_features: int, in_features: int) -> bool:
@@ -258,8 +348,11 @@ class Q8Head(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in_features] bf16 -> [rows, out_features] bf16."""
-        y: torch.Tensor = bf16_kernels().int4_gemv(  # type: ignore[union-attr]
-            torch.cat([x, x], dim=1), self.tiles)
+        kernels: Any = bf16_kernels()
+        if self.int8x:
+            y: torch.Tensor = kernels.int8x_gemv(x.contiguous(), self.tiles)
+        else:
+            y = kernels.int4_gemv(torch.cat([x, x], dim=1), self.tiles)
         return y
 
 

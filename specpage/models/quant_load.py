@@ -21,9 +21,11 @@ fp32's speed as the shared machine's load changed; torch's int8 kernel (one
 scale per row, which would re-quantize the GGUF's Q8_0 blocks) was at best
 ~2x faster on one row and ~3x slower than bf16 on 32. Where the head is a
 GGUF's Q8_0 blocks (the default file's), q4 also gives the model a Q8Head
-(models/quant.py): those blocks, exact, on the int4 kernel, for up to 8
-rows, where it read in about half the dense bf16 head's time (head_alone);
-more rows take the dense head.
+(models/quant.py): those blocks, exact, for up to 8 rows, where it read in
+about half the dense bf16 head's time (head_alone); more rows take the dense
+head. A model computing in bf16 takes each product's input to int8 per group
+of 32 where the CPU has AVX-512 VNNI (quant.INT8X_PRODUCTS, as llama.cpp
+does); one computing in a chosen fp32 keeps them bf16.
 """
 
 from __future__ import annotations
@@ -121,20 +123,21 @@ def quantize_loaded(loaded: L, quantization: Quantization, path: Path,
         raise QuantizationError(
             f"{gguf}: its Q4 blocks are groups of {GGUF_GROUP}; q4-g{quantization.group} would "
             "re-quantize weights already quantized: use q4")
+    # bf16 activations (Q8Head's, and int8 product inputs'): the default, or chosen
+    bf16 = bf16_activations(loaded, dtype_chosen)
     if reuse:
         assert weights is not None
-        _swap(loaded.model, weights.blocks)
+        _swap(loaded.model, weights.blocks, int8x=bf16)
         applied = f"q4 from GGUF {'/'.join(sorted(types))} blocks"
         model = loaded.model
-        # bf16 activations (Q8Head's): the default, or chosen
         head = (weights.q8_0("token_embd.weight" if model.lm_head is None else "output.weight")
-                if not dtype_chosen or model.norm.weight.dtype == QUANTIZED_DTYPE else None)
+                if bf16 else None)
         if head is not None and Q8Head.usable(*head[0].shape):
             model.q8_head = Q8Head(*head)
             applied += ", Q8_0 vocabulary projection"
     else:
         blocks = _rtn_cached(loaded, quantization.group)
-        _swap(loaded.model, lambda i, name: blocks[f"layers.{i}.{name}"])
+        _swap(loaded.model, lambda i, name: blocks[f"layers.{i}.{name}"], int8x=bf16)
         applied = f"q4 g{quantization.group} round-to-nearest"
     return _applied(loaded, applied, dtype_chosen)
 
@@ -150,6 +153,8 @@ def _applied(loaded: H, applied: str, dtype_chosen: bool) -> H:
         model.inv_freq = inv_freq
     if model.norm.weight.dtype == QUANTIZED_DTYPE:
         applied += ", bf16 activations"
+    if any(isinstance(m, Int4Linear) and m.int8x for m in model.modules()):
+        applied += ", int8 product inputs"  # x to int8 per 32 at each product (quant.py)
     log.info("quantized %s: %s", loaded.folder, applied)
     identity = hashlib.sha256(loaded.identity + applied.encode()).digest()
     return dataclasses.replace(loaded, identity=identity, quantization=applied)
@@ -171,11 +176,20 @@ def quantize_head(head: LoadedHead, quantization: Quantization,
         dense = getattr(head.model, name)
         bias = None if dense.bias is None else dense.bias.detach()
         setattr(head.model, name, Int4Linear(quantize_rtn(dense.weight, quantization.group, name),
-                                             bias))
+                                             bias, int8x=bf16_activations(head, dtype_chosen)))
     return _applied(head, f"q4 g{quantization.group} round-to-nearest", dtype_chosen)
 
 
-def _swap(model: DecoderModel, blocks_of: Callable[[int, str], Int4Blocks]) -> None:
+def bf16_activations(loaded: Loaded | LoadedHead, dtype_chosen: bool) -> bool:
+    """Whether a model quantized now computes in bf16: unless a dtype was
+    chosen (then the one it was loaded in), _applied casts it so."""
+    return not dtype_chosen or loaded.model.norm.weight.dtype == QUANTIZED_DTYPE
+
+
+def _swap(model: DecoderModel, blocks_of: Callable[[int, str], Int4Blocks],
+          int8x: bool) -> None:
+    """Each projection swapped for its blocks; int8x: their products may
+    take x to int8 (quant.Int4Linear), which a model computing in fp32 does not."""
     for i, layer in enumerate(model.layers):
         for name in PROJECTIONS:
             dense = getattr(layer, name)
@@ -187,7 +201,7 @@ def _swap(model: DecoderModel, blocks_of: Callable[[int, str], Int4Blocks]) -> N
             out_features, in_features = blocks.q.shape
             check_shape(f"layers.{i}.{name}", in_features, blocks.group, out_features)
             bias = None if dense.bias is None else dense.bias.detach()
-            setattr(layer, name, Int4Linear(blocks, bias))
+            setattr(layer, name, Int4Linear(blocks, bias, int8x))
 
 
 def _rtn_cached(loaded: Loaded, group: int) -> dict[str, Int4Blocks]:

@@ -37,7 +37,10 @@ namespace {
 
 // How a product is computed, and how many operands (after x) it takes from
 // the flat operand list; models/native_stack.py writes the same codes.
-enum Kind : int64_t { kGemv = 0, kPanels = 1, kInt4 = 2, kOneDnn = 3 };
+enum Kind : int64_t { kGemv = 0, kPanels = 1, kInt4 = 2, kOneDnn = 3, kInt8x = 4 };
+
+// The kinds that read int4_gemv.cpp's tiles, in output blocks of 16.
+bool reads_tiles(int64_t kind) { return kind == kInt4 || kind == kInt8x; }
 
 template <typename Signature>
 c10::TypedOperatorHandle<Signature> op(const char* name) {
@@ -70,6 +73,9 @@ struct Ops {
   c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const std::optional<Tensor>&)>
       int4 = op<Tensor(const Tensor&, const Tensor&, const std::optional<Tensor>&)>(
           "specpage_cpu::int4_gemv");
+  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const std::optional<Tensor>&)>
+      int8x = op<Tensor(const Tensor&, const Tensor&, const std::optional<Tensor>&)>(
+          "specpage_cpu::int8x_gemv");
 };
 
 const Ops& ops() {
@@ -94,6 +100,7 @@ int64_t operand_count(int64_t kind) {
     case kGemv: return 1;    // weight
     case kPanels: return 1;  // packed panels (and outs[i])
     case kInt4: return 1;    // tiles (models/quant.py's int4_stream)
+    case kInt8x: return 1;   // tiles (models/quant.py's int8x_stream)
     case kOneDnn: return 1;  // packed weight
     default: TORCH_CHECK(false, "decoder_stack: unknown product kind ", kind);
   }
@@ -102,7 +109,7 @@ int64_t operand_count(int64_t kind) {
 struct Product {
   int64_t kind, out;
   const Tensor* operands;
-  std::optional<Tensor> next = std::nullopt;  // the next product's int4 tiles, read on into
+  std::optional<Tensor> next = std::nullopt;  // the next product's tiles, read on into
 };
 
 Tensor product(const Product& p, const Tensor& x) {
@@ -110,6 +117,7 @@ Tensor product(const Product& p, const Tensor& x) {
     case kGemv: return ops().gemv.call(x, p.operands[0]);
     case kPanels: return ops().panels.call(x, p.operands[0], p.out);
     case kInt4: return ops().int4.call(x, p.operands[0], p.next);
+    case kInt8x: return ops().int8x.call(x, p.operands[0], p.next);
     default: return onednn_linear(x, p.operands[0]);
   }
 }
@@ -123,9 +131,9 @@ struct Weight {
 };
 
 Weight weight_of(const Product& p) {
-  if (p.kind != kGemv && p.kind != kInt4) return {};
+  if (p.kind != kGemv && !reads_tiles(p.kind)) return {};
   const Tensor& w = p.operands[0];
-  const int64_t blocks = p.kind == kInt4 ? w.size(0) : w.size(0) / 16;
+  const int64_t blocks = reads_tiles(p.kind) ? w.size(0) : w.size(0) / 16;
   if (blocks == 0) return {};
   return {static_cast<const uint8_t*>(w.data_ptr()), blocks,
           static_cast<int64_t>(w.nbytes()) / blocks};
@@ -230,7 +238,8 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> decoder_stack(
   std::vector<Weight> weights;
   for (size_t i = 0; i < products.size(); ++i) {
     weights.push_back(weight_of(products[i]));
-    if (i + 1 < products.size() && products[i].kind == kInt4 && products[i + 1].kind == kInt4) {
+    if (i + 1 < products.size() && reads_tiles(products[i].kind) &&
+        products[i + 1].kind == products[i].kind) {
       products[i].next = products[i + 1].operands[0];
     }
   }

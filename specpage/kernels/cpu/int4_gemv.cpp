@@ -39,7 +39,8 @@
 //
 // Registered as torch.ops.specpage_cpu.int4_gemv; models/quant.py's
 // int4_stream writes the layout; has_bf16_gemv (in bf16_gemv.cpp) says
-// whether this build has the instructions.
+// whether this build has the instructions. The same products with x taken
+// to int8 (int8x_gemv, on AVX-512 VNNI) are further down.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -52,9 +53,11 @@
 #include <optional>
 #include <vector>
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) || defined(__AVX512VNNI__)
 #include <immintrin.h>
 #endif
+
+#include <cmath>
 
 #include "vec.h"
 
@@ -69,6 +72,32 @@ constexpr int64_t kHalfTileBytes = kNibbleBytes + 2 * kBlock * 2;  // + fp16 sca
 constexpr int64_t kFloatTileBytes = kNibbleBytes + 2 * kBlock * 4;  // + fp32 scales, biases
 constexpr int64_t kMaxRows = 8;  // rows one pass over a block takes (more: passes)
 
+// Where one thread's reads ahead go once they pass the end of its share:
+// the same thread's share of the next product's tiles (or nowhere).
+struct Ahead {
+  const uint8_t* end;                 // one past this thread's share
+  const uint8_t* next = nullptr;      // its share of the next product's tiles
+  const uint8_t* next_end = nullptr;
+};
+
+// Where tile `fetch` (kTileBytes ahead of the one being read) is, once the
+// reads pass the end of this thread's share: in its share of the next
+// product, or nowhere.
+inline const uint8_t* ahead_of(const uint8_t* fetch, int64_t tile_bytes, const Ahead& ahead) {
+  if (fetch >= ahead.end && ahead.next != nullptr) {
+    fetch = ahead.next + (fetch - ahead.end);
+    if (fetch + tile_bytes > ahead.next_end) return nullptr;
+  }
+  return fetch;
+}
+
+inline void prefetch_tile(const uint8_t* fetch, int64_t tile_bytes) {
+  if (fetch == nullptr) return;
+  for (int64_t line = 0; line < tile_bytes; line += 64) {
+    __builtin_prefetch(fetch + line, 0, 2);  // into L2
+  }
+}
+
 #if defined(__AVX512BF16__)
 struct Operands {
   const uint16_t* x;     // bf16 [rows, in]
@@ -76,14 +105,6 @@ struct Operands {
   const float* xsum;     // [rows, groups]
   c10::BFloat16* y;      // [rows, out]
   int64_t in, groups, out;
-};
-
-// Where one thread's reads ahead go once they pass the end of its share:
-// the same thread's share of the next product's tiles (or nowhere).
-struct Ahead {
-  const uint8_t* end;                 // one past this thread's share
-  const uint8_t* next = nullptr;      // its share of the next product's tiles
-  const uint8_t* next_end = nullptr;
 };
 
 // Two chains of vdpbf16ps per row (even and odd pairs of a group), so that
@@ -105,16 +126,7 @@ void block_rows(const Operands& p, int64_t b, int64_t row0, const Ahead& ahead) 
   for (int64_t r = 0; r < kRows; ++r) total[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < p.groups; ++g) {
     const uint8_t* tile = block + g * kTileBytes;
-    const uint8_t* fetch = tile + kPrefetchAhead;
-    if (fetch >= ahead.end && ahead.next != nullptr) {
-      fetch = ahead.next + (fetch - ahead.end);
-      if (fetch + kTileBytes > ahead.next_end) fetch = nullptr;
-    }
-    if (fetch != nullptr) {
-      for (int64_t line = 0; line < kTileBytes; line += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(fetch) + line, _MM_HINT_T1);
-      }
-    }
+    prefetch_tile(ahead_of(tile + kPrefetchAhead, kTileBytes, ahead), kTileBytes);
     __m512 dot[kRows][kChains];
     for (int64_t r = 0; r < kRows; ++r) {
       for (int c = 0; c < kChains; ++c) dot[r][c] = _mm512_setzero_ps();
@@ -162,25 +174,62 @@ void block_rows(const Operands& p, int64_t b, int64_t row0, const Ahead& ahead) 
 }
 #endif
 
-at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& tiles,
-                     const std::optional<at::Tensor>& next) {
+bool is_tiles(const at::Tensor& t, std::initializer_list<int64_t> sizes) {
+  return t.dim() == 3 && t.is_contiguous() && t.scalar_type() == at::kByte &&
+         std::find(sizes.begin(), sizes.end(), t.size(2)) != sizes.end();
+}
+
+// Calls block(b, row0, count, ahead) for every block of 16 outputs b and
+// every run of up to kMaxRows rows from row0, the blocks split over threads
+// in one sequential share each, the rows of a block taken while its tiles
+// are in cache; `ahead` tells a thread's reads where its share ends and
+// where (`next`: the next product's tiles, split alike) they go on.
+template <typename F>
+void for_blocks(int64_t rows, const at::Tensor& tiles, const std::optional<at::Tensor>& next,
+                F&& block) {
+  const int64_t blocks = tiles.size(0), block_bytes = tiles.size(1) * tiles.size(2);
+  const int64_t grain = std::max<int64_t>(1, (32 << 10) / block_bytes);
+  // parallel_for's split: `used` threads, shares of `chunk` blocks
+  const int64_t used = std::min<int64_t>(at::get_num_threads(), (blocks + grain - 1) / grain);
+  const int64_t chunk = (blocks + used - 1) / used;
+  const uint8_t* data = tiles.data_ptr<uint8_t>();
+  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+    Ahead ahead{data + end * block_bytes};
+    if (next.has_value() && next->numel() > 0) {  // this thread's share of next, split alike
+      const int64_t next_blocks = next->size(0), next_bytes = next->size(1) * next->size(2);
+      const int64_t next_chunk = (next_blocks + used - 1) / used;
+      const int64_t first = std::min(next_blocks, begin / chunk * next_chunk);
+      const int64_t last = std::min(next_blocks, first + next_chunk);
+      ahead.next = next->data_ptr<uint8_t>() + first * next_bytes;
+      ahead.next_end = next->data_ptr<uint8_t>() + last * next_bytes;
+    }
+    for (int64_t b = begin; b < end; ++b) {
+      for (int64_t row0 = 0; row0 < rows; row0 += kMaxRows) {
+        block(b, row0, std::min(kMaxRows, rows - row0), ahead);
+      }
+    }
+  });
+}
+
+void check_x(const at::Tensor& x, const char* op) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
               "x must be contiguous bf16 [rows, in]");
+  TORCH_CHECK(x.size(0) >= 1, op, " needs at least one row of x");
+  TORCH_CHECK(x.size(1) % kGroup == 0, op, " needs in a multiple of ", kGroup, ", got ",
+              x.size(1));
+}
+
+at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& tiles,
+                     const std::optional<at::Tensor>& next) {
+  check_x(x, "int4_gemv");
   const int64_t rows = x.size(0), in = x.size(1), groups = in / kGroup;
-  TORCH_CHECK(rows >= 1, "int4_gemv needs at least one row of x");
-  TORCH_CHECK(in % kGroup == 0, "int4_gemv needs in a multiple of ", kGroup, ", got ", in);
-  auto is_tiles = [](const at::Tensor& t) {
-    return t.dim() == 3 && t.is_contiguous() && t.scalar_type() == at::kByte &&
-           (t.size(2) == kHalfTileBytes || t.size(2) == kFloatTileBytes);
-  };
-  TORCH_CHECK(is_tiles(tiles) && tiles.size(1) == groups,
+  TORCH_CHECK(is_tiles(tiles, {kHalfTileBytes, kFloatTileBytes}) && tiles.size(1) == groups,
               "tiles must be contiguous uint8 [out / 16, in / 32, ", kHalfTileBytes, " or ",
               kFloatTileBytes, "] (models/quant.py's int4_stream) for x of ", in, " inputs");
-  TORCH_CHECK(!next.has_value() || is_tiles(*next),
+  TORCH_CHECK(!next.has_value() || is_tiles(*next, {kHalfTileBytes, kFloatTileBytes}),
               "next must be contiguous uint8 [out / 16, in / 32, ", kHalfTileBytes, " or ",
               kFloatTileBytes, "]: the next product's tiles");
   const bool half = tiles.size(2) == kHalfTileBytes;
-  const int64_t tile_bytes = tiles.size(2);
   const int64_t out = tiles.size(0) * kBlock;
   at::Tensor y = at::empty({rows, out}, x.options());
 #if defined(__AVX512BF16__)
@@ -196,35 +245,199 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& tiles,
   const Operands ops{reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()),
                      tiles.data_ptr<uint8_t>(), xsum.data(), y.data_ptr<c10::BFloat16>(), in,
                      groups, out};
-  const int64_t blocks = out / kBlock, block_bytes = groups * tile_bytes;
-  const int64_t grain = std::max<int64_t>(1, (32 << 10) / block_bytes);
-  // parallel_for's split: `used` threads, shares of `chunk` blocks
-  const int64_t used = std::min<int64_t>(at::get_num_threads(), (blocks + grain - 1) / grain);
-  const int64_t chunk = (blocks + used - 1) / used;
-  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
-    Ahead ahead{ops.tiles + end * block_bytes};
-    if (next.has_value() && next->numel() > 0) {  // this thread's share of next, split alike
-      const int64_t next_blocks = next->size(0), next_bytes = next->size(1) * next->size(2);
-      const int64_t next_chunk = (next_blocks + used - 1) / used;
-      const int64_t first = std::min(next_blocks, begin / chunk * next_chunk);
-      const int64_t last = std::min(next_blocks, first + next_chunk);
-      ahead.next = next->data_ptr<uint8_t>() + first * next_bytes;
-      ahead.next_end = next->data_ptr<uint8_t>() + last * next_bytes;
-    }
-    for (int64_t b = begin; b < end; ++b) {
-      for (int64_t row0 = 0; row0 < rows; row0 += kMaxRows) {  // the block's tiles now cached
-        with_rows(std::min(kMaxRows, rows - row0), [&](auto count) {
-          if (half) {
-            block_rows<decltype(count)::value, true>(ops, b, row0, ahead);
-          } else {
-            block_rows<decltype(count)::value, false>(ops, b, row0, ahead);
-          }
-        });
+  for_blocks(rows, tiles, next, [&](int64_t b, int64_t row0, int64_t count, const Ahead& ahead) {
+    with_rows(count, [&](auto n) {
+      if (half) {
+        block_rows<decltype(n)::value, true>(ops, b, row0, ahead);
+      } else {
+        block_rows<decltype(n)::value, false>(ops, b, row0, ahead);
       }
-    }
+    });
   });
 #else
   TORCH_CHECK(false, "int4_gemv: built without AVX-512 BF16");
+#endif
+  return y;
+}
+
+// ---- x taken to int8 (int8x_gemv) ----
+//
+// The same products with x quantized as GGML's Q8 blocks quantize it, per
+// row and group of 32: d = max |x| / 127, x ~ d q with q = round(x / d) in
+// -127..127. Then, per group, the weights' integer levels times q are summed
+// exactly in int32 by vpdpbusd (u8 x s8, four products a lane, 64 a
+// vector: twice vdpbf16ps's, with no conversion of the levels to floats),
+// and
+//   y[o] += scale[o, g] * (d_g * dot[o, g]) + offset[o, g] * (d_g * sum_g q)
+// is W x~ for x~ = d q: the weights exact, x to about 8 bits in its group.
+// This is what llama.cpp computes for Q4_0/Q4_1/Q8_0 weights on a CPU.
+// Tiles, per 16 outputs and group of 32 inputs:
+//   q4: 256 bytes, four 64-byte chunks, byte 4l + t of chunk j holding
+//       q[l][8j + t] in its low nibble and q[l][8j + 4 + t] in its high one;
+//       then 16 scales and 16 offsets, fp16 (320 bytes) or fp32 (384);
+//   q8: 512 bytes, eight chunks, byte 4l + t of chunk j = q[l][4j + t] + 128
+//       (GGML's Q8_0 values made unsigned), then 16 fp16 scales d; the
+//       offset is -128 d (544 bytes).
+// A unpacked nibble chunk is two vectors of bytes (an and, a shift and an
+// and): against the bf16 kernel above, a third of the instructions a tile.
+
+constexpr int64_t kQ8TileBytes = kBlock * kGroup + kBlock * 2;  // levels + fp16 scales
+
+enum class Format { kQ4Half, kQ4Float, kQ8 };
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+struct QuantizedX {
+  std::vector<int8_t> q;  // [rows, in]
+  std::vector<float> d;   // [rows, groups]: the group's scale
+  std::vector<float> sum; // [rows, groups]: d * the sum of the group's q
+};
+
+inline __m512 load_bf16(const c10::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// x [rows, in] bf16 to Q8 blocks of 32. A group that is not finite gets a
+// NaN scale, so that its products come out NaN as the bf16 kernel's do.
+QuantizedX quantize_x(const c10::BFloat16* x, int64_t rows, int64_t in) {
+  const int64_t groups = in / kGroup;
+  QuantizedX out{std::vector<int8_t>(rows * in), std::vector<float>(rows * groups),
+                 std::vector<float>(rows * groups)};
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t at = r * groups + g;
+      const __m512 a = load_bf16(x + r * in + g * kGroup);
+      const __m512 b = load_bf16(x + r * in + g * kGroup + kLanes);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+      if (!std::isfinite(_mm512_reduce_add_ps(_mm512_add_ps(a, b)))) {
+        out.d[at] = out.sum[at] = std::nanf("");
+        continue;  // its q stay 0
+      }
+      const __m512 inverse = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+      const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inverse));  // to nearest even
+      const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inverse));
+      int8_t* q = out.q.data() + r * in + g * kGroup;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(qa));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + kLanes), _mm512_cvtsepi32_epi8(qb));
+      out.d[at] = amax / 127.0f;
+      out.sum[at] = out.d[at] * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)));
+    }
+  }
+  return out;
+}
+
+struct Int8xOperands {
+  const QuantizedX* x;
+  const uint8_t* tiles;  // [out / 16, groups, tile bytes]
+  c10::BFloat16* y;      // [rows, out]
+  int64_t in, groups, out;
+};
+
+template <int64_t kRows, Format kFormat>
+void block_rows_int8x(const Int8xOperands& p, int64_t b, int64_t row0, const Ahead& ahead) {
+  constexpr int64_t kTileBytes = kFormat == Format::kQ4Half    ? kHalfTileBytes
+                                 : kFormat == Format::kQ4Float ? kFloatTileBytes
+                                                               : kQ8TileBytes;
+  const __m512i low_nibbles = _mm512_set1_epi8(0x0f);
+  const uint8_t* block = p.tiles + b * p.groups * kTileBytes;
+  __m512 total[kRows];
+  for (int64_t r = 0; r < kRows; ++r) total[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < p.groups; ++g) {
+    const uint8_t* tile = block + g * kTileBytes;
+    prefetch_tile(ahead_of(tile + kPrefetchAhead, kTileBytes, ahead), kTileBytes);
+    // two chains a row, so that its vpdpbusd do not all wait on each other
+    __m512i dot[kRows][2];
+    for (int64_t r = 0; r < kRows; ++r) dot[r][0] = dot[r][1] = _mm512_setzero_si512();
+    const int8_t* xg = p.x->q.data() + row0 * p.in + g * kGroup;
+    auto word = [&](int64_t r, int64_t k) {  // x's inputs 4k..4k+3 of the group, row r
+      int32_t bits;
+      std::memcpy(&bits, xg + r * p.in + 4 * k, sizeof(bits));
+      return _mm512_set1_epi32(bits);
+    };
+    if constexpr (kFormat == Format::kQ8) {
+      for (int64_t j = 0; j < 8; ++j) {
+        const __m512i w = _mm512_loadu_si512(tile + 64 * j);
+        for (int64_t r = 0; r < kRows; ++r) {
+          dot[r][j & 1] = _mm512_dpbusd_epi32(dot[r][j & 1], w, word(r, j));
+        }
+      }
+    } else {
+      for (int64_t j = 0; j < 4; ++j) {
+        const __m512i bytes = _mm512_loadu_si512(tile + 64 * j);
+        const __m512i low = _mm512_and_si512(bytes, low_nibbles);
+        const __m512i high = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low_nibbles);
+        for (int64_t r = 0; r < kRows; ++r) {
+          dot[r][0] = _mm512_dpbusd_epi32(dot[r][0], low, word(r, 2 * j));
+          dot[r][1] = _mm512_dpbusd_epi32(dot[r][1], high, word(r, 2 * j + 1));
+        }
+      }
+    }
+    const uint8_t* params = tile + (kFormat == Format::kQ8 ? kBlock * kGroup : kNibbleBytes);
+    __m512 scale, offset;
+    if constexpr (kFormat == Format::kQ4Float) {
+      scale = _mm512_loadu_ps(reinterpret_cast<const float*>(params));
+      offset = _mm512_loadu_ps(reinterpret_cast<const float*>(params) + kBlock);
+    } else {
+      scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(params)));
+      offset = kFormat == Format::kQ8
+                   ? _mm512_mul_ps(scale, _mm512_set1_ps(-128.0f))
+                   : _mm512_cvtph_ps(_mm256_loadu_si256(
+                         reinterpret_cast<const __m256i*>(params + 2 * kBlock)));
+    }
+    for (int64_t r = 0; r < kRows; ++r) {
+      const int64_t at = (row0 + r) * p.groups + g;
+      const __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(dot[r][0], dot[r][1]));
+      total[r] = _mm512_fmadd_ps(_mm512_mul_ps(sum, _mm512_set1_ps(p.x->d[at])), scale, total[r]);
+      total[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(p.x->sum[at]), total[r]);
+    }
+  }
+  for (int64_t r = 0; r < kRows; ++r) {
+    store(p.y + (row0 + r) * p.out + b * kBlock, (vfloat)total[r]);
+  }
+}
+#endif
+
+bool has_int8x_gemv() {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+at::Tensor int8x_gemv(const at::Tensor& x, const at::Tensor& tiles,
+                      const std::optional<at::Tensor>& next) {
+  check_x(x, "int8x_gemv");
+  const int64_t rows = x.size(0), in = x.size(1), groups = in / kGroup;
+  const auto sizes = {kHalfTileBytes, kFloatTileBytes, kQ8TileBytes};
+  TORCH_CHECK(is_tiles(tiles, sizes) && tiles.size(1) == groups,
+              "tiles must be contiguous uint8 [out / 16, in / 32, ", kHalfTileBytes, ", ",
+              kFloatTileBytes, " or ", kQ8TileBytes,
+              "] (models/quant.py's int8x_stream) for x of ", in, " inputs");
+  TORCH_CHECK(!next.has_value() || is_tiles(*next, sizes),
+              "next must be contiguous uint8 [out / 16, in / 32, ", kHalfTileBytes, ", ",
+              kFloatTileBytes, " or ", kQ8TileBytes, "]: the next product's tiles");
+  const int64_t out = tiles.size(0) * kBlock;
+  at::Tensor y = at::empty({rows, out}, x.options());
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  const QuantizedX quantized = quantize_x(x.data_ptr<c10::BFloat16>(), rows, in);
+  const Int8xOperands ops{&quantized, tiles.data_ptr<uint8_t>(), y.data_ptr<c10::BFloat16>(), in,
+                          groups, out};
+  const int64_t tile_bytes = tiles.size(2);
+  for_blocks(rows, tiles, next, [&](int64_t b, int64_t row0, int64_t count, const Ahead& ahead) {
+    with_rows(count, [&](auto n) {
+      constexpr int64_t kRows = decltype(n)::value;
+      if (tile_bytes == kHalfTileBytes) {
+        block_rows_int8x<kRows, Format::kQ4Half>(ops, b, row0, ahead);
+      } else if (tile_bytes == kFloatTileBytes) {
+        block_rows_int8x<kRows, Format::kQ4Float>(ops, b, row0, ahead);
+      } else {
+        block_rows_int8x<kRows, Format::kQ8>(ops, b, row0, ahead);
+      }
+    });
+  });
+#else
+  TORCH_CHECK(false, "int8x_gemv: built without AVX-512 VNNI");
 #endif
   return y;
 }
@@ -233,6 +446,15 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& tiles,
 
 TORCH_LIBRARY_FRAGMENT(specpage_cpu, m) {
   m.def("int4_gemv(Tensor x, Tensor tiles, Tensor? next=None) -> Tensor");
+  m.def("int8x_gemv(Tensor x, Tensor tiles, Tensor? next=None) -> Tensor");
+  m.def("has_int8x_gemv() -> bool");
 }
 
-TORCH_LIBRARY_IMPL(specpage_cpu, CPU, m) { m.impl("int4_gemv", &int4_gemv); }
+TORCH_LIBRARY_IMPL(specpage_cpu, CPU, m) {
+  m.impl("int4_gemv", &int4_gemv);
+  m.impl("int8x_gemv", &int8x_gemv);
+}
+
+TORCH_LIBRARY_IMPL(specpage_cpu, CompositeExplicitAutograd, m) {
+  m.impl("has_int8x_gemv", &has_int8x_gemv);
+}
