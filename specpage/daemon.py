@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import time
@@ -270,6 +271,13 @@ async def serve(config: Config) -> int:
         loop.call_soon_threadsafe(stop.set)
 
     built.on_fault(on_fault)
+    # What start-up made (modules, weights' wrappers, the tokenizer, grpc's
+    # objects) lives as long as the daemon: moved out of the cyclic
+    # collector's reach, so that its collections, which a step's short-lived
+    # objects trigger, stop walking it (each full one walked ~hundreds of
+    # thousands of objects, inside a step).
+    gc.collect()
+    gc.freeze()
     engine = AsyncEngine(built, s.max_queue, s.max_prompt_tokens, torch_thread)
     metrics.update_engine(engine.stats())  # the pool's blocks, all free, before any step
     engine.step_observers.append(MetricsObserver(metrics))
