@@ -35,7 +35,11 @@ def test_every_depth_of_every_anchor_equals_drafting_through_the_runner(tmp_path
     table = list(range(8))
     for p in range(n):
         # the committed positions 0 .. n - 1, from the target's features
-        state = runner.run([SeqSpan(tokens[1 : n + 1], 0, table)], hidden)[p]
+        state = runner.run([SeqSpan(tokens[1 : n + 1], 0, table)], hidden,
+                           every_output=True)[p]
+        # as the last of a span, alone: the same output, its K/V the same
+        last = runner.run([SeqSpan(tokens[1 : p + 2], 0, table)], hidden[: p + 1])
+        torch.testing.assert_close(last[0], state, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(outs[0][p], state, atol=1e-5, rtol=1e-5)
         for j in range(1, depth):
             if p + j >= n:

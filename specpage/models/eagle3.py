@@ -110,8 +110,12 @@ class Eagle3Head(nn.Module):
         cache: torch.Tensor,  # [2, num_blocks, block_size, kv_heads, head_dim]
         meta: AttentionMetadata,
         backend: AttentionBackend,
+        outputs: tuple[torch.Tensor, AttentionMetadata] | None = None,
     ) -> torch.Tensor:
-        """The layer's pre-norm output [num_tokens, hidden]; writes its K/V."""
+        """The layer's pre-norm output [num_tokens, hidden]; writes its K/V
+        at every position. outputs: (rows, their metadata as spans of one
+        query each): the output at those rows only [len(rows), hidden], the
+        other positions stopping once their K/V is written."""
         rope = cos_sin(self.inv_freq, positions, embeds.dtype)
         normed = self.hidden_norm(hidden)
         residual = normed if self.config.norm_before_residual else hidden
@@ -119,6 +123,9 @@ class Eagle3Head(nn.Module):
         # the target layers' fused kernels (models/fused.py), where they build
         q, k, v = fused.rope_qk(self.qkv_proj(x), *rope, self.num_heads, self.num_kv_heads)
         backend.write_kv(cache, k, v, meta)
+        if outputs is not None:
+            rows, meta = outputs
+            q, residual = q[rows], residual[rows]
         attn = backend.attend(q, cache, meta, self.head_dim**-0.5)
         residual, normed = self.post_attention_layernorm.after_add(self.o_proj(attn), residual)
         return residual + self.down_proj(fused.silu_and_mul(self.gate_up_proj(normed)))

@@ -17,7 +17,9 @@ the target is filling (core/ledger.py): it carries their tapped states, and
 the next forward over it (a proposal's, or an absorb that runs anyway)
 takes them first. A step in which no sequence needs the head runs no head
 forward at all, so speculation switched off costs the head nothing but a
-forward over a block's positions once per block.
+forward over a block's positions once per block, and that one mostly the
+qkv projection: only a span's last position, the next state, goes on
+through attention and the MLP (HeadRunner.run).
 """
 
 from __future__ import annotations
@@ -72,10 +74,9 @@ class HeadProposer:
             lagging = [batch[active[row]] for row in behind]
             spans = [SeqSpan(self._unabsorbed(w), w.draft_start, w.block_table) for w in lagging]
             taps = torch.cat([held[row][1] for row in behind])
-            out = self.runner.run(spans, self.runner.features(taps))
-            ends = torch.tensor([len(s.token_ids) for s in spans]).cumsum(0) - 1
+            out = self.runner.run(spans, self.runner.features(taps))  # each span's last
             states = states.to(out.dtype)
-            states[behind] = out[ends]
+            states[behind] = out
             costs.append((len(taps), time.perf_counter() - start))
             start = time.perf_counter()
         logits = self.runner.logits(states)
@@ -145,9 +146,8 @@ class HeadProposer:
         if not spans:
             return results, []
         hidden = torch.cat(taps)
-        out = self.runner.run(spans, self.runner.features(hidden))
-        ends = torch.tensor([len(s.token_ids) for s in spans]).cumsum(0) - 1
-        states = out[ends].detach().float().cpu().numpy()
+        out = self.runner.run(spans, self.runner.features(hidden))  # each span's last
+        states = out.detach().float().cpu().numpy()
         for i, state in zip(absorbing, states, strict=True):
             results[i] = msgspec.structs.replace(results[i], draft_state=state.tobytes(),
                                                  draft_lag=0)

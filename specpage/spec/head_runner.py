@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from specpage import hugepages
-from specpage.attention.backend import AttentionBackend
+from specpage.attention.backend import AttentionBackend, AttentionMetadata
 from specpage.attention.selection import select_backend
 from specpage.kernels.native import native_kernels
 from specpage.model_runner import SeqSpan
@@ -48,21 +48,35 @@ class HeadRunner:
         return self.model.fc(taps.to(self.dtype))
 
     @torch.inference_mode()
-    def run(self, spans: Sequence[SeqSpan], hidden: torch.Tensor) -> torch.Tensor:
+    def run(self, spans: Sequence[SeqSpan], hidden: torch.Tensor,
+            every_output: bool = False) -> torch.Tensor:
         """The layer over the spans, whose token_ids are each position's
         NEXT token (what the head embeds), with one hidden state per
-        position [n, hidden]; writes its K/V, returns its pre-norm output
-        [n, hidden]."""
-        meta = self.backend.build_metadata(
-            [(s.start, len(s.token_ids), list(s.block_table)) for s in spans],
-            self.block_size,
-            self.config.num_heads // self.config.num_kv_heads,
-            self.device,
-        )
+        position [n, hidden]; writes its K/V at every position, returns its
+        pre-norm output at each span's last position [len(spans), hidden]
+        (every_output: at every position, [n, hidden]).
+
+        Only a span's last output is ever read (the state a proposal starts
+        from), so the other positions stop at their K/V: attention, o_proj
+        and the MLP run for one row a span. An absorb over the positions a
+        sequence left while it did not speculate, up to a block of them,
+        costs the qkv projection and little more."""
+        meta = self._metadata([(s.start, len(s.token_ids), list(s.block_table)) for s in spans])
+        outputs = None
+        if not every_output and any(len(s.token_ids) > 1 for s in spans):
+            ends = torch.tensor([len(s.token_ids) for s in spans]).cumsum(0) - 1
+            last = self._metadata([(s.end - 1, 1, list(s.block_table)) for s in spans])
+            outputs = (ends.to(self.device), last)
         ids = torch.tensor([t for s in spans for t in s.token_ids], dtype=torch.int64)
         positions = torch.cat([torch.arange(s.start, s.end) for s in spans])
         return self.model(self.embedding(ids.to(self.device)), hidden.to(self.dtype),
-                          positions.to(self.device), self.kv_cache[0], meta, self.backend)
+                          positions.to(self.device), self.kv_cache[0], meta, self.backend,
+                          outputs)
+
+    def _metadata(self, spans: list[tuple[int, int, list[int]]]) -> AttentionMetadata:
+        return self.backend.build_metadata(spans, self.block_size,
+                                           self.config.num_heads // self.config.num_kv_heads,
+                                           self.device)
 
     @torch.inference_mode()
     def logits(self, prenorm: torch.Tensor) -> torch.Tensor:
@@ -75,7 +89,10 @@ class HeadRunner:
         (spec/calibrate.py)."""
         rows = sum(len(s.token_ids) for s in spans)
         out = self.run(spans, torch.zeros(rows, self.config.hidden_size, dtype=self.dtype,
-                                          device=self.device))
+                                          device=self.device),
+                       every_output=any(s.num_logits > 1 for s in spans))
+        if out.shape[0] == len(spans):  # each span's last output only
+            return self.logits(out)
         ends = torch.tensor([len(s.token_ids) for s in spans]).cumsum(0).tolist()
         index = [i for s, e in zip(spans, ends, strict=True) for i in range(e - s.num_logits, e)]
         return self.logits(out[index])
