@@ -27,10 +27,9 @@ SmolLM2-135M-Instruct, one run:
 
 from __future__ import annotations
 
-import contextlib
 import math
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -86,16 +85,9 @@ def load(quantization: str, dtype: str | None = None, spec_k: int = 0,
     """SmolLM2-135M-Instruct; int8x False: its int4 products on bf16 x
     (quant.INT8X_PRODUCTS), where by default they take x to int8."""
     config = EngineConfig(spec_k=spec_k, adaptive_k=False, num_blocks=1024)
-    with products(int8x):
-        return LLM("smollm2-135m", None, config, dtype=dtype, quantization=quantization)
-
-
-@contextlib.contextmanager
-def products(int8x: bool) -> Iterator[None]:
-    """Int4 layers and Q8Heads built inside take x to int8 (int8x) or not."""
     kept, quant.INT8X_PRODUCTS = quant.INT8X_PRODUCTS, int8x
     try:
-        yield
+        return LLM("smollm2-135m", None, config, dtype=dtype, quantization=quantization)
     finally:
         quant.INT8X_PRODUCTS = kept
 
@@ -226,8 +218,7 @@ def head_alone(quick: bool) -> dict[str, Any]:
     q8_heads = {}
     if Q8Head.usable(vocab, hidden):
         for name, int8x in (("q8_head", True), ("q8_head_bf16_products", False)):
-            with products(int8x):
-                q8_heads[name] = Q8Head(q.to(torch.int8).view(vocab, hidden), d[..., 0])
+            q8_heads[name] = Q8Head(q.to(torch.int8).view(vocab, hidden), d[..., 0], int8x)
     packed = PackedWeight()
     transposed = weight.T.contiguous()
     bf16, bf16_t = weight.bfloat16(), transposed.bfloat16()
@@ -277,10 +268,9 @@ def linears_alone(quick: bool) -> dict[str, Any]:
             weight = torch.randn(rows, cols) * 0.05
             scales = weight.abs().amax(1) / 127
             blocks = quantize_rtn(weight, 32)
-            with products(False):
-                bf16_products = Int4Linear(blocks)
             layer.append((weight, (weight / scales[:, None]).round().to(torch.int8),
-                          scales.bfloat16(), Int4Linear(blocks), bf16_products))
+                          scales.bfloat16(), Int4Linear(blocks),
+                          Int4Linear(blocks, int8x=False)))
         layers.append(layer)
     out: dict[str, Any] = {}
     for rows in (1, 4, 8, 32) if quick else (1, 2, 4, 6, 8, 12, 16, 32, 64, 128):

@@ -224,8 +224,12 @@ def fp16_exact(blocks: Int4Blocks) -> bool:
     """Whether every scale and offset is a float16 value (a GGUF's always
     are: GGML stores d and m so; round-to-nearest's offsets are fp32 sums),
     so that the native kernel's tiles can hold them in 16 bits."""
-    return all(bool((v.float().half().float() == v.float()).all())
-               for v in (blocks.scale, blocks.offset))
+    return _fp16_values(blocks.scale) and _fp16_values(blocks.offset)
+
+
+def _fp16_values(values: torch.Tensor) -> bool:
+    """Whether float16 holds every one of these values exactly."""
+    return bool((values.float().half().float() == values.float()).all())
 
 
 def int4_stream(blocks: Int4Blocks, half: bool | None = None) -> torch.Tensor:
@@ -290,7 +294,7 @@ def q8_stream(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     q[l][4j + t] + 128), then the 16 scales d in float16."""
     out_features, in_features = q.shape
     tiles, groups = out_features // 16, in_features // 32
-    if not bool((d.float().half().float() == d.float()).all()):
+    if not _fp16_values(d):
         raise QuantizationError("Q8_0 scales must be float16 values")
     levels = (q.to(torch.int16) + 128).to(torch.uint8).view(tiles, 16, groups, 8, 4)
     levels = levels.permute(0, 2, 3, 1, 4).reshape(tiles, groups, 16 * 32)

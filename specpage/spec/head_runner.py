@@ -88,10 +88,10 @@ class HeadRunner:
         last num_logits positions), for timing the head at start-up
         (spec/calibrate.py)."""
         rows = sum(len(s.token_ids) for s in spans)
+        every = any(s.num_logits > 1 for s in spans)
         out = self.run(spans, torch.zeros(rows, self.config.hidden_size, dtype=self.dtype,
-                                          device=self.device),
-                       every_output=any(s.num_logits > 1 for s in spans))
-        if out.shape[0] == len(spans):  # each span's last output only
+                                          device=self.device), every_output=every)
+        if not every:  # each span's last output
             return self.logits(out)
         ends = torch.tensor([len(s.token_ids) for s in spans]).cumsum(0).tolist()
         index = [i for s, e in zip(spans, ends, strict=True) for i in range(e - s.num_logits, e)]

@@ -91,6 +91,13 @@ inline const uint8_t* ahead_of(const uint8_t* fetch, int64_t tile_bytes, const A
   return fetch;
 }
 
+#if defined(__AVX512BF16__) || defined(__AVX512VNNI__)
+// A tile's 16 float16 values (scales or offsets) as fp32.
+inline __m512 halves(const uint8_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#endif
+
 inline void prefetch_tile(const uint8_t* fetch, int64_t tile_bytes) {
   if (fetch == nullptr) return;
   for (int64_t line = 0; line < tile_bytes; line += 64) {
@@ -150,10 +157,8 @@ void block_rows(const Operands& p, int64_t b, int64_t row0, const Ahead& ahead) 
     }
     __m512 scale, bias;
     if constexpr (kHalf) {
-      scale = _mm512_cvtph_ps(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + kNibbleBytes)));
-      const __m512 offset = _mm512_cvtph_ps(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + kNibbleBytes + 2 * kBlock)));
+      scale = halves(tile + kNibbleBytes);
+      const __m512 offset = halves(tile + kNibbleBytes + 2 * kBlock);
       bias = _mm512_fnmadd_ps(scale, _mm512_set1_ps(128.0f), offset);
     } else {
       const float* scale_and_bias = reinterpret_cast<const float*>(tile + kNibbleBytes);
@@ -292,11 +297,6 @@ struct QuantizedX {
   std::vector<float> sum; // [rows, groups]: d * the sum of the group's q
 };
 
-inline __m512 load_bf16(const c10::BFloat16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
 // x [rows, in] bf16 to Q8 blocks of 32. A group that is not finite gets a
 // NaN scale, so that its products come out NaN as the bf16 kernel's do.
 QuantizedX quantize_x(const c10::BFloat16* x, int64_t rows, int64_t in) {
@@ -306,8 +306,8 @@ QuantizedX quantize_x(const c10::BFloat16* x, int64_t rows, int64_t in) {
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t at = r * groups + g;
-      const __m512 a = load_bf16(x + r * in + g * kGroup);
-      const __m512 b = load_bf16(x + r * in + g * kGroup + kLanes);
+      const __m512 a = (__m512)load(x + r * in + g * kGroup);
+      const __m512 b = (__m512)load(x + r * in + g * kGroup + kLanes);
       const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
       if (!std::isfinite(_mm512_reduce_add_ps(_mm512_add_ps(a, b)))) {
         out.d[at] = out.sum[at] = std::nanf("");
@@ -378,11 +378,9 @@ void block_rows_int8x(const Int8xOperands& p, int64_t b, int64_t row0, const Ahe
       scale = _mm512_loadu_ps(reinterpret_cast<const float*>(params));
       offset = _mm512_loadu_ps(reinterpret_cast<const float*>(params) + kBlock);
     } else {
-      scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(params)));
-      offset = kFormat == Format::kQ8
-                   ? _mm512_mul_ps(scale, _mm512_set1_ps(-128.0f))
-                   : _mm512_cvtph_ps(_mm256_loadu_si256(
-                         reinterpret_cast<const __m256i*>(params + 2 * kBlock)));
+      scale = halves(params);
+      offset = kFormat == Format::kQ8 ? _mm512_mul_ps(scale, _mm512_set1_ps(-128.0f))
+                                      : halves(params + 2 * kBlock);
     }
     for (int64_t r = 0; r < kRows; ++r) {
       const int64_t at = (row0 + r) * p.groups + g;
