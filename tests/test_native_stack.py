@@ -16,7 +16,7 @@ from specpage.model_runner import ModelRunner, SeqSpan
 from specpage.models import native_stack, quant
 from specpage.models.decoder import LayerTap, bf16_kernels
 from specpage.models.loader import load_model
-from specpage.models.quant import DENSE_FROM_ROWS
+from specpage.models.quant import DENSE_FROM_ROWS, INT8X_DENSE_FROM_ROWS, keeps_dense_copy
 from tests.models_util import tiny_checkpoint
 
 pytestmark = pytest.mark.skipif(bf16_kernels() is None,
@@ -102,7 +102,8 @@ def test_the_direct_loop_gives_the_modules_logits_and_kv(
     if quantization is None or (quantization == "q4 bf16 products" and rows >= DENSE_FROM_ROWS):
         assert plan.kinds[0] == expected
     elif quantization == "q4" and quant.int8x_kernels():
-        assert plan.kinds[0] == native_stack.INT8X  # at every row count: no dense copy
+        dense = keeps_dense_copy(int8x=True) and rows >= INT8X_DENSE_FROM_ROWS
+        assert plan.kinds[0] == (expected if dense else native_stack.INT8X)  # no dense copy
     (logits, cache, _), (ref_logits, ref_cache, _) = both_ways(runner, spans, monkeypatch)
     assert torch.equal(logits, ref_logits)
     assert torch.equal(cache, ref_cache)
@@ -130,8 +131,10 @@ def test_two_threads_reading_ahead_change_nothing(
 def test_q4_rows_take_the_int4_kernel_below_the_dense_copy(checkpoint: Path) -> None:
     """The native call chooses each product's kernel as Int4Linear.forward
     does: on the bf16 products, int4 below DENSE_FROM_ROWS rows and the
-    dense copy from there; on int8x products, int8x at every row count."""
-    dense = load_model(checkpoint, "bf16").model.stack_plan(DENSE_FROM_ROWS)
+    dense copy from there; on int8x products, int8x at every row count where
+    the layers keep no dense copy, else below INT8X_DENSE_FROM_ROWS."""
+    bf16 = load_model(checkpoint, "bf16").model
+    dense = bf16.stack_plan(DENSE_FROM_ROWS)
     assert dense is not None
     model = prefilled(checkpoint, "q4 bf16 products", 1).model
     few, many = model.stack_plan(DENSE_FROM_ROWS - 1), model.stack_plan(DENSE_FROM_ROWS)
@@ -140,9 +143,13 @@ def test_q4_rows_take_the_int4_kernel_below_the_dense_copy(checkpoint: Path) -> 
     assert many.kinds[0] == dense.kinds[0] != native_stack.INT4
     if quant.int8x_kernels():
         model = prefilled(checkpoint, "q4", 1).model
-        for rows in (1, DENSE_FROM_ROWS, 200):
+        for rows in (1, DENSE_FROM_ROWS, INT8X_DENSE_FROM_ROWS, 200):
             plan = model.stack_plan(rows)
-            assert plan is not None and set(plan.kinds) == {native_stack.INT8X}
+            assert plan is not None
+            if keeps_dense_copy(int8x=True) and rows >= INT8X_DENSE_FROM_ROWS:
+                assert plan.kinds[0] == bf16.stack_plan(rows).kinds[0]
+            else:
+                assert set(plan.kinds) == {native_stack.INT8X}
 
 
 def test_the_tap_sees_the_same_states(checkpoint: Path,

@@ -16,7 +16,13 @@ from specpage.models import quant
 from specpage.models.decoder import bf16_kernels
 from specpage.models.gguf_blocks import GGUF_PARTS, GGUFWeights, Int4Blocks
 from specpage.models.loader import LoadedModel, load_model
-from specpage.models.quant import DENSE_FROM_ROWS, Int4Linear, keeps_dense_copy, quantize_rtn
+from specpage.models.quant import (
+    DENSE_FROM_ROWS,
+    INT8X_DENSE_FROM_ROWS,
+    Int4Linear,
+    keeps_dense_copy,
+    quantize_rtn,
+)
 from specpage.models.quant_load import PROJECTIONS
 from specpage.models.quant_names import QuantizationError
 from specpage.request import SamplingParams
@@ -292,6 +298,7 @@ def test_speculation_on_the_q8_head_equals_decoding_on_it(
     and int4 kernels (held below their dense thresholds): a self-drafting q4
     target's greedy tokens are those of the target alone."""
     monkeypatch.setattr(quant, "DENSE_FROM_ROWS", 10**9)
+    monkeypatch.setattr(quant, "INT8X_DENSE_FROM_ROWS", 10**9)
     monkeypatch.setattr(quant, "Q8_HEAD_MAX_ROWS", 10**9)
     path = ggufs["Q4_1 vocab 272"]
     prompts = [[40, 41, 42, 43, 44], [50, 60, 70], [100, 101, 102, 103, 104, 105, 106]]
@@ -312,11 +319,21 @@ def test_many_rows_take_the_dense_copy_of_the_kernels_own_weights(
     """On the bf16 products, from DENSE_FROM_ROWS rows a product runs on the
     dense bf16 copy: the kernel's weights (q - 8) * scale + zero,
     dequantized; its results agree with the int4 kernel's within bf16, below
-    and above the threshold. On int8x products no layer keeps one."""
+    and above the threshold. On int8x products a layer keeps one only where
+    oneDNN runs bf16 on AMX, taken from INT8X_DENSE_FROM_ROWS rows."""
     if quant.int8x_kernels():
         int8x = loaded(ggufs["Q4_1"], "q4")
-        assert not any(isinstance(m, Int4Linear) and m.dense is not None
-                       for m in int8x.model.modules())
+        kept = [m for m in int8x.model.modules()
+                if isinstance(m, Int4Linear) and m.dense is not None]
+        if not keeps_dense_copy(int8x=True):
+            assert not kept
+        for module in kept if keeps_dense_copy(int8x=True) else []:
+            for rows in (INT8X_DENSE_FROM_ROWS - 1, INT8X_DENSE_FROM_ROWS):
+                x = torch.randn(rows, module.in_features, dtype=torch.bfloat16)
+                int8x_y, dense = module.int4_product(x).float(), module.dense_product(x).float()
+                assert float((int8x_y - dense).abs().max() / int8x_y.abs().max()) < 2**-5
+                chosen = module(x).float()
+                assert torch.equal(chosen, dense if rows >= INT8X_DENSE_FROM_ROWS else int8x_y)
     monkeypatch.setattr(quant, "INT8X_PRODUCTS", False)
     quantized = loaded(ggufs["Q4_1"], "q4")
     torch.manual_seed(1)
@@ -362,6 +379,7 @@ def test_q4_target_and_draft_speculating_equal_q4_without_speculation(
     products take rounds differently from the int4 kernel, and verification
     brings more rows than decoding, so it is kept out of the comparison.)"""
     monkeypatch.setattr(quant, "DENSE_FROM_ROWS", 10**9)
+    monkeypatch.setattr(quant, "INT8X_DENSE_FROM_ROWS", 10**9)
     draft = write_gguf(tmp_path / "draft.Q4_0.gguf", "Q4_0", seed=1)
     prompts = [[40, 41, 42, 43, 44], [50, 60, 70], [100, 101, 102, 103, 104, 105, 106]]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)

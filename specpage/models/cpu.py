@@ -29,6 +29,11 @@ def has_fast_bf16() -> bool:
     return bool(cpu_flags() & BF16_FLAGS)
 
 
+def has_amx() -> bool:
+    """bf16 matmuls of many rows run on AMX tiles (oneDNN takes them there)."""
+    return "amx_bf16" in cpu_flags()
+
+
 def has_avx512() -> bool:
     return "avx512f" in cpu_flags()
 

@@ -29,8 +29,13 @@ moved from the bf16 products' by about +0.6% (fp32's +0.3%)
 (bench/quantization.py). That kernel is faster than the bf16 one at
 every row count and, measured on SmolLM2-135M's 30 layers of products
 (2 cores, ms, int8x / dense bf16 on oneDNN), faster than the dense bf16
-weights too: 1 row 3.4 / 16.1, 8: 5.1 / 15.3, 32: 18.9 / 27.7,
-128: 53.8 / 74.3, 512: 246 / 275; so its layers keep no dense copy.
+weights too on a CPU without AMX: 1 row 3.4 / 16.1, 8: 5.1 / 15.3,
+32: 18.9 / 27.7, 128: 53.8 / 74.3, 512: 246 / 275; so there its layers keep
+no dense copy. With AMX, oneDNN's bf16 products of many rows run on its
+tiles and pass it: 24 rows 11.1 / 14.2, 32: 13.0 / 14.7, 40: 16.3 / 15.0,
+48: 17.5 / 14.8, 64: 23.9 / 16.4, 128: 44.2 / 25.0; there its layers keep
+a dense copy for INT8X_DENSE_FROM_ROWS rows or more (a prefill chunk, or a
+verify step of many streams), 212 MB more for SmolLM2-135M.
 
 The bf16 kernel reads 4 bits a weight, so it wins while a product is
 bound by reading the weights (a few rows); with more rows its unpacking
@@ -49,6 +54,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from specpage.models import cpu
 from specpage.models.decoder import (
     PackedWeight,
     bf16_kernels,
@@ -74,12 +80,23 @@ Q_OFFSET = 8  # the kernel reads q − 8
 # 23.0 / 23.9, 32: 32.5 / 33.4 and 30.6 / 30.5, 64: 60.9 / 49.2 and
 # 57.2 / 53.3.
 DENSE_FROM_ROWS = 24
+# The same for the int8x kernel, on a CPU with AMX (see above).
+INT8X_DENSE_FROM_ROWS = 40
 
 
-def keeps_dense_copy() -> bool:
-    """Whether an Int4Linear on the bf16 products keeps a dense bf16 copy for
-    many rows (see above); one on int8x products keeps none."""
-    return uses_onednn(torch.empty(0, dtype=KERNEL_DTYPE), DENSE_FROM_ROWS)
+def dense_from_rows(int8x: bool) -> int:
+    """The row count from which an Int4Linear's products take its dense copy
+    (where it keeps one): int8x or bf16 products."""
+    return INT8X_DENSE_FROM_ROWS if int8x else DENSE_FROM_ROWS
+
+
+def keeps_dense_copy(int8x: bool = False) -> bool:
+    """Whether an Int4Linear on the bf16 products, or on int8x products,
+    keeps a dense bf16 copy for many rows (see above): the int8x ones only
+    where oneDNN runs bf16 on AMX."""
+    if int8x and not cpu.has_amx():
+        return False
+    return uses_onednn(torch.empty(0, dtype=KERNEL_DTYPE), dense_from_rows(int8x))
 
 
 OUT_MULTIPLE = 16  # outputs both int4 kernels take in whole blocks of
@@ -159,12 +176,12 @@ class Int4Linear(nn.Module):
         # quantizers cast a model after the swap only to bf16, its own dtype.
         self.dense: torch.Tensor | None
         self.register_buffer("dense", dequantize(blocks, exact=self.native)
-                             if keeps_dense_copy() and not self.int8x else None,
+                             if keeps_dense_copy(self.int8x) else None,
                              persistent=False)
         self._dense_packed = PackedWeight()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dense is not None and x.shape[0] >= DENSE_FROM_ROWS:
+        if self.dense is not None and x.shape[0] >= dense_from_rows(self.int8x):
             y = self.dense_product(x)
         else:
             y = self.int4_product(x)
@@ -176,7 +193,7 @@ class Int4Linear(nn.Module):
         (models/native_stack.py)."""
         if self.bias is not None:
             return None
-        if self.dense is not None and rows >= DENSE_FROM_ROWS:
+        if self.dense is not None and rows >= dense_from_rows(self.int8x):
             return direct_bf16_product(self.dense, self._dense_packed, rows)
         if not self.native:
             return None
