@@ -153,6 +153,17 @@ def over_floor(step: Spread, nbytes: int, rate_gb_s: Spread) -> dict[str, Any]:
             "ratio": Spread.of(ratios).as_json()}
 
 
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo): the same bench moves with it."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
 def machine() -> dict[str, Any]:
     import transformers
 
@@ -162,6 +173,7 @@ def machine() -> dict[str, Any]:
         "transformers": transformers.__version__,
         "threads": torch.get_num_threads(),
         "cpu": platform.processor() or platform.machine(),
+        "cpu_model": cpu_model(),
         "date": time.strftime("%Y-%m-%d"),
     }
 

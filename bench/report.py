@@ -10,18 +10,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import cpu_model  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def vllm_version() -> str:
@@ -392,7 +386,9 @@ def main() -> None:
         when = facts.get("date", "?") if isinstance(facts, dict) else time.strftime(
             "%Y-%m-%d", time.localtime(path.stat().st_mtime))
         form = "short form (--quick)" if result.get("quick") else "full run"
-        lines += [f"## {name}", "", f"{form}, {when}", "",
+        model = facts.get("cpu_model") if isinstance(facts, dict) else None
+        where = f", on {model}" if model else ""
+        lines += [f"## {name}", "", f"{form}, {when}{where}", "",
                   "| case | specpage | peer and ratio |", "|---|---|---|", *rows(render, result),
                   ""]
     gpu = RESULTS / "kernels_gpu.json"
@@ -400,7 +396,8 @@ def main() -> None:
         lines += ["## kernels_gpu", "", "```", gpu.read_text().strip(), "```", ""]
     if machine:
         lines += ["## Machine", "", ", ".join(f"{k} {v}" for k, v in machine.items()),
-                  f"({cpu_model()}, {os.cpu_count()} cores, {platform.machine()}); "
+                  f"(this report written on {cpu_model()}, {os.cpu_count()} cores, "
+                  f"{platform.machine()}); "
                   f"vLLM peer: {vllm_version()}.", ""]
     out = ROOT / "docs" / "BENCHMARKS.md"
     out.write_text("\n".join(lines))
