@@ -327,7 +327,7 @@ def test_many_rows_take_the_dense_copy_of_the_kernels_own_weights(
                 if isinstance(m, Int4Linear) and m.dense is not None]
         if not keeps_dense_copy(int8x=True):
             assert not kept
-        for module in kept if keeps_dense_copy(int8x=True) else []:
+        for module in kept:
             for rows in (INT8X_DENSE_FROM_ROWS - 1, INT8X_DENSE_FROM_ROWS):
                 x = torch.randn(rows, module.in_features, dtype=torch.bfloat16)
                 int8x_y, dense = module.int4_product(x).float(), module.dense_product(x).float()

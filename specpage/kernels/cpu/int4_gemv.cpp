@@ -106,6 +106,28 @@ inline void prefetch_tile(const uint8_t* fetch, int64_t tile_bytes) {
   }
 }
 
+#if defined(__AVX512BF16__) || defined(__AVX512VNNI__)
+// Output block b of y [rows, out] for kRows rows from row0, the rows a
+// compile-time count so that every accumulator stays in a register:
+// group(g, tile, total) adds group g's products, read from its tile, into
+// total[r], tile after tile (the reads running ahead as they go).
+template <int64_t kRows, int64_t kTileBytes, typename Group>
+void over_groups(const uint8_t* tiles, int64_t groups, c10::BFloat16* y, int64_t out, int64_t b,
+                 int64_t row0, const Ahead& ahead, Group&& group) {
+  const uint8_t* block = tiles + b * groups * kTileBytes;
+  __m512 total[kRows];
+  for (int64_t r = 0; r < kRows; ++r) total[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* tile = block + g * kTileBytes;
+    prefetch_tile(ahead_of(tile + kPrefetchAhead, kTileBytes, ahead), kTileBytes);
+    group(g, tile, total);
+  }
+  for (int64_t r = 0; r < kRows; ++r) {
+    store(y + (row0 + r) * out + b * kBlock, (vfloat)total[r]);
+  }
+}
+#endif
+
 #if defined(__AVX512BF16__)
 struct Operands {
   const uint16_t* x;     // bf16 [rows, in]
@@ -121,20 +143,15 @@ struct Operands {
 // (a verify step's tokens are the decode step's).
 constexpr int kChains = 2;
 
-// Output block b for kRows rows of x from row0, the rows a compile-time
-// count so that every accumulator stays in a register.
+// Output block b for kRows rows of x from row0 (over_groups).
 template <int64_t kRows, bool kHalf>
 void block_rows(const Operands& p, int64_t b, int64_t row0, const Ahead& ahead) {
   constexpr int64_t kTileBytes = kHalf ? kHalfTileBytes : kFloatTileBytes;
   constexpr int kOrOfAnd = 0xEA;  // ternary logic: (a & b) | c
   const __m512i nibble = _mm512_set1_epi16(0x000f);
   const __m512i bf16_128 = _mm512_set1_epi16(0x4300);
-  const uint8_t* block = p.tiles + b * p.groups * kTileBytes;
-  __m512 total[kRows];
-  for (int64_t r = 0; r < kRows; ++r) total[r] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < p.groups; ++g) {
-    const uint8_t* tile = block + g * kTileBytes;
-    prefetch_tile(ahead_of(tile + kPrefetchAhead, kTileBytes, ahead), kTileBytes);
+  over_groups<kRows, kTileBytes>(p.tiles, p.groups, p.y, p.out, b, row0, ahead,
+                                 [&](int64_t g, const uint8_t* tile, __m512* total) {
     __m512 dot[kRows][kChains];
     for (int64_t r = 0; r < kRows; ++r) {
       for (int c = 0; c < kChains; ++c) dot[r][c] = _mm512_setzero_ps();
@@ -173,10 +190,7 @@ void block_rows(const Operands& p, int64_t b, int64_t row0, const Ahead& ahead) 
       total[r] = _mm512_fmadd_ps(bias, _mm512_set1_ps(p.xsum[(row0 + r) * p.groups + g]),
                                  total[r]);
     }
-  }
-  for (int64_t r = 0; r < kRows; ++r) {
-    store(p.y + (row0 + r) * p.out + b * kBlock, (vfloat)total[r]);
-  }
+  });
 }
 #endif
 
@@ -371,12 +385,8 @@ void block_rows_int8x(const Int8xOperands& p, int64_t b, int64_t row0, const Ahe
                                  : kFormat == Format::kQ4Float ? kFloatTileBytes
                                                                : kQ8TileBytes;
   const __m512i low_nibbles = _mm512_set1_epi8(0x0f);
-  const uint8_t* block = p.tiles + b * p.groups * kTileBytes;
-  __m512 total[kRows];
-  for (int64_t r = 0; r < kRows; ++r) total[r] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < p.groups; ++g) {
-    const uint8_t* tile = block + g * kTileBytes;
-    prefetch_tile(ahead_of(tile + kPrefetchAhead, kTileBytes, ahead), kTileBytes);
+  over_groups<kRows, kTileBytes>(p.tiles, p.groups, p.y, p.out, b, row0, ahead,
+                                 [&](int64_t g, const uint8_t* tile, __m512* total) {
     // two chains a row, so that its vpdpbusd do not all wait on each other
     __m512i dot[kRows][2];
     for (int64_t r = 0; r < kRows; ++r) dot[r][0] = dot[r][1] = _mm512_setzero_si512();
@@ -420,10 +430,7 @@ void block_rows_int8x(const Int8xOperands& p, int64_t b, int64_t row0, const Ahe
       total[r] = _mm512_fmadd_ps(_mm512_mul_ps(sum, _mm512_set1_ps(p.x->d[at])), scale, total[r]);
       total[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(p.x->sum[at]), total[r]);
     }
-  }
-  for (int64_t r = 0; r < kRows; ++r) {
-    store(p.y + (row0 + r) * p.out + b * kBlock, (vfloat)total[r]);
-  }
+  });
 }
 #endif
 
