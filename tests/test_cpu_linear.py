@@ -2,6 +2,9 @@
 W @ x.T or oneDNN's prepacked weight), the result is F.linear's, and a
 prepacked weight follows its module's weight through a dtype change."""
 
+import re
+import subprocess
+
 import pytest
 import torch
 
@@ -134,3 +137,31 @@ def test_the_native_product_takes_up_to_16_rows_in_groups():
     ours = native_kernels().bf16_gemv(x, weight).float()
     ref = x.float() @ weight.float().T
     assert float((ours - ref).abs().max()) <= float(ref.abs().max()) * 2**-7
+
+
+def _loaded_library() -> str:
+    """The path of the native kernels' library this process loaded."""
+    native_kernels()
+    with open("/proc/self/maps") as maps:
+        paths = {line.split()[-1] for line in maps if "specpage_cpu_" in line}
+    assert len(paths) == 1, paths
+    return paths.pop()
+
+
+@pytest.mark.parametrize("kernel", ["int4_gemv", "int8x_gemv"])
+def test_the_int4_products_ask_for_their_weights_ahead(kernel):
+    """GCC once deleted every prefetch of these products (a function of
+    prefetches alone looked to it like one without effects), and nothing
+    but their speed showed it: their built loops must hold prefetches."""
+    from specpage.models import quant
+
+    built = bf16_kernels() is not None if kernel == "int4_gemv" else quant.int8x_kernels()
+    if not built:
+        pytest.skip(f"{kernel} is not built for this CPU")
+    listing = subprocess.run(["objdump", "-d", "-C", "--no-show-raw-insn", _loaded_library()],
+                             capture_output=True, text=True, check=True).stdout
+    functions = re.split(r"\n(?=[0-9a-f]+ <)", listing)
+    loops = [body for body in functions
+             if "for_blocks<" in body.split("\n", 1)[0] and f"::{kernel}(" in body.split("\n", 1)[0]]
+    assert loops, f"no for_blocks of {kernel} in the library"
+    assert any("prefetcht" in body for body in loops)
