@@ -161,7 +161,8 @@ def test_the_int4_products_ask_for_their_weights_ahead(kernel):
     listing = subprocess.run(["objdump", "-d", "-C", "--no-show-raw-insn", _loaded_library()],
                              capture_output=True, text=True, check=True).stdout
     functions = re.split(r"\n(?=[0-9a-f]+ <)", listing)
-    loops = [body for body in functions
-             if "for_blocks<" in body.split("\n", 1)[0] and f"::{kernel}(" in body.split("\n", 1)[0]]
+    names = [body.split("\n", 1)[0] for body in functions]
+    loops = [body for name, body in zip(names, functions, strict=True)
+             if "for_blocks<" in name and f"::{kernel}(" in name]
     assert loops, f"no for_blocks of {kernel} in the library"
     assert any("prefetcht" in body for body in loops)
