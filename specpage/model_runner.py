@@ -19,6 +19,7 @@ from specpage.attention.selection import select_backend
 from specpage.kernels.native import native_kernels
 from specpage.models.decoder import LayerTap
 from specpage.models.loader import LoadedModel
+from specpage.models.native_stack import NativeStep
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ class ModelRunner:
             self.dtype, self.device,
         )
         self.layer_caches = list(self.kv_cache.unbind(0))
+        self.native_step = NativeStep.of(self.model, self.backend, self.layer_caches, block_size)
 
     @staticmethod
     def bytes_per_block(loaded: LoadedModel, block_size: int) -> int:
@@ -69,6 +71,10 @@ class ModelRunner:
         [sum of num_logits, vocab], spans in order. A tap collects the
         hidden states entering its layers, for every token of the spans."""
         self._check(spans)
+        if self.native_step is not None:
+            logits = self.native_step(spans, tap)
+            if logits is not None:
+                return logits
         meta = self.backend.build_metadata(
             [(s.start, len(s.token_ids), list(s.block_table)) for s in spans],
             self.block_size,

@@ -329,6 +329,12 @@ class DecoderModel(nn.Module):
         if logits_index.shape[0] != x.shape[0]:  # else every row, in order
             x = x[logits_index]
             branch = None if branch is None else branch[logits_index]
+        return self.logits(x, branch)
+
+    def logits(self, x: torch.Tensor, branch: torch.Tensor | None) -> torch.Tensor:
+        """Logits [rows, vocab] in fp32 from the stream after the last
+        layer's attention and that layer's MLP branch (None: x is the
+        stream after the last layer)."""
         if branch is None:
             x = self.norm(x)
         else:
