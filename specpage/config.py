@@ -36,8 +36,9 @@ class ModelSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     dtype: str | None = "auto"
     device: str = "cpu"
     # Both models' linears (models/quant_names); auto: q4 where a model is a
-    # Q4_0/Q4_1 GGUF, reusing its blocks, else as loaded.
-    quantization: str = "none"
+    # Q4_0/Q4_1 GGUF, reusing its blocks (the default target's), else as
+    # loaded; "none" keeps the exact path LLM() and `specpage generate` take.
+    quantization: str = "auto"
 
     def __post_init__(self) -> None:
         # An empty name would surface much later as a puzzling model-loading error.

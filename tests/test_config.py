@@ -232,7 +232,7 @@ def test_toml_round_trip(tmp_path: Path, config: Config) -> None:
 def test_dump_toml_text() -> None:
     text = dump_toml(Config())
     assert text.startswith('[model]\ntarget = "smollm2-135m"\ndtype = "auto"\ndevice = "cpu"\n'
-                           'quantization = "none"\n\n[engine]\n')
+                           'quantization = "auto"\n\n[engine]\n')
     assert "drain_grace_s = 30.0\n" in text
     assert "adaptive_k = true\n" in text
     assert "draft" not in text  # None: omitted
