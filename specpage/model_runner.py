@@ -17,7 +17,7 @@ from specpage import hugepages
 from specpage.attention.backend import AttentionBackend
 from specpage.attention.selection import select_backend
 from specpage.kernels.native import native_kernels
-from specpage.models.decoder import LayerTap
+from specpage.models.decoder import DecoderModel, LayerTap
 from specpage.models.loader import LoadedModel
 from specpage.models.native_stack import NativeStep
 
@@ -57,7 +57,10 @@ class ModelRunner:
             self.dtype, self.device,
         )
         self.layer_caches = list(self.kv_cache.unbind(0))
-        self.native_step = NativeStep.of(self.model, self.backend, self.layer_caches, block_size)
+        # the step from spans for a DecoderModel's own forward (a subclass's,
+        # such as a tensor-parallel shard's, takes the module path)
+        self.native_step = (NativeStep.of(self.model, self.backend, self.layer_caches, block_size)
+                            if type(self.model).forward is DecoderModel.forward else None)
 
     @staticmethod
     def bytes_per_block(loaded: LoadedModel, block_size: int) -> int:

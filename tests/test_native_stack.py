@@ -8,13 +8,14 @@ take (a prefill chunk, fp32) run the module path."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from specpage.model_runner import ModelRunner, SeqSpan
 from specpage.models import native_stack, quant
-from specpage.models.decoder import LayerTap, bf16_kernels
+from specpage.models.decoder import DecoderModel, LayerTap, bf16_kernels
 from specpage.models.loader import load_model
 from specpage.models.quant import DENSE_FROM_ROWS, INT8X_DENSE_FROM_ROWS, keeps_dense_copy
 from tests.models_util import tiny_checkpoint
@@ -280,3 +281,23 @@ def test_the_step_projects_on_a_q8_head_as_the_modules_do(checkpoint: Path) -> N
         step, loop = step_and_loop(runner, spans)
         assert torch.equal(step[0], loop[0])
         assert torch.equal(step[1], loop[1])
+
+
+def test_a_model_with_a_forward_of_its_own_takes_the_module_path(checkpoint: Path) -> None:
+    """A DecoderModel subclass that overrides forward (a tensor-parallel
+    shard gathers its ranks' logits there) gets no NativeStep: its forward
+    runs."""
+    loaded = load_model(checkpoint, "bf16")
+    seen = []
+
+    class Wrapped(DecoderModel):
+        def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+            seen.append(True)
+            return super().forward(*args, **kwargs)
+
+    loaded.model.__class__ = Wrapped
+    runner = ModelRunner(loaded, 8, BLOCK)
+    assert runner.native_step is None
+    runner.forward([SeqSpan([5, 6, 7], 0, table(0))])
+    runner.forward([SeqSpan([8], 3, table(0))])
+    assert seen == [True, True]
