@@ -13,6 +13,11 @@ Facts of this peer, and what the benchmarks do about them:
   that one slot: its best, and only, configuration. By default a new request
   interrupts the one streaming (interrupt_requests); 32 concurrent streams
   would then each get a token or two, so that is turned off.
+- On a CPU with AMX, llama.cpp built with -march=native (its default) repacks
+  the Q4_1 weights for its AMX kernels, and its server died (SIGSEGV) on its
+  first request (0.3.36, an Intel Xeon with AMX). There it is built for the
+  same CPU's AVX-512 (with VNNI and BF16, as llama.cpp uses them for Q4_1
+  blocks) without AMX (build_flags): its best configuration that runs.
 - It ignores vLLM's ``ignore_eos`` extension, which the benchmarks' client
   sends so that every request streams exactly max_tokens. The server is
   started through ``llama_cpp_server.py``, which gives the end-of-sequence
@@ -55,13 +60,33 @@ def setup() -> str | None:
         return None
     steps = [[sys.executable, "-m", "venv", str(VENV)],
              [str(PYTHON), "-m", "pip", "install", "--quiet", "--upgrade", "pip"],
-             [str(PYTHON), "-m", "pip", "install", "--quiet", PACKAGE]]
+             # built here, never a wheel cached from a build with other flags
+             [str(PYTHON), "-m", "pip", "install", "--quiet", "--no-cache-dir", PACKAGE]]
     env = {**os.environ, "CMAKE_BUILD_PARALLEL_LEVEL": BUILD_JOBS}
+    if build_flags():
+        env["CMAKE_ARGS"] = build_flags()
     for step in steps:
         done = subprocess.run(step, capture_output=True, text=True, env=env)
         if done.returncode != 0:
             return f"{' '.join(step[-2:])} failed: {(done.stdout + done.stderr)[-600:]}"
     return None if ready() else "llama_cpp.server does not import after the install"
+
+
+def build_flags() -> str:
+    """llama.cpp's CMake options for this CPU: none (-march=native) unless it
+    has AMX, where the same instruction sets are named without AMX."""
+    try:
+        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("flags")), "").split()
+    except OSError:
+        return ""
+    if "amx_int8" not in flags:
+        return ""
+    wanted = {"GGML_AVX": "avx", "GGML_AVX2": "avx2", "GGML_FMA": "fma", "GGML_F16C": "f16c",
+              "GGML_BMI2": "bmi2", "GGML_AVX512": "avx512f", "GGML_AVX512_VBMI": "avx512_vbmi",
+              "GGML_AVX512_VNNI": "avx512_vnni", "GGML_AVX512_BF16": "avx512_bf16"}
+    return " ".join(["-DGGML_NATIVE=OFF"] + [f"-D{option}={'ON' if flag in flags else 'OFF'}"
+                                             for option, flag in wanted.items()])
 
 
 def server_argv(gguf: Path, alias: str, port: int, threads: int) -> list[str]:
