@@ -36,7 +36,7 @@ bench: $(STAMP)
 	$(PY) bench/report.py
 
 # llama.cpp as a benchmark peer: llama-cpp-python's OpenAI server in its own
-# venv (.venv-llama), compiled from PyPI's source package (~30 min on 2 cores).
+# venv (.venv-llama), compiled from PyPI's source package (3-4 min on 2 cores here).
 # bench/serving.py adds it as a system when this venv exists.
 llama-venv: $(STAMP)
 	$(PY) bench/llama_cpp.py --quick

@@ -3,7 +3,7 @@ from PyPI's source package for this CPU) in its own git-ignored virtual
 environment, .venv-llama, never in specpage's; it serves the very GGUF
 specpage reads its 4-bit blocks from.
 
-    make llama-venv                   # build it once (~30 min on 2 cores)
+    make llama-venv                   # build it once (3-4 min on 2 cores)
     python bench/llama_cpp.py --quick # a smoke run: one request, its ms/token
 
 Facts of this peer, and what the benchmarks do about them:
