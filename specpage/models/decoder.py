@@ -351,12 +351,14 @@ class DecoderModel(nn.Module):
         full = logits.new_full((logits.shape[0], self.config.vocab_size), float("-inf"))
         return full.index_copy_(1, self.output_vocab, logits)
 
-    def _rope(self, positions: torch.Tensor, dtype: torch.dtype
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype, need: int | None = None
               ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin for these positions, rows of a table made for the first
         positions once (grown by doubling) instead of ~7 small ops per
-        forward. Each row is what cos_sin computes for its position alone."""
-        need = int(positions.max()) + 1
+        forward. Each row is what cos_sin computes for its position alone.
+        need: the largest position + 1, where the caller knows it."""
+        if need is None:
+            need = int(positions.max()) + 1
         table = self._rope_table
         if (table is None or table[0] is not self.inv_freq or table[1].dtype != dtype
                 or table[1].shape[0] < need):

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from specpage.attention.backend import AttentionBackend, AttentionMetadata
+from specpage.attention.backend import AttentionBackend, AttentionMetadata, lay_out_spans
 from specpage.attention.cpu import CpuAttention
 from specpage.attention.reference import SHORT_SPAN
 from specpage.kernels.native import loaded_kernels
@@ -58,21 +58,32 @@ def run_layers(
     """(the stream after the last layer's attention, its MLP branch), as
     DecoderModel's loop gives them; None, having done nothing, where some op
     has no kernel."""
-    c = model.config
-    if c.hidden_size % LANES or (c.head_dim // 2) % LANES or c.intermediate_size % LANES:
-        return None  # widths the fused kernels do not take (models/fused.py)
+    if not widths_fit(model.config):
+        return None
     spans = _short_spans(x, meta, backend)
     if spans is None or rope[0].dtype != x.dtype:
         return None
     plan = model.stack_plan(x.shape[0])
     if plan is None:
         return None
+    return _call_stack(model.config, plan, x, rope, list(caches), meta.slot_mapping, *spans, tap)
+
+
+def widths_fit(c: Any) -> bool:
+    """Whether a config's widths are ones the fused kernels take (models/fused.py)."""
+    return not (c.hidden_size % LANES or (c.head_dim // 2) % LANES or c.intermediate_size % LANES)
+
+
+def _call_stack(c: Any, plan: StackPlan, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                caches: list[torch.Tensor], slots: torch.Tensor, block_tables: torch.Tensor,
+                query_start: torch.Tensor, context_lens: torch.Tensor, tap: Any
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """decoder_stack on these operands; the tap sees the states it asked for."""
     taps = sorted(set(tap.layers)) if tap is not None else []
-    block_tables, query_start, context_lens = spans
     x, branch, tapped = loaded_kernels().decoder_stack.default(
-        x, rope[0], rope[1], list(caches), meta.slot_mapping, block_tables, query_start,
-        context_lens, plan.norms, plan.kinds, plan.outs, plan.operands, c.num_heads,
-        c.num_kv_heads, c.rms_norm_eps, c.head_dim**-0.5, taps)
+        x, rope[0], rope[1], caches, slots, block_tables, query_start, context_lens,
+        plan.norms, plan.kinds, plan.outs, plan.operands, c.num_heads, c.num_kv_heads,
+        c.rms_norm_eps, c.head_dim**-0.5, taps)
     for index, state in zip(taps, tapped, strict=True):
         tap.see(index, state)
     return x, branch
@@ -120,111 +131,81 @@ def stack_plan(layers: Sequence[Any], rows: int) -> StackPlan | None:
 class NativeStep:
     """A decode or verify forward on the native kernels from its spans to
     its logits, with as little Python between the kernels as it can take:
-    the spans' ids, positions, slots and block tables as slices of one
-    tensor, the embedding, rotary rows, decoder_stack and the final norm
-    called as ops, and the vocabulary projection on Q8Head's kernel where
-    the model has one (else DecoderModel.logits). Each Python call on a
-    step's path costs far more on caches that other work has just filled
-    than its few microseconds in a loop: on SmolLM2-135M q4 (2 threads,
-    other models' steps between, as bench/quantization.py runs them, 24
-    rounds in one process), a batch-1 decode step 0.97x the module path's
-    (0.87-0.99, 10th-90th percentile; ~0.16 ms), 5 sequences 0.97x; bf16
-    weights and 32 sequences level. The logits and the KV written are the
-    module path's (tests/test_native_stack.py).
+    the embedding, rotary rows, decoder_stack and the final norm called as
+    ops, and the vocabulary projection on Q8Head's kernel where the model
+    has one (else DecoderModel.logits). Each Python call on a step's path
+    costs far more on caches that other work has just filled than its few
+    microseconds in a loop: on SmolLM2-135M q4 (2 threads, other models'
+    steps between, as bench/quantization.py runs them, 24 rounds in one
+    process), a batch-1 decode step 0.97x the module path's (0.87-0.99,
+    10th-90th percentile; ~0.16 ms), 5 sequences 0.97x; bf16 weights and 32
+    sequences level. The logits and the KV written are the module path's
+    (tests/test_native_stack.py).
 
-    Made by ModelRunner for a model on the CPU attention kernel; a forward
-    it does not take (a span longer than the attention kernel's, rows
-    without a stack plan, a reduced draft vocabulary, grad mode) returns
-    None, having done nothing."""
+    Made by ModelRunner for a DecoderModel on the CPU attention kernel; a
+    forward it does not take (a span longer than the attention kernel's,
+    rows without a stack plan, a reduced draft vocabulary, grad mode)
+    returns None, having done nothing."""
 
     def __init__(self, model: Any, caches: list[torch.Tensor], block_size: int) -> None:
         kernels = loaded_kernels()
         assert kernels is not None, "NativeStep needs the native kernels"
-        c = model.config
         self.model = model
         self.caches = caches
         self.block_size = block_size
-        self.heads, self.kv_heads, self.eps = c.num_heads, c.num_kv_heads, c.rms_norm_eps
         self.final_eps = model.norm.eps
-        self.scale = c.head_dim**-0.5
-        self.stack = kernels.decoder_stack.default
         self.add_rms_norm = kernels.add_rms_norm.default
         self.int8x_gemv = kernels.int8x_gemv.default
-        self.fits = not (c.hidden_size % LANES or (c.head_dim // 2) % LANES
-                         or c.intermediate_size % LANES)
+        self.fits = widths_fit(model.config)
         self._plans: dict[int, StackPlan | None] | None = None  # the model's, when bound
-        self._bound: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+        self._bound: tuple[torch.Tensor, torch.Tensor]
 
     @classmethod
     def of(cls, model: Any, backend: AttentionBackend, caches: list[torch.Tensor],
            block_size: int) -> NativeStep | None:
         """One for this model and backend, or None where none can run."""
-        if (not isinstance(backend, CpuAttention) or loaded_kernels() is None
-                or not hasattr(model, "stack_plan")):
+        if not isinstance(backend, CpuAttention) or loaded_kernels() is None:
             return None
         return cls(model, caches, block_size)
 
-    def _tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The model's embedding, final norm weight and rotary frequencies,
-        looked up once for as long as its tensors stay (DecoderModel._apply
-        starts a new dict of stack plans when they change): each is an
-        nn.Module attribute lookup, slow on a cold cache."""
+    def _tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's embedding and final norm weight, looked up once for as
+        long as its tensors stay (DecoderModel._apply starts a new dict of
+        stack plans when they change): each is an nn.Module attribute
+        lookup, slow on a cold cache."""
         model = self.model
         if self._plans is not model._stack_plans:
             self._plans = model._stack_plans
-            self._bound = (model.embed_tokens.weight, model.norm.weight, model.inv_freq)
+            self._bound = (model.embed_tokens.weight, model.norm.weight)
         return self._bound
 
     def __call__(self, spans: Sequence[Any], tap: Any) -> torch.Tensor | None:
         model = self.model
-        weight, norm, inv_freq = self._tensors()
+        weight, norm = self._tensors()
         if (not ENABLED or weight.dtype != torch.bfloat16 or not self.fits
                 or torch.is_grad_enabled() or model.output_vocab is not None
                 or any(len(s.token_ids) > SHORT_SPAN for s in spans)):
             return None
         tokens = sum(len(s.token_ids) for s in spans)
-        plan = self._plans.get(tokens) if tokens in self._plans else model.stack_plan(tokens)
+        plan = model.stack_plan(tokens)
         if plan is None:
             return None
-        size = self.block_size
-        num_seqs = len(spans)
-        widest = max(len(s.block_table) for s in spans)
-        # ids, positions, slots, query starts, context lengths, logit rows, block tables
+        layout = lay_out_spans([(s.start, len(s.token_ids), list(s.block_table)) for s in spans],
+                               self.block_size)
+        # the token ids, their positions and the rows to score, as slices of one tensor
         values = [t for s in spans for t in s.token_ids]
         values.extend(p for s in spans for p in range(s.start, s.end))
-        values.extend(s.block_table[p // size] * size + p % size
-                      for s in spans for p in range(s.start, s.end))
-        query_start = 0
-        values.append(0)
-        for s in spans:
-            query_start += len(s.token_ids)
-            values.append(query_start)
-        values.extend(s.end for s in spans)
         rows = 0
         for s in spans:
             rows += len(s.token_ids)
             values.extend(range(rows - s.num_logits, rows))
-        logit_rows = len(values) - 3 * tokens - 2 * num_seqs - 1
-        for s in spans:
-            values.extend(s.block_table)
-            values.extend([0] * (widest - len(s.block_table)))
-        ids, positions, slots, starts, lengths, logits_index, tables = torch.tensor(
-            values, dtype=torch.int64).split([tokens, tokens, tokens, num_seqs + 1, num_seqs,
-                                              logit_rows, num_seqs * widest])
-        table = model._rope_table  # DecoderModel._rope's, while it holds these positions
-        if (table is None or table[0] is not inv_freq or table[1].dtype != weight.dtype
-                or table[1].shape[0] < max(s.end for s in spans)):
-            cos, sin = model._rope(positions, weight.dtype)
-        else:
-            cos, sin = table[1].index_select(0, positions), table[2].index_select(0, positions)
-        taps = sorted(set(tap.layers)) if tap is not None else []
-        x, branch, tapped = self.stack(
-            torch.embedding(weight, ids), cos, sin, self.caches, slots,
-            tables.view(num_seqs, widest), starts, lengths, plan.norms, plan.kinds, plan.outs,
-            plan.operands, self.heads, self.kv_heads, self.eps, self.scale, taps)
-        for index, state in zip(taps, tapped, strict=True):
-            tap.see(index, state)
-        if logit_rows != tokens:  # else every row, in order
+        ids, positions, logits_index = torch.tensor(values, dtype=torch.int64).split(
+            [tokens, tokens, len(values) - 2 * tokens])
+        rope = model._rope(positions, weight.dtype, max(s.end for s in spans))
+        x, branch = _call_stack(model.config, plan, torch.embedding(weight, ids), rope,
+                                self.caches, layout.slot_mapping, layout.block_tables,
+                                layout.query_start, layout.context_lens, tap)
+        if logits_index.shape[0] != tokens:  # else every row, in order
             x, branch = x[logits_index], branch[logits_index]
         head = model._modules.get("q8_head")  # as model.q8_head, without Module.__getattr__
         if head is None or not head.int8x or not head.takes(x):  # (x: the normed rows' shape)
