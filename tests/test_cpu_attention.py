@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specpage.attention import native
-from specpage.attention.cpu import CpuAttention
+from specpage.attention.cpu import NATIVE_SPAN, CpuAttention
 from specpage.attention.native import native_kernels, paged_attention_ref
 from specpage.attention.reference import TorchAttention
 from specpage.attention.selection import select_backend
@@ -35,7 +35,8 @@ def random_spans(rng: random.Random, count: int, block_size: int, num_blocks: in
                          [(9, 3, 64, 16, 40, 6), (4, 4, 32, 16, 40, 6), (8, 1, 128, 16, 40, 6),
                           (6, 2, 96, 16, 40, 6), (10, 2, 80, 16, 40, 6),
                           (9, 3, 64, 5, 300, 6),  # long contexts, blocks across score groups
-                          (9, 3, 64, 16, 300, 1)])  # one sequence: its rows split over threads
+                          (9, 3, 64, 16, 300, 1),  # one sequence: its rows split over threads
+                          (7, 1, 32, 16, 200, 4)])  # spans up to NATIVE_SPAN (a draft catching up)
 def test_kernel_equals_its_reference(dtype, heads, kv_heads, head_dim, block_size, furthest,
                                      count):
     torch.manual_seed(heads + head_dim)
@@ -45,7 +46,9 @@ def test_kernel_equals_its_reference(dtype, heads, kv_heads, head_dim, block_siz
     if count == 1:  # a verify span of 8 after a long context
         spans = [(furthest, 8, rng.sample(range(num_blocks), -(-(furthest + 8) // block_size)))]
     else:
-        spans = random_spans(rng, count, block_size, num_blocks, longest=8, furthest=furthest)
+        longest = NATIVE_SPAN if count == 4 else 8
+        spans = random_spans(rng, count, block_size, num_blocks, longest=longest,
+                             furthest=furthest)
     q = torch.randn(sum(n for _, n, _ in spans), heads, head_dim).to(dtype)
     width = max(len(t) for _, _, t in spans)
     tables = torch.tensor([t + [0] * (width - len(t)) for _, _, t in spans])
@@ -70,7 +73,8 @@ def test_kernel_rejects_a_context_its_table_cannot_hold():
                                          torch.tensor([5]), 1.0)
 
 
-@pytest.mark.parametrize("longest", [1, 8, 40])  # decode only, verify spans, prefill beside them
+# decode only, verify spans, short prefill, prefill longer than NATIVE_SPAN beside them
+@pytest.mark.parametrize("longest", [1, 8, 40, 100])
 def test_cpu_backend_equals_the_reference_backend(longest):
     torch.manual_seed(longest)
     rng = random.Random(longest)

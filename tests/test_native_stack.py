@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from specpage.attention.cpu import NATIVE_SPAN
 from specpage.model_runner import ModelRunner, SeqSpan
 from specpage.models import native_stack, quant
 from specpage.models.decoder import DecoderModel, LayerTap, bf16_kernels
@@ -50,7 +51,7 @@ def prefilled(checkpoint: Path, quantization: str | None, prompts: int) -> Model
                             quantization=quantization and quantization.split()[0])
     finally:
         quant.INT8X_PRODUCTS = int8x
-    runner = ModelRunner(loaded, 4 * prompts + 4, BLOCK)
+    runner = ModelRunner(loaded, 8 * prompts + 8, BLOCK)
     with torch.inference_mode():
         runner.forward([SeqSpan([(11 * s + 3 * j) % 500 + 1 for j in range(40)], 0,
                                 table(s), 1) for s in range(prompts)])
@@ -58,7 +59,7 @@ def prefilled(checkpoint: Path, quantization: str | None, prompts: int) -> Model
 
 
 def table(seq: int) -> list[int]:
-    return list(range(4 * seq, 4 * seq + 4))
+    return list(range(8 * seq, 8 * seq + 8))
 
 
 def both_ways(runner: ModelRunner, spans: list[SeqSpan], monkeypatch: pytest.MonkeyPatch,
@@ -164,16 +165,17 @@ def test_the_tap_sees_the_same_states(checkpoint: Path,
 
 def test_forwards_the_loop_does_not_take_run_the_modules(
         checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A prefill chunk (a long span) and an fp32 model leave the loop
-    before it does anything."""
+    """A prefill chunk longer than the attention kernel's spans and an fp32
+    model leave the loop before it does anything."""
     taken = []
     run_layers = native_stack.run_layers
     monkeypatch.setattr(native_stack, "run_layers",
                         lambda *a: taken.append(result := run_layers(*a)) or result)
     runner = prefilled(checkpoint, None, 2)
-    assert taken == [None]  # the prefill
-    runner.native_step = None  # which would take the decode before the module path
-    runner.forward([SeqSpan([5], 40, table(0))])
+    runner.native_step = None  # which takes what it can before the module path
+    runner.forward([SeqSpan(list(range(1, NATIVE_SPAN + 2)), 40, table(0))])
+    assert taken[-1] is None
+    runner.forward([SeqSpan([5], 40 + NATIVE_SPAN + 1, table(0))])
     assert taken[-1] is not None
     fp32 = ModelRunner(load_model(checkpoint, "fp32"), 32, BLOCK)
     fp32.forward([SeqSpan([5], 0, table(0))])
@@ -229,7 +231,8 @@ def step_and_loop(runner: ModelRunner, spans: list[SeqSpan], layers: tuple[int, 
 
 @pytest.mark.parametrize("quantization", QUANTIZATIONS)
 @pytest.mark.parametrize("shape", ["decode 1", "decode 3", "verify 5", "verify 3, 1 logit",
-                                   "verify 2 + decode 2, some logits", "decode 20"])
+                                   "verify 2 + decode 2, some logits", "decode 20",
+                                   "catch-up 30 + decode 1"])
 def test_the_step_from_spans_gives_the_layer_loops_logits_kv_and_taps(
         checkpoint: Path, quantization: str | None, shape: str) -> None:
     runner = prefilled(checkpoint, quantization, 20)
@@ -242,6 +245,8 @@ def test_the_step_from_spans_gives_the_layer_loops_logits_kv_and_taps(
             SeqSpan([9, 8], 40, table(0), 1), SeqSpan([5], 40, table(1)),
             SeqSpan([4, 3, 2], 40, table(2), 2)],
         "decode 20": [SeqSpan([7 + s], 40, table(s)) for s in range(20)],
+        "catch-up 30 + decode 1": [SeqSpan(list(range(3, 33)), 40, table(0)),
+                                   SeqSpan([5], 40, table(1))],
     }[shape]
     step, loop = step_and_loop(runner, spans, (0, 2, 2))
     assert torch.equal(step[0], loop[0])
@@ -252,18 +257,31 @@ def test_the_step_from_spans_gives_the_layer_loops_logits_kv_and_taps(
 
 
 def test_the_step_leaves_forwards_it_does_not_take_to_the_modules(checkpoint: Path) -> None:
-    """A prefill chunk, a draft with a reduced vocabulary and an fp32 model:
-    NativeStep does nothing and the module path computes them."""
+    """A prefill chunk longer than the attention kernel's spans and an fp32
+    model: NativeStep does nothing and the module path computes them."""
     runner = prefilled(checkpoint, None, 1)
     assert runner.native_step is not None
-    assert runner.native_step([SeqSpan(list(range(1, 10)), 40, table(0))], None) is None
-    runner.model.restrict_output_vocab(torch.arange(0, 512, 2))
-    assert runner.native_step([SeqSpan([5], 40, table(0))], None) is None
-    logits = runner.forward([SeqSpan([5], 40, table(0))])
-    assert logits.shape == (1, SHAPE["vocab_size"]) and bool(torch.isinf(logits[0, 1]))
+    longer = list(range(1, NATIVE_SPAN + 2))  # than the attention kernel's spans
+    assert runner.native_step([SeqSpan(longer, 40, table(0))], None) is None
     fp32 = ModelRunner(load_model(checkpoint, "fp32"), 32, BLOCK)
     assert fp32.native_step is not None
     assert fp32.native_step([SeqSpan([5], 0, table(0))], None) is None
+
+
+@pytest.mark.parametrize("quantization", QUANTIZATIONS)
+def test_a_draft_vocabulary_is_projected_as_the_modules_do(checkpoint: Path,
+                                                           quantization: str | None) -> None:
+    """A draft scoring only its vocabulary's rows (-inf elsewhere): the
+    step's logits are the module path's, catching up and proposing."""
+    runner = prefilled(checkpoint, quantization, 2)
+    runner.model.restrict_output_vocab(torch.arange(0, SHAPE["vocab_size"], 2))
+    for spans in ([SeqSpan([5], 40, table(0))],
+                  [SeqSpan(list(range(3, 20)), 40, table(0)), SeqSpan([5], 40, table(1))]):
+        with torch.inference_mode():
+            assert runner.native_step is not None and runner.native_step(spans, None) is not None
+        step, loop = step_and_loop(runner, spans)
+        assert torch.equal(step[0], loop[0]) and torch.equal(step[1], loop[1])
+        assert bool(torch.isinf(step[0][:, 1::2]).all()) and bool(step[0][:, ::2].isfinite().all())
 
 
 @pytest.mark.skipif(not quant.int8x_kernels(), reason="no AVX-512 VNNI on this CPU")

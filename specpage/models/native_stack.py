@@ -23,8 +23,7 @@ from typing import Any
 import torch
 
 from specpage.attention.backend import AttentionBackend, AttentionMetadata, lay_out_spans
-from specpage.attention.cpu import CpuAttention
-from specpage.attention.reference import SHORT_SPAN
+from specpage.attention.cpu import NATIVE_SPAN, CpuAttention
 from specpage.kernels.native import loaded_kernels
 from specpage.models.fused import LANES
 
@@ -144,8 +143,9 @@ class NativeStep:
 
     Made by ModelRunner for a DecoderModel on the CPU attention kernel; a
     forward it does not take (a span longer than the attention kernel's,
-    rows without a stack plan, a reduced draft vocabulary, grad mode)
-    returns None, having done nothing."""
+    rows without a stack plan, grad mode) returns None, having done
+    nothing. A draft's reduced vocabulary is projected by
+    DecoderModel.logits, as on the module path."""
 
     def __init__(self, model: Any, caches: list[torch.Tensor], block_size: int) -> None:
         kernels = loaded_kernels()
@@ -183,8 +183,8 @@ class NativeStep:
         model = self.model
         weight, norm = self._tensors()
         if (not ENABLED or weight.dtype != torch.bfloat16 or not self.fits
-                or torch.is_grad_enabled() or model.output_vocab is not None
-                or any(len(s.token_ids) > SHORT_SPAN for s in spans)):
+                or torch.is_grad_enabled()
+                or any(len(s.token_ids) > NATIVE_SPAN for s in spans)):
             return None
         tokens = sum(len(s.token_ids) for s in spans)
         plan = model.stack_plan(tokens)
@@ -208,7 +208,8 @@ class NativeStep:
         if logits_index.shape[0] != tokens:  # else every row, in order
             x, branch = x[logits_index], branch[logits_index]
         head = model._modules.get("q8_head")  # as model.q8_head, without Module.__getattr__
-        if head is None or not head.int8x or not head.takes(x):  # (x: the normed rows' shape)
+        if (head is None or not head.int8x or model.output_vocab is not None
+                or not head.takes(x)):  # (x: the normed rows' shape)
             return model.logits(x, branch)  # type: ignore[no-any-return]
         _, normed = self.add_rms_norm(branch, x, norm, self.final_eps)
         return self.int8x_gemv(normed, head.tiles).float()
