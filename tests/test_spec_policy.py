@@ -5,6 +5,7 @@ import pytest
 
 from specpage.request import Request, SamplingParams, Sequence
 from specpage.spec.policy import (
+    PROBE_BUDGET,
     PROBE_EVERY,
     PROBE_IDLE,
     STALE,
@@ -12,6 +13,7 @@ from specpage.spec.policy import (
     CostCurve,
     SpecPolicy,
     expected_tokens,
+    probe_period,
 )
 
 
@@ -302,3 +304,77 @@ def test_a_size_no_longer_run_follows_the_machine_down():
     for _ in range(WINDOW):  # a slower spell than measured: 32 keeps its own
         cost.observe(64, 0.300)
     assert cost(32) == pytest.approx(0.100) and cost(64) == pytest.approx(0.300)
+
+
+def lagging(num_tokens: int, lag: int) -> Sequence:
+    """A sequence whose target holds all but its newest token and whose
+    draft lacks the last `lag` of those."""
+    seq = sequence(num_tokens=num_tokens)
+    seq.num_computed = num_tokens - 1
+    seq.num_draft_computed = seq.num_computed - lag
+    return seq
+
+
+def q4_like_policy(head: bool = False) -> SpecPolicy:
+    """Costs as SmolLM2-135M q4 and its 4-layer draft measured on a 2-core
+    CPU: a 3.4 ms step, each verified position 0.4 ms more, a draft forward
+    0.9 ms at one position and 2.8 ms catching up on 16 (as it did on the
+    reference attention)."""
+    policy = SpecPolicy(k_max=4, head=head)
+    policy.calibrate([(1, 0.0034), (2, 0.0038), (5, 0.0048)],
+                     [(1, 0.0009), (8, 0.0011), (17, 0.0028)])
+    return policy
+
+
+def test_a_lagging_draft_prices_its_catch_up():
+    """A draft that has missed 16 positions catches up in the forward of its
+    first proposal: at acceptance 0.5 one proposal pays for a draft that is
+    current, and not for one that must first catch up."""
+    policy = seasoned(q4_like_policy(), accepted=1, proposed=2, times=40)
+    assert 0.45 < policy.acceptance < 0.55
+    current, behind = lagging(37, lag=0), lagging(37, lag=16)
+    assert policy.choose_k(current, batch=1) >= 1
+    assert policy.choose_k(behind, batch=1) == 0
+    seconds = policy._step_seconds(1, 16)
+    assert seconds[1] - policy._step_seconds(1, 0)[1] == pytest.approx(
+        policy.draft_cost(17) - policy.draft_cost(1))
+    assert seconds[0] == policy._step_seconds(1, 0)[0]  # without proposals it does not run
+
+
+def test_costly_probes_are_spaced_to_lose_at_most_the_budget():
+    """Where a probe (one proposal more than pays) costs more than its
+    tokens are worth, probes come far enough apart that they lose at most
+    PROBE_BUDGET of the sequence's time; a cheap probe keeps PROBE_IDLE.
+    (Only once the draft has run: until then its cost is the start-up
+    measurement's, which can be off by half.)"""
+    policy = seasoned(q4_like_policy(), accepted=0, proposed=1, times=40)
+    assert policy.acceptance < 0.1
+    assert policy.choose_k(lagging(PROBE_IDLE, lag=0), batch=1) == 1
+    policy.observe_costs(None, [(1, 0.0009)])
+    for lag in (0, 15):
+        seconds = policy._step_seconds(1, lag)
+        period = probe_period(policy.acceptance, seconds, 0, 1)
+        loss = seconds[1] - expected_tokens(policy.acceptance, 1) * seconds[0]
+        assert loss > 0 and period > PROBE_IDLE
+        assert loss / period <= PROBE_BUDGET * seconds[0] * 1.0001
+        assert loss / (period - 1) > PROBE_BUDGET * seconds[0]  # no further apart than that
+        probes = sum(policy.choose_k(lagging(n, lag), batch=1) > 0 for n in range(3, 3 + 4096))
+        assert probes == pytest.approx(4096 / period, abs=1)
+    cheap = seasoned(cheap_draft_policy(), accepted=0, proposed=1, times=40)
+    cheap.observe_costs(None, [(1, 0.005)])
+    assert probe_period(cheap.acceptance, cheap._step_seconds(1), 0, 1) == PROBE_IDLE
+
+
+def test_a_head_prices_the_forward_that_absorbs_what_it_verified():
+    """An EAGLE-3 head runs k + 1 forwards for k proposals (after verifying
+    it absorbs the accepted positions), and one more where it first absorbs
+    positions it left: a proposal that pays for a draft model's one forward
+    need not pay for the head's two."""
+    for head in (False, True):
+        policy = seasoned(q4_like_policy(head), accepted=1, proposed=2, times=40)
+        k = policy.choose_k(lagging(37, lag=0), batch=1)
+        assert (k == 0) == head
+        seconds = policy._step_seconds(1, 0)
+        assert seconds[2] - seconds[1] == pytest.approx(
+            policy.target_cost(3) - policy.target_cost(2) + policy.draft_cost(1))
+    assert policy._step_seconds(1, 5)[1] - seconds[1] == pytest.approx(policy.draft_cost(1))

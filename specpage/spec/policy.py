@@ -18,9 +18,19 @@ prefill chunks are left out of the correction: a prompt's positions cost far
 more each than verified ones. Until the draft has run or been measured, its
 cost is a prior fraction of the target step.
 
+A draft model does not run for a sequence that does not speculate; the
+first forward after such a stretch catches it up on the positions it missed
+(core/ledger.py), and that forward is priced at its size. On SmolLM2-135M
+q4 with its 4-layer draft (2 threads) a draft forward took 0.9 ms at one
+position and 1.1 ms at 16 (2.8 ms before spans of that length took the
+native attention kernel); the first proposal after a prompt catches up on
+all of it.
+
 The choice of k only learns what the sizes it runs cost, so a sequence now and
 then tries one proposal more than pays (a probe): a size priced too high at
-start-up is measured and corrected instead of avoided for good.
+start-up is measured and corrected instead of avoided for good. A probe's
+loss (its step's cost beyond what its expected tokens are worth at the best
+k's rate) is kept to PROBE_BUDGET of the sequence's time by spacing probes.
 
 Pure Python; imports no torch.
 """
@@ -63,6 +73,13 @@ STALE = WINDOW
 # with a good draft, for speculation that does not pay at that batch.)
 PROBE_EVERY = 4
 PROBE_IDLE = 16
+# The share of a sequence's time that probes may lose, by spacing them
+# further apart than PROBE_IDLE · batch where they cost more, up to
+# PROBE_MOST tokens apart. (A probe after a long stretch without proposals
+# costs the draft's catch-up and a verified position: on a 2-core CPU with
+# SmolLM2-135M q4, probes every 16 tokens lost 4-6% of single-stream speed.)
+PROBE_BUDGET = 0.02
+PROBE_MOST = 1024
 # Acceptance is estimated from counts of accepted and tested proposals,
 # decayed per observation, shrunk towards a prior by a pseudo-count: a few
 # rejections are enough to turn a useless draft off.
@@ -186,9 +203,16 @@ PRIOR_DRAFT = (0.1, 0.001)
 
 
 class SpecPolicy:
-    def __init__(self, k_max: int, adaptive: bool = True) -> None:
+    def __init__(self, k_max: int, adaptive: bool = True, head: bool = False) -> None:
+        """head: the draft is an EAGLE-3 head (spec/head_proposer.py). A
+        draft model lags where a sequence does not speculate and catches up
+        when it does; a head absorbs what it missed once a block fills,
+        whether it proposes or not, and after verifying k proposals runs
+        once more (it absorbs the accepted positions): k + 1 forwards, and
+        one more where it first absorbs positions it left."""
         self.k_max = k_max
         self.adaptive = adaptive
+        self.head = head
         self.recent_accepted = 0.0  # decayed counts over all sequences
         self.recent_tested = 0.0
         self.target_cost = CostCurve.line(*PRIOR_TARGET)
@@ -200,8 +224,8 @@ class SpecPolicy:
         self.last_k = 0.0  # mean k of the last step's decoding sequences
         self.last_drafting = 0.0  # the share of them that speculated
         self.accepted_by_position = [0] * k_max  # acceptances at proposal 1..k_max
-        # batch -> _step_seconds, until the costs or the last step change
-        self._seconds: dict[int, list[float]] = {}
+        # (batch, lag) -> _step_seconds, until the costs or the last step change
+        self._seconds: dict[tuple[int, int], list[float]] = {}
         self._prior_seconds = step_seconds(k_max, 1, CostCurve.line(*PRIOR_TARGET),
                                            CostCurve.line(*PRIOR_DRAFT), 1, 0)
 
@@ -236,10 +260,12 @@ class SpecPolicy:
             # changes its floating-point sums, and a near-tie can flip.)
             acceptance = shared = shrunk(seq.accepted, seq.tested, PRIOR_ACCEPTANCE, SEQ_WEIGHT)
             batch, seconds = 1, self._prior_seconds
-        elif batch in self._seconds:
-            seconds = self._seconds[batch]
         else:
-            seconds = self._seconds[batch] = self._step_seconds(batch)
+            lag = seq.num_computed - seq.num_draft_computed  # what the draft lacks
+            cached = self._seconds.get((batch, lag))
+            if cached is None:
+                cached = self._seconds[batch, lag] = self._step_seconds(batch, lag)
+            seconds = cached
         best_k = _best_k(acceptance, seconds)
         # Now and then probe with one proposal more, so that acceptance and
         # the cost of the next size keep being measured and speculation can
@@ -247,22 +273,27 @@ class SpecPolicy:
         # tokens, so a window that wide is entered at least once a period),
         # and often while a sequence does not speculate but speculation pays
         # at the acceptance shared by all sequences.
-        if best_k < self.k_max and seq.num_tokens % (PROBE_IDLE * batch) <= best_k:
+        # Spaced by what a probe loses once the draft's cost is measured online
+        # (the start-up measurement alone can be off by half or more).
+        if best_k < self.k_max and seq.num_tokens % (
+                probe_period(acceptance, seconds, best_k, batch) if self.draft_cost.observations
+                else PROBE_IDLE * batch) <= best_k:
             return best_k + 1
         if best_k == 0 and seq.num_tokens % PROBE_EVERY == 0 and _best_k(shared, seconds) > 0:
             return 1
         return best_k
 
-    def _step_seconds(self, batch: int) -> list[float]:
+    def _step_seconds(self, batch: int, lag: int = 0) -> list[float]:
         """Seconds of a sequence's share of the step for each k in 0..k_max,
         in a batch of this size with the other sequences proposing as they
-        did last step. Its share without proposals is 1/batch of the target
-        forward. Proposals are priced two ways and the cheaper counts:
+        did last step, for a sequence whose draft lacks `lag` positions.
+        Its share without proposals is 1/batch of the target forward.
+        Proposals are priced two ways and the cheaper counts:
         - alone: what its k adds to the step as the others run it (the extra
           target positions where the step's positions are, and a row in each
-          of k draft forwards; a whole draft forward when no other sequence
-          drafts). Speculating then pays when the tokens it adds come faster
-          than the batch's own.
+          of k draft forwards, lag + 1 rows in the first; a whole draft
+          forward when no other sequence drafts). Speculating then pays when
+          the tokens it adds come faster than the batch's own.
         - together: 1/batch of a step in which every sequence proposes k, so
           that a draft forward worth running for all is started even when
           none runs yet.
@@ -275,7 +306,10 @@ class SpecPolicy:
         others = batch - 1
         positions = batch + others * self.last_k  # before this sequence's proposals
         m = others * self.last_drafting  # other sequences that run through the draft
-        return step_seconds(self.k_max, batch, target, draft, positions, m)
+        if self.head:  # absorbs after verifying, and first what it left (a forward more)
+            return step_seconds(self.k_max, batch, target, draft, positions, m,
+                                after=1 + (lag > 0))
+        return step_seconds(self.k_max, batch, target, draft, positions, m, lag)
 
     def observe_costs(
         self, target: tuple[int, float] | None, drafts: list[tuple[int, float]]
@@ -314,17 +348,34 @@ class SpecPolicy:
 
 
 def step_seconds(k_max: int, batch: int, target: CostCurve, draft: CostCurve,
-                 positions: float, drafting: float) -> list[float]:
-    """See SpecPolicy._step_seconds."""
+                 positions: float, drafting: float, lag: int = 0, after: int = 0
+                 ) -> list[float]:
+    """See SpecPolicy._step_seconds; after: draft forwards a speculating
+    step runs besides its k proposals' (a head's absorb)."""
     share = target(batch) / batch
-    draft_row = draft(drafting + 1) - (draft(drafting) if drafting >= 1
-                                        else drafting * draft(1))
-    seconds = []
-    for k in range(k_max + 1):
-        alone = share + target(positions + k) - target(positions) + k * draft_row
-        together = (target(batch * (k + 1)) + k * draft(batch)) / batch
+    others = draft(drafting) if drafting >= 1 else drafting * draft(1)
+    draft_row = draft(drafting + 1) - others
+    catch_up = draft(drafting + 1 + lag) - others - draft_row  # the lag's rows, first forward
+    caught_up = draft(batch * (1 + lag)) - draft(batch)  # every sequence's, together
+    seconds = [share]
+    for k in range(1, k_max + 1):
+        alone = (share + target(positions + k) - target(positions) + (k + after) * draft_row
+                 + catch_up)
+        together = (target(batch * (k + 1)) + (k + after) * draft(batch) + caught_up) / batch
         seconds.append(min(alone, together))
     return seconds
+
+
+def probe_period(acceptance: float, seconds: list[float], best_k: int, batch: int) -> int:
+    """Tokens between probes (best_k + 1 proposals) for a sequence at best_k:
+    PROBE_IDLE · batch, or further apart where a probe would lose more than
+    PROBE_BUDGET of the time its tokens take at best_k's rate."""
+    per_token = seconds[best_k] / expected_tokens(acceptance, best_k)
+    loss = seconds[best_k + 1] - expected_tokens(acceptance, best_k + 1) * per_token
+    period = PROBE_IDLE * batch
+    if loss > 0:
+        period = max(period, math.ceil(loss / (PROBE_BUDGET * per_token)))
+    return min(period, PROBE_MOST)
 
 
 def _best_k(acceptance: float, seconds: list[float]) -> int:
