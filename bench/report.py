@@ -363,6 +363,7 @@ def rows(render: Callable[[dict], list[str]], result: dict) -> list[str]:
 SECTIONS = {"block_pool": block_pool, "model_runner": model_runner, "engine": engine,
             "speculation": speculation, "adaptive": adaptive, "memory": memory,
             "overhead": overhead, "serving": serving, "serving_head": serving,
+            "serving_speculation": serving,
             "quantization": quantization,
             "compile": compile_}
 

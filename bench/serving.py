@@ -360,6 +360,9 @@ def our_options(parser: Any) -> None:
     parser.add_argument("--systems", default=None,
                         help="only these systems, comma-separated (e.g. "
                              "specpage_head,specpage_no_draft,vllm_compiled_bf16)")
+    parser.add_argument("--name", default=None,
+                        help="the results file's name (default: serving, or serving_head "
+                             "with --head), so that a run of some systems keeps the full one")
 
 
 def main() -> None:
@@ -447,7 +450,7 @@ def main() -> None:
     result.update(load_average_end=os.getloadavg()[0], machine=machine(),
                   wall_s=time.perf_counter() - started)
     # a run with a head is its own result: it keeps the full comparison's
-    finish("serving_head" if args.head else "serving", result)
+    finish(args.name or ("serving_head" if args.head else "serving"), result)
 
 
 if __name__ == "__main__":
