@@ -75,11 +75,9 @@ def setup() -> str | None:
 def build_flags() -> str:
     """llama.cpp's CMake options for this CPU: none (-march=native) unless it
     has AMX, where the same instruction sets are named without AMX."""
-    try:
-        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines()
-                      if line.startswith("flags")), "").split()
-    except OSError:
-        return ""
+    from specpage.models.cpu import cpu_flags
+
+    flags = cpu_flags()
     if "amx_int8" not in flags:
         return ""
     wanted = {"GGML_AVX": "avx", "GGML_AVX2": "avx2", "GGML_FMA": "fma", "GGML_F16C": "f16c",

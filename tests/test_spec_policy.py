@@ -3,6 +3,7 @@ fits and the choice of k."""
 
 import pytest
 
+from specpage.core.step import DraftKind
 from specpage.request import Request, SamplingParams, Sequence
 from specpage.spec.policy import (
     PROBE_BUDGET,
@@ -315,12 +316,12 @@ def lagging(num_tokens: int, lag: int) -> Sequence:
     return seq
 
 
-def q4_like_policy(head: bool = False) -> SpecPolicy:
+def q4_like_policy(kind: DraftKind = DraftKind.MODEL) -> SpecPolicy:
     """Costs as SmolLM2-135M q4 and its 4-layer draft measured on a 2-core
     CPU: a 3.4 ms step, each verified position 0.4 ms more, a draft forward
     0.9 ms at one position and 2.8 ms catching up on 16 (as it did on the
     reference attention)."""
-    policy = SpecPolicy(k_max=4, head=head)
+    policy = SpecPolicy(k_max=4, kind=kind)
     policy.calibrate([(1, 0.0034), (2, 0.0038), (5, 0.0048)],
                      [(1, 0.0009), (8, 0.0011), (17, 0.0028)])
     return policy
@@ -370,10 +371,10 @@ def test_a_head_prices_the_forward_that_absorbs_what_it_verified():
     it absorbs the accepted positions), and one more where it first absorbs
     positions it left: a proposal that pays for a draft model's one forward
     need not pay for the head's two."""
-    for head in (False, True):
-        policy = seasoned(q4_like_policy(head), accepted=1, proposed=2, times=40)
+    for kind in DraftKind:
+        policy = seasoned(q4_like_policy(kind), accepted=1, proposed=2, times=40)
         k = policy.choose_k(lagging(37, lag=0), batch=1)
-        assert (k == 0) == head
+        assert (k == 0) == (kind is DraftKind.HEAD)
         seconds = policy._step_seconds(1, 0)
         assert seconds[2] - seconds[1] == pytest.approx(
             policy.target_cost(3) - policy.target_cost(2) + policy.draft_cost(1))

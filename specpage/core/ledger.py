@@ -65,8 +65,14 @@ def release(pool: BlockPool, seq: Sequence) -> None:
 
 def draft_span(seq: Sequence, kind: DraftKind = DraftKind.MODEL) -> tuple[int, list[int]]:
     """Where the draft's KV ends, and the committed tokens it lacks from there."""
-    start = seq.num_computed - head_lag(seq) if kind is DraftKind.HEAD else seq.num_draft_computed
+    start = seq.num_computed - draft_lag(seq, kind)
     return start, seq.token_ids[start : seq.num_computed]
+
+
+def draft_lag(seq: Sequence, kind: DraftKind) -> int:
+    """Committed positions the draft holds no KV for: a draft model's since it
+    last proposed, a head's (head_lag) within the block being filled."""
+    return head_lag(seq) if kind is DraftKind.HEAD else seq.num_computed - seq.num_draft_computed
 
 
 def head_lag(seq: Sequence) -> int:

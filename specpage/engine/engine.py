@@ -62,7 +62,7 @@ class Engine:
                                + ([draft.config.max_position] if draft else []))
         identity = target.identity + (draft.identity if draft else b"no-draft")
         policy = SpecPolicy(c.spec_k if draft is not None else 0, adaptive=c.adaptive_k,
-                            head=kind is DraftKind.HEAD)
+                            kind=kind)
         self.core = EngineCore(c, BlockPool(c.num_blocks, c.block_size, model_identity=identity),
                                policy, self.max_context, tokenizer,
                                tuple(target.config.eos_token_ids), kind)

@@ -42,6 +42,8 @@ import math
 from collections import deque
 from collections.abc import Sequence as Seq
 
+from specpage.core.ledger import draft_lag
+from specpage.core.step import DraftKind
 from specpage.request import Sequence
 
 # Observations of one curve point whose least is its correction (as the
@@ -203,16 +205,17 @@ PRIOR_DRAFT = (0.1, 0.001)
 
 
 class SpecPolicy:
-    def __init__(self, k_max: int, adaptive: bool = True, head: bool = False) -> None:
-        """head: the draft is an EAGLE-3 head (spec/head_proposer.py). A
-        draft model lags where a sequence does not speculate and catches up
-        when it does; a head absorbs what it missed once a block fills,
-        whether it proposes or not, and after verifying k proposals runs
-        once more (it absorbs the accepted positions): k + 1 forwards, and
-        one more where it first absorbs positions it left."""
+    def __init__(self, k_max: int, adaptive: bool = True,
+                 kind: DraftKind = DraftKind.MODEL) -> None:
+        """kind: what proposes (core/ledger.py). A draft model lags where a
+        sequence does not speculate and catches up when it does; an EAGLE-3
+        head (spec/head_proposer.py) absorbs what it missed once a block
+        fills, whether it proposes or not, and after verifying k proposals
+        runs once more (it absorbs the accepted positions): k + 1 forwards,
+        and one more where it first absorbs positions it left."""
         self.k_max = k_max
         self.adaptive = adaptive
-        self.head = head
+        self.kind = kind
         self.recent_accepted = 0.0  # decayed counts over all sequences
         self.recent_tested = 0.0
         self.target_cost = CostCurve.line(*PRIOR_TARGET)
@@ -261,7 +264,7 @@ class SpecPolicy:
             acceptance = shared = shrunk(seq.accepted, seq.tested, PRIOR_ACCEPTANCE, SEQ_WEIGHT)
             batch, seconds = 1, self._prior_seconds
         else:
-            lag = seq.num_computed - seq.num_draft_computed  # what the draft lacks
+            lag = draft_lag(seq, self.kind)
             cached = self._seconds.get((batch, lag))
             if cached is None:
                 cached = self._seconds[batch, lag] = self._step_seconds(batch, lag)
@@ -273,15 +276,21 @@ class SpecPolicy:
         # tokens, so a window that wide is entered at least once a period),
         # and often while a sequence does not speculate but speculation pays
         # at the acceptance shared by all sequences.
-        # Spaced by what a probe loses once the draft's cost is measured online
-        # (the start-up measurement alone can be off by half or more).
-        if best_k < self.k_max and seq.num_tokens % (
-                probe_period(acceptance, seconds, best_k, batch) if self.draft_cost.observations
-                else PROBE_IDLE * batch) <= best_k:
+        if (best_k < self.k_max
+                and seq.num_tokens % self._probe_period(acceptance, seconds, best_k, batch)
+                <= best_k):
             return best_k + 1
         if best_k == 0 and seq.num_tokens % PROBE_EVERY == 0 and _best_k(shared, seconds) > 0:
             return 1
         return best_k
+
+    def _probe_period(self, acceptance: float, seconds: list[float], best_k: int,
+                      batch: int) -> int:
+        """probe_period once the draft has run, PROBE_IDLE · batch until then:
+        the start-up measurement alone can be off by half or more."""
+        if not self.draft_cost.observations:
+            return PROBE_IDLE * batch
+        return probe_period(acceptance, seconds, best_k, batch)
 
     def _step_seconds(self, batch: int, lag: int = 0) -> list[float]:
         """Seconds of a sequence's share of the step for each k in 0..k_max,
@@ -306,7 +315,7 @@ class SpecPolicy:
         others = batch - 1
         positions = batch + others * self.last_k  # before this sequence's proposals
         m = others * self.last_drafting  # other sequences that run through the draft
-        if self.head:  # absorbs after verifying, and first what it left (a forward more)
+        if self.kind is DraftKind.HEAD:  # absorbs after verifying, and first what it left
             return step_seconds(self.k_max, batch, target, draft, positions, m,
                                 after=1 + (lag > 0))
         return step_seconds(self.k_max, batch, target, draft, positions, m, lag)
@@ -353,9 +362,9 @@ def step_seconds(k_max: int, batch: int, target: CostCurve, draft: CostCurve,
     """See SpecPolicy._step_seconds; after: draft forwards a speculating
     step runs besides its k proposals' (a head's absorb)."""
     share = target(batch) / batch
-    others = draft(drafting) if drafting >= 1 else drafting * draft(1)
-    draft_row = draft(drafting + 1) - others
-    catch_up = draft(drafting + 1 + lag) - others - draft_row  # the lag's rows, first forward
+    draft_row = draft(drafting + 1) - (draft(drafting) if drafting >= 1
+                                        else drafting * draft(1))
+    catch_up = draft(drafting + 1 + lag) - draft(drafting + 1)  # the lag's rows, first forward
     caught_up = draft(batch * (1 + lag)) - draft(batch)  # every sequence's, together
     seconds = [share]
     for k in range(1, k_max + 1):
