@@ -252,6 +252,10 @@ def serving(r: dict) -> list[str]:
             c = by_load[load]
             rows.append(f"| {names[key]} against the target alone, {label} | | tok/s "
                         f"{verdict(c['tok_s'])}; TPOT {verdict(c['tpot_p50_s'])} |")
+    for key, same in r.get("outputs_vs_off", {}).items():
+        rows.append(f"| {names[key]}: greedy answers against the target alone | {same['exact']} "
+                    f"of {same['prompts']} identical | {same['first_half']} share their first "
+                    "half |")
     for load, label in workloads.items():
         if "head_vs_draft" in r:
             c = r["head_vs_draft"][load]

@@ -17,6 +17,8 @@ The systems:
   models/smollm2-draft, adaptive k), and with speculation off (no draft): the
   peer match, since vLLM runs without speculation here; and both again with
   --quantization auto (the target's own Q4_1 blocks, bf16 activations);
+  each system with a draft is reported against its target alone in the same
+  weights, speed and greedy answers;
 - with --head HEAD, specpage with an EAGLE-3 head as the draft (and again
   with --quantization auto), reported against speculation off and against
   the draft model;
@@ -86,6 +88,9 @@ HIGHER_IS_BETTER = {"tok_s": True, "ttft_p50_s": False, "ttft_p99_s": False, "tp
 # (cpu_per_wall is reported, not compared: using more of the cores is no win by itself)
 OURS = ("specpage", "specpage_no_draft", "specpage_q4", "specpage_q4_no_draft",
         "specpage_head", "specpage_q4_head")
+# each system with a draft, and the same target alone in the same weights
+ALONE = {"specpage": "specpage_no_draft", "specpage_head": "specpage_no_draft",
+         "specpage_q4": "specpage_q4_no_draft", "specpage_q4_head": "specpage_q4_no_draft"}
 COMPARED_PROMPTS = 8  # greedy answers fetched from every server after its timed runs
 COMPARED_TOKENS = 32
 
@@ -437,12 +442,13 @@ def main() -> None:
         result["outputs_vs_llama_cpp"] = {
             ours: same_outputs(runs[ours], runs["llama_cpp"])
             for ours in ("specpage_q4", "specpage_q4_no_draft") if ours in runs}
-    drafted = [name for name in ("specpage", "specpage_head") if name in runs]
-    if "specpage_no_draft" in runs and drafted:
+    pairs = {name: alone for name, alone in ALONE.items() if name in runs and alone in runs}
+    if pairs:
         result["speculation_vs_off"] = {
-            name: {job.name: ratios(spreads(runs[name], job.name),
-                                    spreads(runs["specpage_no_draft"], job.name))
-                   for job in jobs} for name in drafted}
+            name: {job.name: ratios(spreads(runs[name], job.name), spreads(runs[alone], job.name))
+                   for job in jobs} for name, alone in pairs.items()}
+        result["outputs_vs_off"] = {name: same_outputs(runs[name], runs[alone])
+                                    for name, alone in pairs.items()}
     if "specpage_head" in runs and "specpage" in runs:
         result["head_vs_draft"] = {job.name: ratios(spreads(runs["specpage_head"], job.name),
                                                     spreads(runs["specpage"], job.name))
