@@ -10,7 +10,11 @@ its own previous output and the embedding of the next token of the answer
 and learns the one after, attending to exactly the K/V it would see when
 drafting (ttt_forward). The loss is the cross-entropy over its draft
 vocabulary (the most frequent answer tokens) at every depth, depth j
-weighted 0.8 ** j. It checkpoints (the head in the llama_eagle3 layout, plus the
+weighted 0.8 ** j, against the answer's next token, or with --soft-labels
+against the target's own next-token distribution there, at the positions
+whose greedy token the head can propose (the soft labels EAGLE-3's
+training uses). --init starts from a trained head (its weights and draft
+vocabulary) with a fresh optimiser. It checkpoints (the head in the llama_eagle3 layout, plus the
 optimiser, so a run resumes) every --save-every steps; evaluate with
 `python -m draft.evaluate --draft OUT --k K` (per-token acceptance on the
 held-out benchmark prompts).
@@ -133,6 +137,25 @@ def ttt_forward(head: Eagle3Head, embeds: torch.Tensor, hidden: torch.Tensor,
     return outs
 
 
+def target_labels(target_logits: torch.Tensor, vocab: torch.Tensor,
+                  to_draft: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """From the target's logits [rows, vocab]: each row's greedy token as a
+    draft id (-1 where the draft vocabulary lacks it) and the target's
+    distribution over the draft vocabulary [rows, draft vocab]."""
+    return to_draft[target_logits.argmax(-1)], target_logits[:, vocab].float().softmax(-1)
+
+
+def depth_loss(logits: torch.Tensor, labels: torch.Tensor,
+               probs: torch.Tensor | None) -> torch.Tensor:
+    """The mean cross-entropy of the head's logits over the rows whose label
+    is a draft id: against the target's distribution `probs` where given,
+    else against the label."""
+    if probs is None:
+        return F.cross_entropy(logits, labels, ignore_index=-1)
+    valid = labels >= 0
+    return -(probs[valid] * logits[valid].log_softmax(-1)).sum(-1).mean()
+
+
 def save(head: Eagle3Head, raw: dict, out: Path, opt: torch.optim.Optimizer, step: int,
          keep: bool) -> None:
     """The head and optimiser in `out` (resumable); with `keep`, the head
@@ -173,6 +196,11 @@ def main() -> None:
                         default=auto_dtype(torch.device("cpu")) == torch.bfloat16,
                         help="bf16 autocast for the head and bf16 target features "
                         "(default: where the CPU computes bf16 natively)")
+    parser.add_argument("--soft-labels", action="store_true",
+                        help="learn the target's distribution instead of the answer's next token")
+    parser.add_argument("--init", type=Path, default=None,
+                        help="start from this head (weights and draft vocabulary), "
+                        "unless OUT has a checkpoint to resume")
     parser.add_argument("--export", type=Path, default=None,
                         help="write OUT's head in bf16 into this folder, and train nothing")
     args = parser.parse_args()
@@ -189,8 +217,13 @@ def main() -> None:
                      for ids, start in load_shard(shard, MAX_LEN)}.values())
     rng = random.Random(args.seed)
     rng.shuffle(examples)
-    counts = Counter(t for ids, start in examples for t in ids[start:])
-    vocab = sorted(t for t, _ in counts.most_common(args.draft_vocab))
+    resume = args.out if (args.out / "optimizer.pt").is_file() else args.init
+    initial = load_model(resume, dtype=torch.float32).model if resume else None
+    if initial is not None:
+        vocab = initial.draft_to_target.tolist()
+    else:
+        counts = Counter(t for ids, start in examples for t in ids[start:])
+        vocab = sorted(t for t, _ in counts.most_common(args.draft_vocab))
     raw = head_config(json.loads((folder / "config.json").read_text()), len(vocab),
                       target.config.num_layers)
     config = Eagle3Config.from_dict(raw, "head")
@@ -198,17 +231,18 @@ def main() -> None:
     head = Eagle3Head(config)
     embed = target.model.embed_tokens.weight.detach().float()
     to_draft = torch.full((target.config.vocab_size,), -1, dtype=torch.int64)
-    to_draft[torch.tensor(vocab)] = torch.arange(len(vocab))
+    vocab_ids = torch.tensor(vocab)
+    to_draft[vocab_ids] = torch.arange(len(vocab))
     with torch.no_grad():
-        head.draft_to_target = torch.tensor(vocab)
-        head.lm_head.weight.copy_(embed[torch.tensor(vocab)])  # SmolLM2 ties its head
+        head.draft_to_target = vocab_ids
+        head.lm_head.weight.copy_(embed[vocab_ids])  # SmolLM2 ties its head
         head.fc.weight.copy_(torch.cat([torch.eye(config.layer.hidden_size)] * 3, 1) / 3)
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
     step = 0
-    if (args.out / "optimizer.pt").is_file():
-        resumed = load_model(args.out)
-        head.load_state_dict(resumed.model.state_dict())
+    if initial is not None:
+        head.load_state_dict(initial.state_dict())
+    if resume == args.out:
         saved = torch.load(args.out / "optimizer.pt")
         opt.load_state_dict(saved["optimizer"])
         step = saved["step"]
@@ -220,7 +254,8 @@ def main() -> None:
         ids, answer = examples[step % len(examples)]
         tap = LayerTap(layers)
         with torch.no_grad():
-            runner.forward([SeqSpan(ids, 0, table, num_logits=1)], tap)
+            target_logits = runner.forward(
+                [SeqSpan(ids, 0, table, num_logits=len(ids) if args.soft_labels else 1)], tap)
         features = torch.cat(tap.states, -1)[:-2].float()  # anchors 0 .. n - 1
         n = features.shape[0]
         lr = args.lr * min(1.0, (step + 1) / WARMUP) * 0.5 * (
@@ -229,16 +264,22 @@ def main() -> None:
             group["lr"] = lr
         tokens = torch.tensor(ids)
         embeds = embed[tokens[1 : n + 1]]
+        if args.soft_labels:  # row r of the target's logits: its distribution of token r + 1
+            wanted, probs = target_labels(target_logits[1:], vocab_ids, to_draft)
+        else:
+            wanted, probs = to_draft[tokens[2:]], None  # -1: not drafted
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
             outs = ttt_forward(head, embeds, F.linear(features, head.fc.weight),
                                min(args.depth, n))
             losses, first = [], None
             for j, out in enumerate(outs):
-                labels = to_draft[tokens[j + 2 : j + 2 + out.shape[0]]]  # -1: not drafted
+                rows = out.shape[0]  # anchors p, learning token p + 2 + j
+                labels = wanted[j : j + rows].clone()
                 labels[: max(0, answer - 2 - j)] = -1  # learn on the answer only
                 logits = head_logits(head, out).float()
                 if bool((labels >= 0).any()):
-                    losses.append(DEPTH_DECAY**j * F.cross_entropy(logits, labels, ignore_index=-1))
+                    losses.append(DEPTH_DECAY**j * depth_loss(
+                        logits, labels, None if probs is None else probs[j : j + rows]))
                 if first is None:
                     first = (logits, labels)
         loss = sum(losses) / sum(DEPTH_DECAY**j for j in range(len(losses)))

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import LlamaConfig
 
-from draft.train_head import export, ttt_forward
+from draft.train_head import depth_loss, export, target_labels, ttt_forward
 from specpage.model_runner import SeqSpan
 from specpage.models.loader import load_model
 from specpage.spec.head_runner import HeadRunner
@@ -60,3 +61,30 @@ def test_an_exported_head_loads_through_the_loader_in_bf16(tmp_path):
                                  strict=True):
         rounded = a.to(torch.bfloat16).to(a.dtype) if a.is_floating_point() else a
         assert torch.equal(b, rounded), name
+
+
+def test_soft_labels_are_the_targets_distribution_over_the_draft_vocabulary():
+    torch.manual_seed(0)
+    logits = torch.randn(6, 50)
+    logits[0, 7] = 20.0  # a greedy token outside the draft vocabulary
+    logits[1, 8] = 20.0
+    vocab = torch.arange(0, 50, 2)
+    to_draft = torch.full((50,), -1)
+    to_draft[vocab] = torch.arange(25)
+    greedy, probs = target_labels(logits, vocab, to_draft)
+    assert greedy[0] == -1 and greedy[1] == 4
+    assert torch.equal(greedy[2:], to_draft[logits[2:].argmax(-1)])
+    torch.testing.assert_close(probs.sum(-1), torch.ones(6))
+    ratio = probs / logits[:, vocab].exp()  # the same factor across a row
+    torch.testing.assert_close(ratio, ratio[:, :1].expand_as(ratio))
+
+
+def test_the_soft_loss_against_a_one_hot_distribution_is_the_hard_loss():
+    torch.manual_seed(1)
+    logits = torch.randn(7, 25)
+    labels = torch.tensor([3, -1, 0, 24, -1, 9, 9])
+    one_hot = F.one_hot(labels.clamp(min=0), 25).float()
+    torch.testing.assert_close(depth_loss(logits, labels, one_hot),
+                               depth_loss(logits, labels, None))
+    torch.testing.assert_close(depth_loss(logits, labels, None),
+                               F.cross_entropy(logits[labels >= 0], labels[labels >= 0]))
