@@ -102,3 +102,23 @@ def test_a_fresh_engine_speculates_with_an_exact_draft_despite_noisy_start_up_co
         # k = 4 all accepted is 4 proposals in 5 tokens; the first tokens
         # come before speculation and the costs are corrected
         assert drafted >= 0.6 and accepted == drafted, shares
+
+
+def test_each_step_reports_its_whole_time_beyond_its_forwards(models, monkeypatch, tmp_path):
+    """The executor times the whole step (what the policy compares with its
+    forwards' prices): never less than the forwards it ran."""
+    monkeypatch.setenv("SPECPAGE_CACHE_DIR", str(tmp_path))
+    engine = Engine(*models, None, EngineConfig(block_size=4, num_blocks=128, max_num_seqs=4,
+                                                 spec_k=4))
+    results, execute = [], engine.executor.execute
+    monkeypatch.setattr(engine.executor, "execute",
+                        lambda batch: results.append(execute(batch)) or results[-1])
+    engine.add_request("r", PROMPT, SamplingParams(max_tokens=16, temperature=0.0,
+                                                   ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    assert len(results) > 2 and any(r.draft_costs for r in results)
+    for result in results:
+        forwards = sum(s for _, s in result.draft_costs) + (
+            result.target_cost[1] if result.target_cost else 0.0)
+        assert result.seconds > 0 and result.seconds >= forwards

@@ -10,6 +10,7 @@ from specpage.spec.policy import (
     PROBE_EVERY,
     PROBE_IDLE,
     STALE,
+    UNPRICED_LEAST,
     WINDOW,
     CostCurve,
     SpecPolicy,
@@ -379,3 +380,31 @@ def test_a_head_prices_the_forward_that_absorbs_what_it_verified():
         assert seconds[2] - seconds[1] == pytest.approx(
             policy.target_cost(3) - policy.target_cost(2) + policy.draft_cost(1))
     assert policy._step_seconds(1, 5)[1] - seconds[1] == pytest.approx(policy.draft_cost(1))
+
+
+def test_what_speculating_steps_take_beyond_their_forwards_is_priced():
+    """A step that speculates can take more than its forwards' prices (the
+    verify runs on caches the draft just filled): the policy learns how much
+    more than a plain step does beyond its own, once it has seen
+    UNPRICED_LEAST steps of each, and adds it to every k that speculates.
+    At acceptance 0.5 one proposal then no longer pays."""
+    policy = seasoned(q4_like_policy(), accepted=1, proposed=2, times=40)
+    seq = lagging(37, lag=0)
+    assert policy.choose_k(seq, batch=1) == 1
+    before = policy._step_seconds(1, 0)
+    priced = policy.target_cost(2) + policy.draft_cost(1)
+    policy.observe_step_seconds(False, None, [], 0.050)  # a prefill step: not a decode's
+    for _ in range(UNPRICED_LEAST):
+        policy.observe_step_seconds(False, (1, 0.0034), [], policy.target_cost(1) + 0.0002)
+        assert policy.unpriced == 0.0
+        policy.observe_step_seconds(True, (2, 0.0040), [(1, 0.0009)], priced + 0.0022)
+    assert policy.unpriced == pytest.approx(0.002)
+    after = policy._step_seconds(1, 0)
+    assert after[0] == before[0]
+    assert after[1:] == pytest.approx([b + 0.002 for b in before[1:]])
+    assert policy.choose_k(seq, batch=1) == 0
+    # speculating steps as cheap as priced again: nothing more to pay
+    for _ in range(16):
+        policy.observe_step_seconds(True, (2, 0.0040), [(1, 0.0009)], priced + 0.0001)
+    assert policy.unpriced == 0.0
+    assert policy._step_seconds(1, 0) == pytest.approx(before)

@@ -143,7 +143,10 @@ class EngineCore:
         plan, self._plan = self._plan, None
         assert plan is not None, "apply without a scheduled step"
         _check_result(plan.scheduled, result)
-        self.policy.observe_step([e.k for e in plan.scheduled if e.wants_logits])
+        ks = [e.k for e in plan.scheduled if e.wants_logits]
+        self.policy.observe_step(ks)
+        self.policy.observe_step_seconds(any(ks), result.target_cost, result.draft_costs,
+                                         result.seconds)
         self.policy.observe_costs(result.target_cost, result.draft_costs)
         for entry, done in zip(plan.scheduled, result.seqs, strict=True):
             ledger.apply(self.pool, entry.seq, entry.num_new, entry.k, done, self.draft_kind)

@@ -88,6 +88,7 @@ class StepResult(msgspec.Struct, frozen=True, array_like=True):
     seqs: list[SeqResult]  # in the batch's order
     target_cost: Cost | None = None  # None when the forward carried prefill
     draft_costs: list[Cost] = []  # one per draft forward
+    seconds: float = 0.0  # the executor's whole time for the step (0: not measured)
 
 
 NOTHING = SeqResult()

@@ -51,6 +51,7 @@ class Executor:
         self._identities = (target.identity, draft.identity if draft else b"")
 
     def execute(self, batch: StepBatch) -> StepResult:
+        start = time.perf_counter()
         for runner in self.runners:
             runner.copy_blocks(batch.copies)
         if self.proposer is None or not batch.seqs:
@@ -62,7 +63,7 @@ class Executor:
         if self.proposer is not None and batch.seqs:
             results, absorbed = self.proposer.absorb(batch.seqs, proposal, verdict)
             costs = costs + absorbed
-        return StepResult(results, verdict.cost, costs)
+        return StepResult(results, verdict.cost, costs, time.perf_counter() - start)
 
     def on_fault(self, handler: Callable[[str], None]) -> None:
         """Call handler(reason) from another thread if the executor fails

@@ -26,6 +26,15 @@ position and 1.1 ms at 16 (2.8 ms before spans of that length took the
 native attention kernel); the first proposal after a prompt catches up on
 all of it.
 
+A step that speculates costs more than its forwards' curves say: the
+target's verify runs on caches the draft just filled, and the proposer has
+work around its forwards (an EAGLE-3 head absorbs, carries state). The
+executor reports each step's whole time, and what speculating steps take
+beyond their forwards' prices, over what plain steps take beyond theirs,
+is priced as a cost of speculating in a step (`SpecPolicy.unpriced`). On
+SmolLM2-135M q4 with the EAGLE-3 head (2 threads) a step with one proposal
+took 7.3 ms where its forwards were priced at 5.4.
+
 The choice of k only learns what the sizes it runs cost, so a sequence now and
 then tries one proposal more than pays (a probe): a size priced too high at
 start-up is measured and corrected instead of avoided for good. A probe's
@@ -91,6 +100,11 @@ SEQ_WEIGHT = 4.0  # tested proposals the shared estimate is worth against a sequ
 DECAY = 0.97  # all sequences, per observation
 SEQ_DECAY = 0.9  # one sequence, per observation
 GAIN_TO_START = 1.05  # speculation must promise this much over k = 0 (unmodelled costs)
+# Steps of each kind (speculating, plain) whose time beyond their forwards'
+# prices is kept; the unpriced cost is the difference of the two medians,
+# once each kind has UNPRICED_LEAST steps (speculating ones can be rare).
+UNPRICED_WINDOW = 16
+UNPRICED_LEAST = 4
 
 
 class CostCurve:
@@ -231,6 +245,10 @@ class SpecPolicy:
         self._seconds: dict[tuple[int, int], list[float]] = {}
         self._prior_seconds = step_seconds(k_max, 1, CostCurve.line(*PRIOR_TARGET),
                                            CostCurve.line(*PRIOR_DRAFT), 1, 0)
+        # seconds beyond their forwards' prices, of plain and speculating steps
+        self._excess: dict[bool, deque[float]] = {
+            speculated: deque(maxlen=UNPRICED_WINDOW) for speculated in (False, True)}
+        self.unpriced = 0.0  # seconds a step takes for speculating beyond its forwards
 
     def calibrate(self, target: list[tuple[int, float]], draft: list[tuple[int, float]]) -> None:
         """Measured (positions, seconds) of target and draft forwards."""
@@ -317,8 +335,9 @@ class SpecPolicy:
         m = others * self.last_drafting  # other sequences that run through the draft
         if self.kind is DraftKind.HEAD:  # absorbs after verifying, and first what it left
             return step_seconds(self.k_max, batch, target, draft, positions, m,
-                                after=1 + (lag > 0))
-        return step_seconds(self.k_max, batch, target, draft, positions, m, lag)
+                                after=1 + (lag > 0), unpriced=self.unpriced)
+        return step_seconds(self.k_max, batch, target, draft, positions, m, lag,
+                            unpriced=self.unpriced)
 
     def observe_costs(
         self, target: tuple[int, float] | None, drafts: list[tuple[int, float]]
@@ -331,6 +350,20 @@ class SpecPolicy:
             if draft[0] > 0:
                 self.draft_cost.observe(*draft)
         self._seconds.clear()
+
+    def observe_step_seconds(self, speculated: bool, target: tuple[int, float] | None,
+                             drafts: list[tuple[int, float]], seconds: float) -> None:
+        """The executor's whole time for a decoding step (target: its forward,
+        None when it carried prefill), before its costs are observed; whether
+        a sequence proposed in it. Updates `unpriced`."""
+        if target is None or target[0] <= 0 or seconds <= 0:
+            return
+        priced = self.target_cost(target[0]) + sum(self.draft_cost(n) for n, _ in drafts if n > 0)
+        self._excess[speculated].append(seconds - priced)
+        plain, speculating = self._excess[False], self._excess[True]
+        if min(len(plain), len(speculating)) >= UNPRICED_LEAST:
+            self.unpriced = max(0.0, _median(speculating) - _median(plain))
+            self._seconds.clear()
 
     def observe_step(self, ks: list[int]) -> None:
         """The k of each decoding sequence of the step just run."""
@@ -357,10 +390,12 @@ class SpecPolicy:
 
 
 def step_seconds(k_max: int, batch: int, target: CostCurve, draft: CostCurve,
-                 positions: float, drafting: float, lag: int = 0, after: int = 0
-                 ) -> list[float]:
+                 positions: float, drafting: float, lag: int = 0, after: int = 0,
+                 unpriced: float = 0.0) -> list[float]:
     """See SpecPolicy._step_seconds; after: draft forwards a speculating
-    step runs besides its k proposals' (a head's absorb)."""
+    step runs besides its k proposals' (a head's absorb); unpriced: what a
+    step costs for speculating beyond its forwards, paid alone by a sequence
+    that speculates where no other does."""
     share = target(batch) / batch
     draft_row = draft(drafting + 1) - (draft(drafting) if drafting >= 1
                                         else drafting * draft(1))
@@ -369,8 +404,9 @@ def step_seconds(k_max: int, batch: int, target: CostCurve, draft: CostCurve,
     seconds = [share]
     for k in range(1, k_max + 1):
         alone = (share + target(positions + k) - target(positions) + (k + after) * draft_row
-                 + catch_up)
-        together = (target(batch * (k + 1)) + (k + after) * draft(batch) + caught_up) / batch
+                 + catch_up + max(0.0, 1.0 - drafting) * unpriced)
+        together = (target(batch * (k + 1)) + (k + after) * draft(batch) + caught_up
+                    + unpriced) / batch
         seconds.append(min(alone, together))
     return seconds
 
@@ -385,6 +421,12 @@ def probe_period(acceptance: float, seconds: list[float], best_k: int, batch: in
     if loss > 0:
         period = max(period, math.ceil(loss / (PROBE_BUDGET * per_token)))
     return min(period, PROBE_MOST)
+
+
+def _median(values: Seq[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
 def _best_k(acceptance: float, seconds: list[float]) -> int:
