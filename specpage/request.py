@@ -137,8 +137,8 @@ class Sequence:
     """One sample of a request. Its id is the pool's sequence id."""
 
     __slots__ = ("seq_id", "request", "index", "token_ids", "num_prompt", "num_computed",
-                 "num_draft_computed", "draft_state", "status", "finish_reason", "logprobs",
-                 "accepted", "tested", "detok")  # fmt: skip
+                 "num_draft_computed", "draft_state", "draft_on", "status", "finish_reason",
+                 "logprobs", "accepted", "tested", "detok")  # fmt: skip
 
     def __init__(self, seq_id: int, request: Request, index: int, token_ids: list[int]) -> None:
         self.seq_id = seq_id
@@ -151,6 +151,9 @@ class Sequence:
         # a draft head's output at num_draft_computed - 1, then the target's
         # tapped states it has not absorbed (core/ledger.py)
         self.draft_state = b""
+        # whether the draft keeps KV for it: a head may be left off a
+        # sequence for its whole life (core/ledger.py)
+        self.draft_on = True
         self.status = Status.WAITING
         self.finish_reason: FinishReason | None = None
         self.logprobs: list[float] = []

@@ -59,6 +59,13 @@ class FakeHeadExecutor(FakeExecutor):
                         kv.pop(dst_slot, None)
         results = []
         for w in batch.seqs:
+            if not w.draft_on:  # the target alone
+                assert w.k == 0 and not w.draft_state and not w.draft_tokens, w
+                self._write(self.target, w.block_table, w.start, w.tokens)
+                tokens = [self.rng.randrange(0, VOCAB)] if w.sample else []
+                forks = [self.rng.randrange(1, VOCAB) for _ in range(w.num_forks)]
+                results.append(SeqResult(tokens, 0, 0, [], forks, []))
+                continue
             assert w.draft_tokens == [] or w.draft_state, w  # lags only after a state
             assert w.draft_start + len(w.draft_tokens) == w.start, w
             if w.k:
@@ -98,9 +105,12 @@ class HeadCoreMachine(CoreMachine):
         pool = BlockPool(NUM_BLOCKS, BLOCK_SIZE, model_identity=b"fake-head")
         self.core = EngineCore(config, pool, SpecPolicy(K_MAX, adaptive=False), 48,
                                eos_token_ids=(0,), draft_kind=DraftKind.HEAD)
+        # k at random, even for a sequence the head keeps nothing for
         self.core.scheduler.choose_k = lambda seq, batch: self.rng.randint(0, K_MAX)
+        self.core.policy.admits_draft = lambda request, batch: self.rng.random() < 0.7
         self.executor = FakeHeadExecutor(self.rng)
         self.lags = 0  # checks that found a sequence lagging
+        self.headless = 0  # checks that found a sequence the head keeps nothing for
 
     @invariant()
     def pool_and_counters_agree(self) -> None:
@@ -109,6 +119,10 @@ class HeadCoreMachine(CoreMachine):
             return
         pool = self.core.pool
         for seq in self.core.scheduler.running:
+            if not seq.draft_on:
+                assert seq.num_draft_computed == 0 and not seq.draft_state, seq
+                self.headless += 1
+                continue
             absorbed = seq.num_computed - ledger.head_lag(seq)
             if absorbed < seq.num_computed:  # lags within the block being filled only
                 assert absorbed // BLOCK_SIZE == seq.num_computed // BLOCK_SIZE, seq
@@ -123,9 +137,10 @@ class HeadCoreMachine(CoreMachine):
 
 def test_the_head_rule_through_the_boundary() -> None:
     """Seeded long runs: preemption, forks, prefix-cache hits, accepted
-    and rejected proposals, aborts, heads lagging, all checked after every step."""
+    and rejected proposals, aborts, heads lagging, sequences the head keeps
+    nothing for beside the others, all checked after every step."""
     totals = {"preemptions": 0, "cached": 0, "accepted": 0, "rejected": 0, "aborts": 0,
-              "lags": 0}
+              "lags": 0, "headless": 0}
     for seed in range(12):
         rng = random.Random(seed)
         machine = HeadCoreMachine()
@@ -149,6 +164,7 @@ def test_the_head_rule_through_the_boundary() -> None:
         totals["rejected"] += stats.drafted_tokens - stats.accepted_tokens
         totals["aborts"] += stats.aborts
         totals["lags"] += machine.lags
+        totals["headless"] += machine.headless
         machine.teardown()
     assert all(totals.values()), totals
 

@@ -301,6 +301,38 @@ def test_pool_invariants_hold_every_step_and_aborts_leak_nothing(models):
     assert stats.free_blocks + stats.cached_blocks == stats.total_blocks
 
 
+def test_a_sequence_the_head_is_left_off_gives_the_targets_output(models):
+    """The policy may leave the head off a new sequence (a head costs every
+    step even while it does not propose): that sequence makes no proposals
+    even when asked for some, and the target's output comes out beside
+    sequences with the head, through shared prefixes, preemption and forks.
+    Its blocks are cached under a key of their own: a sequence with the head
+    is never served blocks that hold no head KV (tests/test_core_head.py
+    checks the head's KV itself)."""
+    hf = models[0]
+    eng = engine(models, num_blocks=40, max_num_seqs=8, max_step_tokens=16)
+    flags = iter([False, True] * 20)
+    eng.core.policy.admits_draft = lambda request, batch: next(flags)
+    eng.scheduler.choose_k = lambda seq, batch: 3
+    seen = record_proposals(eng)
+    shared = prompts(1, lengths=(33,))[0]
+    batch = [shared + [i + 1] for i in range(4)] + prompts(4, lengths=(9, 14), seed=5)
+    arrivals = {0: [(str(i), p, GREEDY) for i, p in enumerate(batch[:5])],
+                6: [(str(i), p, GREEDY) for i, p in enumerate(batch[5:], start=5)]}
+    arrivals[9] = [("n", shared + [9], SamplingParams(max_tokens=16, temperature=0.0,
+                                                       ignore_eos=True, n=2))]
+    results = drain(eng, arrivals)
+    for i, p in enumerate(batch):
+        assert results[(str(i), 0)][0] == hf_greedy(hf, p, 16), i
+    assert results[("n", 0)][0] == results[("n", 1)][0] == hf_greedy(hf, shared + [9], 16)
+    works = [w for batch_, _ in seen for w in batch_]
+    assert any(not w.draft_on for w in works) and any(w.k for w in works)
+    assert all(w.k == 0 for w in works if not w.draft_on)  # asked for 3, it proposes none
+    stats = eng.stats()
+    assert stats.preemptions > 0 and stats.prefix_cached_tokens > 0
+    assert stats.drafted_tokens > 0
+
+
 def test_a_head_is_not_a_target_and_must_fit_its_target(models, tmp_path):
     hf, root, _ = models
     head = load_model(root / "head")

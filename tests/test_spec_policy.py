@@ -6,6 +6,7 @@ import pytest
 from specpage.core.step import DraftKind
 from specpage.request import Request, SamplingParams, Sequence
 from specpage.spec.policy import (
+    HEAD_PROBE_EVERY,
     PROBE_BUDGET,
     PROBE_EVERY,
     PROBE_IDLE,
@@ -408,3 +409,39 @@ def test_what_speculating_steps_take_beyond_their_forwards_is_priced():
         policy.observe_step_seconds(True, (2, 0.0040), [(1, 0.0009)], priced + 0.0001)
     assert policy.unpriced == 0.0
     assert policy._step_seconds(1, 0) == pytest.approx(before)
+
+
+def request(**params) -> Request:
+    return Request("r", (1, 2, 3), SamplingParams(max_tokens=64, **params))
+
+
+def test_a_head_that_does_not_pay_is_left_off_new_sequences_but_one_in_so_many():
+    """A head costs a sequence every step, speculating or not; a draft model
+    costs nothing where it does not run. So while no k pays, a head is left
+    off new sequences, except one in HEAD_PROBE_EVERY that keeps measuring;
+    a sequence it was left off never speculates, forced k or not."""
+    head = seasoned(q4_like_policy(DraftKind.HEAD), accepted=0, proposed=1, times=40)
+    admitted = [head.admits_draft(request(), batch=1) for _ in range(2 * HEAD_PROBE_EVERY)]
+    assert admitted == ([True] + [False] * (HEAD_PROBE_EVERY - 1)) * 2
+    assert head.num_without_draft == 2 * (HEAD_PROBE_EVERY - 1)
+    # a forced k, or a seeded sample (whose output must not depend on the load)
+    assert head.admits_draft(Request("r", (1,), SamplingParams(), spec_k=2), batch=1)
+    assert head.admits_draft(request(temperature=1.0, seed=3), batch=1)
+    assert head.admits_draft(request(), batch=1)  # the next probe
+    assert not head.admits_draft(request(temperature=0.0, seed=3), batch=1)  # greedy: any k
+    draft = seasoned(q4_like_policy(DraftKind.MODEL), accepted=0, proposed=1, times=40)
+    assert all(draft.admits_draft(request(), batch=1) for _ in range(HEAD_PROBE_EVERY))
+    fixed = SpecPolicy(k_max=4, adaptive=False, kind=DraftKind.HEAD)
+    assert all(fixed.admits_draft(request(), batch=1) for _ in range(HEAD_PROBE_EVERY))
+    seq = sequence()
+    seq.request.spec_k = 3
+    assert head.choose_k(seq, batch=1) == 3
+    seq.draft_on = False
+    assert head.choose_k(seq, batch=1) == 0
+
+
+def test_a_head_that_pays_keeps_every_new_sequence():
+    policy = seasoned(cheap_draft_policy(), accepted=3, proposed=4, times=40)
+    policy.kind = DraftKind.HEAD
+    assert all(policy.admits_draft(request(), batch=1) for _ in range(2 * HEAD_PROBE_EVERY))
+    assert policy.num_without_draft == 0

@@ -88,6 +88,7 @@ class EngineCore:
         if request.request_id in self.requests:
             raise ValidationError("request_id", f"{request.request_id!r} is already running")
         seq = self._new_sequence(request, 0, list(request.prompt_token_ids))
+        seq.draft_on = self.policy.admits_draft(request, len(self.scheduler.running) + 1)
         self.requests[request.request_id] = request
         self.scheduler.add(seq)
 
@@ -193,6 +194,7 @@ class EngineCore:
             num_forks=forks,
             following=seq.token_ids[end] if end < seq.num_tokens else -1,
             draft_state=seq.draft_state,
+            draft_on=seq.draft_on,
         )
 
     def _fork(self, parent: Sequence, first_tokens: list[int],

@@ -26,6 +26,15 @@ absorbs them first. The head lags only within the block the target is
 filling, so every full block, the only kind the prefix cache shares,
 holds the head's KV as well as the target's; `head_lag` says how far.
 
+A head costs a sequence that does not speculate something each step all the
+same (its tapped states carried, a block's positions absorbed), where a
+draft model that does not run costs nothing. So the policy may leave the
+head off a new sequence for its whole life (`Sequence.draft_on`, decided
+when it is submitted and kept by its forks and across preemption): it never
+speculates, the head neither absorbs nor carries anything for it, and its
+blocks go into the prefix cache under a key of their own (`cache_salt`),
+so that no sequence with the head is served blocks without its KV.
+
 Two places where a head's KV is an approximation, which costs acceptance
 only (the target verifies every token): a fork shares its parent's KV and
 state at the last prompt position, which read the parent's first sampled
@@ -36,6 +45,7 @@ new prompt's only where the two diverge exactly at a block boundary.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence as Seq
 
 from specpage.block_pool import BlockPool
@@ -47,12 +57,20 @@ def admit(pool: BlockPool, seq: Sequence) -> int:
     """Give a waiting sequence its blocks, sharing what the prefix cache
     holds; returns the cached positions. The draft starts from nothing:
     cached blocks vouch for the target's KV only."""
-    cached = pool.allocate_prompt(seq.seq_id, seq.token_ids, seq.request.cache_salt)
+    cached = pool.allocate_prompt(seq.seq_id, seq.token_ids, cache_salt(seq))
     seq.num_computed = cached
     seq.num_draft_computed = 0
     seq.draft_state = b""
     check(pool, seq)
     return cached
+
+
+def cache_salt(seq: Sequence) -> bytes:
+    """The prefix-cache salt of seq's blocks: its request's, and for a
+    sequence the head keeps nothing for, one that no request's salt is."""
+    if seq.draft_on:
+        return seq.request.cache_salt
+    return hashlib.sha256(b"without the draft head\0" + seq.request.cache_salt).digest()
 
 
 def release(pool: BlockPool, seq: Sequence) -> None:
@@ -92,9 +110,11 @@ def head_span(seq: Sequence, num_new: int, k: int, kind: DraftKind) -> tuple[int
     computes the newest token alone and proposes as scheduled then (k is
     kept, so a seeded sample is as it would be without the preemption). A
     sequence without a state (a prefix hit that left only its newest token)
-    cannot propose."""
+    cannot propose, nor one the head keeps nothing for."""
     if kind is not DraftKind.HEAD or k == 0:
         return num_new, k
+    if not seq.draft_on:
+        return num_new, 0
     if num_new > 1:
         return num_new - 1, 0
     return num_new, k if seq.draft_state else 0
@@ -125,7 +145,7 @@ def apply(pool: BlockPool, seq: Sequence, num_new: int, k: int, done: SeqResult,
         # it sampled, or a head stopped short of the proposals reserved for it
         pool.rollback(seq.seq_id)
     seq.num_computed += n
-    if kind is DraftKind.HEAD:
+    if kind is DraftKind.HEAD and seq.draft_on:
         assert done.draft_lag == 0 or done.draft_state, done
         seq.num_draft_computed = seq.num_computed - done.draft_lag
         seq.draft_state = done.draft_state
@@ -146,6 +166,7 @@ def fork(pool: BlockPool, parent: Sequence, child: Sequence) -> None:
     child.num_computed = parent.num_computed
     child.num_draft_computed = parent.num_draft_computed
     child.draft_state = parent.draft_state
+    child.draft_on = parent.draft_on
     check(pool, child)
 
 

@@ -53,6 +53,7 @@ class SeqWork(msgspec.Struct, frozen=True, array_like=True):
     # a head's output at draft_start - 1, then the target's tapped states at
     # draft_start .. start - 1, which it has not absorbed yet; fp32 (see core/ledger.py)
     draft_state: bytes = b""
+    draft_on: bool = True  # False: the head keeps nothing for this sequence
 
     @property
     def end(self) -> int:

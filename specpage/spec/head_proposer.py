@@ -20,6 +20,9 @@ forward at all, so speculation switched off costs the head nothing but a
 forward over a block's positions once per block, and that one mostly the
 qkv projection: only a span's last position, the next state, goes on
 through attention and the MLP (HeadRunner.run).
+
+A sequence the policy left the head off (`SeqWork.draft_on`, core/ledger.py)
+costs the head nothing at all: it neither absorbs nor carries anything.
 """
 
 from __future__ import annotations
@@ -129,6 +132,8 @@ class HeadProposer:
                 following = w.tokens[1:] + [w.following]
             first, offset = offset, offset + len(w.tokens) + len(drafted)  # the span's rows
             last = first + len(following)
+            if not w.draft_on:  # the head keeps nothing for it (core/ledger.py)
+                continue
             if not self._needs_forward(w):
                 if carried is None:
                     carried = verdict.features.detach().float().cpu().numpy()

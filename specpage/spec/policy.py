@@ -35,6 +35,13 @@ is priced as a cost of speculating in a step (`SpecPolicy.unpriced`). On
 SmolLM2-135M q4 with the EAGLE-3 head (2 threads) a step with one proposal
 took 7.3 ms where its forwards were priced at 5.4.
 
+An EAGLE-3 head costs a sequence something every step even while it does
+not speculate (core/ledger.py); on SmolLM2-135M q4 (2 threads) 8% of a step.
+So while speculation does not pay for a new sequence at the batch it joins,
+the head is left off it for its whole life (`admits_draft`), except for
+one new sequence in HEAD_PROBE_EVERY, which keeps measuring acceptance and
+costs so that the head comes back once it pays.
+
 The choice of k only learns what the sizes it runs cost, so a sequence now and
 then tries one proposal more than pays (a probe): a size priced too high at
 start-up is measured and corrected instead of avoided for good. A probe's
@@ -53,7 +60,7 @@ from collections.abc import Sequence as Seq
 
 from specpage.core.ledger import draft_lag
 from specpage.core.step import DraftKind
-from specpage.request import Sequence
+from specpage.request import Request, Sequence
 
 # Observations of one curve point whose least is its correction (as the
 # start-up measurement keeps the least of its repeats). Other work on the
@@ -105,6 +112,8 @@ GAIN_TO_START = 1.05  # speculation must promise this much over k = 0 (unmodelle
 # once each kind has UNPRICED_LEAST steps (speculating ones can be rare).
 UNPRICED_WINDOW = 16
 UNPRICED_LEAST = 4
+# While a head does not pay, one new sequence in this many keeps it.
+HEAD_PROBE_EVERY = 8
 
 
 class CostCurve:
@@ -249,6 +258,8 @@ class SpecPolicy:
         self._excess: dict[bool, deque[float]] = {
             speculated: deque(maxlen=UNPRICED_WINDOW) for speculated in (False, True)}
         self.unpriced = 0.0  # seconds a step takes for speculating beyond its forwards
+        self.num_admitted = 0  # new sequences asked about
+        self.num_without_draft = 0  # of them, those a head was left off
 
     def calibrate(self, target: list[tuple[int, float]], draft: list[tuple[int, float]]) -> None:
         """Measured (positions, seconds) of target and draft forwards."""
@@ -261,7 +272,28 @@ class SpecPolicy:
         """Per-token acceptance over all sequences, recent history weighted most."""
         return shrunk(self.recent_accepted, self.recent_tested, PRIOR_ACCEPTANCE, PRIOR_WEIGHT)
 
+    def admits_draft(self, request: Request, batch: int) -> bool:
+        """Whether the draft keeps KV for a new sequence of request, joining
+        a batch of this size: always for a draft model (it costs nothing
+        while it does not run), for a request whose k is forced or that
+        samples with a seed (its output must not depend on the load), and
+        with a fixed k; otherwise a head where some k pays at the shared
+        acceptance, and for one new sequence in HEAD_PROBE_EVERY."""
+        if self.kind is not DraftKind.HEAD or not self.adaptive or self.k_max == 0:
+            return True
+        params = request.params
+        if request.spec_k is not None or (params.seed is not None and not params.greedy):
+            return True
+        self.num_admitted += 1
+        if (self.num_admitted % HEAD_PROBE_EVERY == 1
+                or _best_k(self.acceptance, self._step_seconds(max(batch, 1))) > 0):
+            return True
+        self.num_without_draft += 1
+        return False
+
     def choose_k(self, seq: Sequence, batch: int) -> int:
+        if not seq.draft_on:
+            return 0
         forced = seq.request.spec_k
         if forced is not None:
             return min(forced, self.k_max)
