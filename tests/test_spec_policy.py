@@ -424,8 +424,9 @@ def test_a_head_that_does_not_pay_is_left_off_new_sequences_but_one_in_so_many()
     admitted = [head.admits_draft(request(), batch=1) for _ in range(2 * HEAD_PROBE_EVERY)]
     assert admitted == ([True] + [False] * (HEAD_PROBE_EVERY - 1)) * 2
     assert head.num_without_draft == 2 * (HEAD_PROBE_EVERY - 1)
-    # a forced k, or a seeded sample (whose output must not depend on the load)
+    # a forced k (0: no head), or a seeded sample (whose output must not depend on the load)
     assert head.admits_draft(Request("r", (1,), SamplingParams(), spec_k=2), batch=1)
+    assert not head.admits_draft(Request("r", (1,), SamplingParams(), spec_k=0), batch=1)
     assert head.admits_draft(request(temperature=1.0, seed=3), batch=1)
     assert head.admits_draft(request(), batch=1)  # the next probe
     assert not head.admits_draft(request(temperature=0.0, seed=3), batch=1)  # greedy: any k

@@ -275,14 +275,17 @@ class SpecPolicy:
     def admits_draft(self, request: Request, batch: int) -> bool:
         """Whether the draft keeps KV for a new sequence of request, joining
         a batch of this size: always for a draft model (it costs nothing
-        while it does not run), for a request whose k is forced or that
-        samples with a seed (its output must not depend on the load), and
-        with a fixed k; otherwise a head where some k pays at the shared
-        acceptance, and for one new sequence in HEAD_PROBE_EVERY."""
+        while it does not run) and with a fixed k; for a request whose k is
+        forced, when it is not 0; for a request that samples with a seed (its
+        output must not depend on the load); otherwise a head where
+        some k pays at the shared acceptance, and for one new sequence in
+        HEAD_PROBE_EVERY."""
         if self.kind is not DraftKind.HEAD or not self.adaptive or self.k_max == 0:
             return True
+        if request.spec_k is not None:
+            return request.spec_k > 0
         params = request.params
-        if request.spec_k is not None or (params.seed is not None and not params.greedy):
+        if params.seed is not None and not params.greedy:
             return True
         self.num_admitted += 1
         if (self.num_admitted % HEAD_PROBE_EVERY == 1
