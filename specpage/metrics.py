@@ -52,6 +52,7 @@ class EngineStatsLike(Protocol):
     prompt_tokens: int
     total_blocks: int
     aborts: int
+    sequences_without_draft: int
 
 
 class _CumulativeCounter:
@@ -99,6 +100,10 @@ class Metrics:
         ))  # fmt: skip
         self.preemptions = _CumulativeCounter(Counter(
             "preemptions", "Sequences preempted by recompute", namespace=ns, registry=r,
+        ))  # fmt: skip
+        self.without_draft = _CumulativeCounter(Counter(
+            "sequences_without_draft", "New sequences a draft head was left off while "
+            "speculation did not pay (they never speculate)", namespace=ns, registry=r,
         ))  # fmt: skip
         self.waiting = Gauge("requests_waiting", "Requests waiting", namespace=ns, registry=r)
         self.running = Gauge("requests_running", "Requests running", namespace=ns, registry=r)
@@ -215,6 +220,7 @@ class Metrics:
             self.blocks.labels(state=state).set(count)
         self.preemptions.set(stats.preemptions)
         self.aborts.set(stats.aborts)
+        self.without_draft.set(stats.sequences_without_draft)
         self.kv_usage.set(stats.in_use_blocks / max(1, stats.total_blocks))
         self.admitted_prompt_tokens.set(stats.prompt_tokens)
         self.prefix_cached_tokens.set(stats.prefix_cached_tokens)

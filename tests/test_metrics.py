@@ -37,6 +37,7 @@ class Stats:
     total_blocks: int = 0
     accepted_by_position: tuple[int, ...] = ()
     aborts: int = 0
+    sequences_without_draft: int = 0
 
 
 def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -100,14 +101,14 @@ def test_update_engine_sets_gauges_and_adds_counter_growth(metrics: Metrics) -> 
         Stats(running=3, waiting=2, free_blocks=10, cached_blocks=4, in_use_blocks=6,
               tentative_blocks=2, drafted_tokens=40, accepted_tokens=30, acceptance=0.75,
               current_k=4, preemptions=1, prefix_cached_tokens=32, prompt_tokens=128,
-              total_blocks=20, aborts=2)
+              total_blocks=20, aborts=2, sequences_without_draft=4)
     )  # fmt: skip
     metrics.update_engine(
         Stats(running=1, waiting=0, free_blocks=18, cached_blocks=2, in_use_blocks=0,
               drafted_tokens=100, accepted_tokens=60, acceptance=0.6,
               per_token_acceptance=0.7, current_k=3,
               preemptions=3, prefix_cached_tokens=64, prompt_tokens=256, total_blocks=20,
-              aborts=5)
+              aborts=5, sequences_without_draft=9)
     )  # fmt: skip
     got = samples(metrics.render().decode())
 
@@ -118,6 +119,7 @@ def test_update_engine_sets_gauges_and_adds_counter_growth(metrics: Metrics) -> 
     assert got["specpage_kv_blocks", (("state", "in_use"),)] == 0
     assert got["specpage_kv_blocks", (("state", "tentative"),)] == 0
     assert got["specpage_preemptions_total", ()] == 3
+    assert got["specpage_sequences_without_draft_total", ()] == 9
     assert got["specpage_request_aborts_total", ()] == 5
     assert got["specpage_drafted_tokens_total", ()] == 100
     assert got["specpage_accepted_tokens_total", ()] == 60

@@ -52,6 +52,8 @@ class EngineStats:
     total_blocks: int
     accepted_by_position: tuple[int, ...]  # cumulative acceptances at proposal 1..k
     aborts: int = 0  # requests aborted by a caller before they finished, cumulative
+    # new sequences a draft head was left off (it did not pay), cumulative
+    sequences_without_draft: int = 0
 
 
 class StepResultError(ValueError):
@@ -236,6 +238,7 @@ class EngineCore:
             total_blocks=pool.total,
             accepted_by_position=tuple(policy.accepted_by_position),
             aborts=self.num_aborts,
+            sequences_without_draft=policy.num_without_draft,
         )
 
 
