@@ -315,6 +315,10 @@ def test_a_sequence_the_head_is_left_off_gives_the_targets_output(models):
     eng.core.policy.admits_draft = lambda request, batch: next(flags)
     eng.scheduler.choose_k = lambda seq, batch: 3
     seen = record_proposals(eng)
+    tapped, verify = [], eng.executor.verifier.verify
+    eng.executor.verifier.verify = lambda batch_, proposal: (
+        tapped.append((any(w.draft_on for w in batch_), verify(batch_, proposal)))
+        or tapped[-1][1])
     shared = prompts(1, lengths=(33,))[0]
     batch = [shared + [i + 1] for i in range(4)] + prompts(4, lengths=(9, 14), seed=5)
     arrivals = {0: [(str(i), p, GREEDY) for i, p in enumerate(batch[:5])],
@@ -328,6 +332,9 @@ def test_a_sequence_the_head_is_left_off_gives_the_targets_output(models):
     works = [w for batch_, _ in seen for w in batch_]
     assert any(not w.draft_on for w in works) and any(w.k for w in works)
     assert all(w.k == 0 for w in works if not w.draft_on)  # asked for 3, it proposes none
+    # a step with no sequence the head keeps anything for taps no features
+    assert {(head, verdict.features is not None) for head, verdict in tapped} == {
+        (True, True), (False, False)}
     stats = eng.stats()
     assert stats.preemptions > 0 and stats.prefix_cached_tokens > 0
     assert stats.drafted_tokens > 0

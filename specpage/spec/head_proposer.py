@@ -118,6 +118,8 @@ class HeadProposer:
         """The head over the positions the target now holds for good, reading
         the target's features there, for the sequences that need it; the
         others carry the features on. Each result gets its state."""
+        if not any(w.draft_on for w in batch):
+            return list(verdict.results), []
         assert verdict.features is not None, "the verifier tapped no features"
         start = time.perf_counter()
         results = list(verdict.results)

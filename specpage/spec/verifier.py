@@ -35,7 +35,9 @@ class Verifier:
         for w, drafted in zip(batch, proposal.tokens, strict=True):
             logits_wanted = len(drafted) + 1 if w.sample else 0
             spans.append(SeqSpan(w.tokens + drafted, w.start, w.block_table, logits_wanted))
-        tap = LayerTap(self.feature_layers) if self.feature_layers else None
+        # the head's features, unless it keeps nothing for any of them
+        heads = bool(self.feature_layers) and any(w.draft_on for w in batch)
+        tap = LayerTap(self.feature_layers) if heads else None
         start = time.perf_counter()
         logits = self.runner.forward(spans, tap)  # [sum of (k + 1) over sampling rows, vocab]
         seconds = time.perf_counter() - start
