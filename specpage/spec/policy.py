@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import statistics
 from collections import deque
 from collections.abc import Sequence as Seq
 
@@ -289,7 +290,7 @@ class SpecPolicy:
             return True
         self.num_admitted += 1
         if (self.num_admitted % HEAD_PROBE_EVERY == 1
-                or _best_k(self.acceptance, self._step_seconds(max(batch, 1))) > 0):
+                or _best_k(self.acceptance, self._cached_seconds(max(batch, 1), 0)) > 0):
             return True
         self.num_without_draft += 1
         return False
@@ -317,11 +318,7 @@ class SpecPolicy:
             acceptance = shared = shrunk(seq.accepted, seq.tested, PRIOR_ACCEPTANCE, SEQ_WEIGHT)
             batch, seconds = 1, self._prior_seconds
         else:
-            lag = draft_lag(seq, self.kind)
-            cached = self._seconds.get((batch, lag))
-            if cached is None:
-                cached = self._seconds[batch, lag] = self._step_seconds(batch, lag)
-            seconds = cached
+            seconds = self._cached_seconds(batch, draft_lag(seq, self.kind))
         best_k = _best_k(acceptance, seconds)
         # Now and then probe with one proposal more, so that acceptance and
         # the cost of the next size keep being measured and speculation can
@@ -344,6 +341,13 @@ class SpecPolicy:
         if not self.draft_cost.observations:
             return PROBE_IDLE * batch
         return probe_period(acceptance, seconds, best_k, batch)
+
+    def _cached_seconds(self, batch: int, lag: int) -> list[float]:
+        """_step_seconds, kept until the costs or the last step change."""
+        seconds = self._seconds.get((batch, lag))
+        if seconds is None:
+            seconds = self._seconds[batch, lag] = self._step_seconds(batch, lag)
+        return seconds
 
     def _step_seconds(self, batch: int, lag: int = 0) -> list[float]:
         """Seconds of a sequence's share of the step for each k in 0..k_max,
@@ -397,7 +401,7 @@ class SpecPolicy:
         self._excess[speculated].append(seconds - priced)
         plain, speculating = self._excess[False], self._excess[True]
         if min(len(plain), len(speculating)) >= UNPRICED_LEAST:
-            self.unpriced = max(0.0, _median(speculating) - _median(plain))
+            self.unpriced = max(0.0, statistics.median(speculating) - statistics.median(plain))
             self._seconds.clear()
 
     def observe_step(self, ks: list[int]) -> None:
@@ -456,12 +460,6 @@ def probe_period(acceptance: float, seconds: list[float], best_k: int, batch: in
     if loss > 0:
         period = max(period, math.ceil(loss / (PROBE_BUDGET * per_token)))
     return min(period, PROBE_MOST)
-
-
-def _median(values: Seq[float]) -> float:
-    ordered = sorted(values)
-    middle = len(ordered) // 2
-    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
 def _best_k(acceptance: float, seconds: list[float]) -> int:
