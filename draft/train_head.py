@@ -52,14 +52,18 @@ WARMUP = 100  # steps of linear warm-up before the cosine decay
 DEPTH_DECAY = 0.8  # weight of depth j's loss: 0.8 ** j
 
 
-def head_config(target_raw: dict, draft_vocab: int, target_layers: int) -> dict:
+def head_config(target_raw: dict, draft_vocab: int, target_layers: int,
+                taps: tuple[int, ...] | None = None) -> dict:
+    """The head's config.json; taps: the target layers whose input it reads
+    (low, middle, high), by default EAGLE-3's 2, L / 2 and L - 3."""
     keep = ("hidden_size", "num_attention_heads", "num_key_value_heads", "rms_norm_eps",
             "rope_theta", "vocab_size", "max_position_embeddings", "head_dim")
     raw = {k: target_raw[k] for k in keep if k in target_raw}
     raw.update(architectures=[ARCHITECTURE], model_type="llama", num_hidden_layers=1,
                intermediate_size=target_raw["intermediate_size"], draft_vocab_size=draft_vocab,
                tie_word_embeddings=False, torch_dtype="float32",
-               eagle_aux_hidden_state_layer_ids=[2, target_layers // 2, target_layers - 3])
+               eagle_aux_hidden_state_layer_ids=list(
+                   taps or (2, target_layers // 2, target_layers - 3)))
     return raw
 
 
@@ -189,6 +193,9 @@ def main() -> None:
     parser.add_argument("--keep-every", type=int, default=1000,
                         help="also keep the head of every N-th step in OUT/steps/N")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--taps", type=int, nargs=3, default=None, metavar="LAYER",
+                        help="the three target layers whose input the head reads "
+                             "(default: 2, L / 2, L - 3; a resumed or --init head keeps its own)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--depth", type=int, default=4,
                         help="proposals unrolled per anchor (training-time test)")
@@ -219,13 +226,15 @@ def main() -> None:
     rng.shuffle(examples)
     resume = args.out if (args.out / "optimizer.pt").is_file() else args.init
     initial = load_model(resume, dtype=torch.float32).model if resume else None
+    taps = tuple(args.taps) if args.taps else None
     if initial is not None:
         vocab = initial.draft_to_target.tolist()
+        taps = initial.config.layers_of(target.config.num_layers)
     else:
         counts = Counter(t for ids, start in examples for t in ids[start:])
         vocab = sorted(t for t, _ in counts.most_common(args.draft_vocab))
     raw = head_config(json.loads((folder / "config.json").read_text()), len(vocab),
-                      target.config.num_layers)
+                      target.config.num_layers, taps)
     config = Eagle3Config.from_dict(raw, "head")
     layers = config.layers_of(target.config.num_layers)
     head = Eagle3Head(config)

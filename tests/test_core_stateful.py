@@ -250,3 +250,20 @@ def test_a_result_that_does_not_fit_its_batch_is_refused() -> None:
     with pytest.raises(StepResultError, match="1 results for 0"):
         core.schedule()  # nothing left to run
         core.apply(StepResult([SeqResult()]))
+
+
+def test_a_new_sequence_is_priced_at_the_batch_it_joins_waiting_ones_included() -> None:
+    """A burst of requests submitted before any step runs is one batch: each
+    new sequence asks the policy about every sequence running or waiting and
+    itself, up to max_num_seqs."""
+    core = EngineCore(EngineConfig(block_size=4, num_blocks=64, max_num_seqs=4, spec_k=2),
+                      BlockPool(64, 4), SpecPolicy(2), 48, eos_token_ids=(EOS,))
+    asked: list[int] = []
+    core.policy.admits_draft = lambda request, batch: asked.append(batch) or True
+    for i in range(6):
+        core.submit(Request(f"r{i}", (5, 6, 7), SamplingParams(max_tokens=4)))
+    assert asked == [1, 2, 3, 4, 4, 4]
+    core.schedule()
+    assert len(core.scheduler.running) == 4
+    core.submit(Request("late", (5, 6, 7), SamplingParams(max_tokens=4)))
+    assert asked[-1] == 4

@@ -7,6 +7,7 @@ from specpage.core.step import DraftKind
 from specpage.request import Request, SamplingParams, Sequence
 from specpage.spec.policy import (
     HEAD_PROBE_EVERY,
+    PROBE_ACCEPTANCE,
     PROBE_BUDGET,
     PROBE_EVERY,
     PROBE_IDLE,
@@ -15,6 +16,7 @@ from specpage.spec.policy import (
     WINDOW,
     CostCurve,
     SpecPolicy,
+    _best_k,
     expected_tokens,
     probe_period,
 )
@@ -439,6 +441,21 @@ def test_a_head_that_does_not_pay_is_left_off_new_sequences_but_one_in_so_many()
     assert head.choose_k(seq, batch=1) == 3
     seq.draft_on = False
     assert head.choose_k(seq, batch=1) == 0
+
+
+def test_no_probe_with_the_head_where_even_a_good_head_would_not_speculate():
+    """At 32 streams of the q4-like costs no k pays even at acceptance
+    PROBE_ACCEPTANCE: a probe there would measure nothing that could change
+    the choice, so no new sequence keeps a head that does not pay; joining
+    one stream, one in HEAD_PROBE_EVERY does."""
+    head = seasoned(q4_like_policy(DraftKind.HEAD), accepted=0, proposed=1, times=40)
+    assert _best_k(PROBE_ACCEPTANCE, head._step_seconds(32, 0)) == 0
+    assert _best_k(PROBE_ACCEPTANCE, head._step_seconds(1, 0)) > 0
+    crowded = [head.admits_draft(request(), batch=32) for _ in range(2 * HEAD_PROBE_EVERY)]
+    assert not any(crowded)
+    assert head.num_without_draft == 2 * HEAD_PROBE_EVERY
+    alone = [head.admits_draft(request(), batch=1) for _ in range(HEAD_PROBE_EVERY)]
+    assert alone.count(True) == 1
 
 
 def test_a_head_that_pays_keeps_every_new_sequence():

@@ -90,9 +90,17 @@ class EngineCore:
         if request.request_id in self.requests:
             raise ValidationError("request_id", f"{request.request_id!r} is already running")
         seq = self._new_sequence(request, 0, list(request.prompt_token_ids))
-        seq.draft_on = self.policy.admits_draft(request, len(self.scheduler.running) + 1)
+        seq.draft_on = self.policy.admits_draft(request, self._joins_batch())
         self.requests[request.request_id] = request
         self.scheduler.add(seq)
+
+    def _joins_batch(self) -> int:
+        """The batch a new sequence can expect to run in: every sequence
+        running or waiting and itself, up to the most a step runs (a burst
+        of requests is one batch, though none of it runs yet)."""
+        scheduler = self.scheduler
+        return min(len(scheduler.running) + scheduler.num_waiting + 1,
+                   scheduler.config.max_num_seqs)
 
     def abort(self, request_id: str) -> bool:
         """Takes effect at the next step boundary. False if unknown or finished."""

@@ -40,7 +40,10 @@ not speculate (core/ledger.py); on SmolLM2-135M q4 (2 threads) 8% of a step.
 So while speculation does not pay for a new sequence at the batch it joins,
 the head is left off it for its whole life (`admits_draft`), except for
 one new sequence in HEAD_PROBE_EVERY, which keeps measuring acceptance and
-costs so that the head comes back once it pays.
+costs so that the head comes back once it pays. Only where some k would pay
+at PROBE_ACCEPTANCE, though: a batch so large that even a head that good
+would not speculate learns nothing from a probe, and pays for it (on
+SmolLM2-135M q4 at 32 streams, probes cost 2-3% of the throughput).
 
 The choice of k only learns what the sizes it runs cost, so a sequence now and
 then tries one proposal more than pays (a probe): a size priced too high at
@@ -113,8 +116,10 @@ GAIN_TO_START = 1.05  # speculation must promise this much over k = 0 (unmodelle
 # once each kind has UNPRICED_LEAST steps (speculating ones can be rare).
 UNPRICED_WINDOW = 16
 UNPRICED_LEAST = 4
-# While a head does not pay, one new sequence in this many keeps it.
+# While a head does not pay, one new sequence in this many keeps it, where
+# some k would pay at PROBE_ACCEPTANCE.
 HEAD_PROBE_EVERY = 8
+PROBE_ACCEPTANCE = 0.9
 
 
 class CostCurve:
@@ -280,7 +285,7 @@ class SpecPolicy:
         forced, when it is not 0; for a request that samples with a seed (its
         output must not depend on the load); otherwise a head where
         some k pays at the shared acceptance, and for one new sequence in
-        HEAD_PROBE_EVERY."""
+        HEAD_PROBE_EVERY where some k would pay at PROBE_ACCEPTANCE."""
         if self.kind is not DraftKind.HEAD or not self.adaptive or self.k_max == 0:
             return True
         if request.spec_k is not None:
@@ -289,8 +294,11 @@ class SpecPolicy:
         if params.seed is not None and not params.greedy:
             return True
         self.num_admitted += 1
+        seconds = self._cached_seconds(max(batch, 1), 0)
+        if _best_k(self.acceptance, seconds) > 0:
+            return True
         if (self.num_admitted % HEAD_PROBE_EVERY == 1
-                or _best_k(self.acceptance, self._cached_seconds(max(batch, 1), 0)) > 0):
+                and _best_k(PROBE_ACCEPTANCE, seconds) > 0):
             return True
         self.num_without_draft += 1
         return False
