@@ -3,6 +3,7 @@ fits and the choice of k."""
 
 import pytest
 
+from specpage.core import ledger
 from specpage.core.step import DraftKind
 from specpage.request import Request, SamplingParams, Sequence
 from specpage.spec.policy import (
@@ -370,19 +371,30 @@ def test_costly_probes_are_spaced_to_lose_at_most_the_budget():
     assert probe_period(cheap.acceptance, cheap._step_seconds(1), 0, 1) == PROBE_IDLE
 
 
-def test_a_head_prices_the_forward_that_absorbs_what_it_verified():
-    """An EAGLE-3 head runs k + 1 forwards for k proposals (after verifying
-    it absorbs the accepted positions), and one more where it first absorbs
-    positions it left: a proposal that pays for a draft model's one forward
-    need not pay for the head's two."""
+def test_a_head_prices_k_forwards_and_no_catch_up():
+    """An EAGLE-3 head makes k proposals in k forwards, as a draft model
+    does: the forward that absorbs the accepted positions leaves the state
+    its next first proposal projects. Its lag is absorbed when the block
+    fills whether it proposes or not, so catching up is not priced: a head
+    that stopped proposing for a step is not kept from starting again."""
+    priced = {}
     for kind in DraftKind:
         policy = seasoned(q4_like_policy(kind), accepted=1, proposed=2, times=40)
-        k = policy.choose_k(lagging(37, lag=0), batch=1)
-        assert (k == 0) == (kind is DraftKind.HEAD)
+        assert policy.choose_k(lagging(37, lag=0), batch=1) >= 1
         seconds = policy._step_seconds(1, 0)
         assert seconds[2] - seconds[1] == pytest.approx(
             policy.target_cost(3) - policy.target_cost(2) + policy.draft_cost(1))
-    assert policy._step_seconds(1, 5)[1] - seconds[1] == pytest.approx(policy.draft_cost(1))
+        priced[kind] = seconds
+        behind = policy._step_seconds(1, 15)
+        if kind is DraftKind.HEAD:
+            assert behind == seconds
+            carrying = lagging(37, lag=15)
+            carrying.draft_state = b"carried states"  # a head's lag is what it carries
+            assert ledger.draft_lag(carrying, kind) == 15
+            assert policy.choose_k(carrying, batch=1) >= 1
+        else:
+            assert behind[1] > seconds[1]
+    assert priced[DraftKind.HEAD] == pytest.approx(priced[DraftKind.MODEL])
 
 
 def test_what_speculating_steps_take_beyond_their_forwards_is_priced():

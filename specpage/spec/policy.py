@@ -237,11 +237,13 @@ class SpecPolicy:
     def __init__(self, k_max: int, adaptive: bool = True,
                  kind: DraftKind = DraftKind.MODEL) -> None:
         """kind: what proposes (core/ledger.py). A draft model lags where a
-        sequence does not speculate and catches up when it does; an EAGLE-3
-        head (spec/head_proposer.py) absorbs what it missed once a block
-        fills, whether it proposes or not, and after verifying k proposals
-        runs once more (it absorbs the accepted positions): k + 1 forwards,
-        and one more where it first absorbs positions it left."""
+        sequence does not speculate and catches up when it does. An EAGLE-3
+        head (spec/head_proposer.py) makes k proposals in k forwards as a
+        draft model does (the one that absorbs the accepted positions after
+        verifying leaves the state its next first proposal projects), and
+        absorbs what it missed once a block fills, whether it proposes or
+        not: catching up to propose moves that forward earlier, so its lag
+        costs a proposal nothing."""
         self.k_max = k_max
         self.adaptive = adaptive
         self.kind = kind
@@ -380,11 +382,8 @@ class SpecPolicy:
         others = batch - 1
         positions = batch + others * self.last_k  # before this sequence's proposals
         m = others * self.last_drafting  # other sequences that run through the draft
-        if self.kind is DraftKind.HEAD:  # absorbs after verifying, and first what it left
-            return step_seconds(self.k_max, batch, target, draft, positions, m,
-                                after=1 + (lag > 0), unpriced=self.unpriced)
-        return step_seconds(self.k_max, batch, target, draft, positions, m, lag,
-                            unpriced=self.unpriced)
+        return step_seconds(self.k_max, batch, target, draft, positions, m,
+                            0 if self.kind is DraftKind.HEAD else lag, self.unpriced)
 
     def observe_costs(
         self, target: tuple[int, float] | None, drafts: list[tuple[int, float]]
@@ -437,12 +436,11 @@ class SpecPolicy:
 
 
 def step_seconds(k_max: int, batch: int, target: CostCurve, draft: CostCurve,
-                 positions: float, drafting: float, lag: int = 0, after: int = 0,
+                 positions: float, drafting: float, lag: int = 0,
                  unpriced: float = 0.0) -> list[float]:
-    """See SpecPolicy._step_seconds; after: draft forwards a speculating
-    step runs besides its k proposals' (a head's absorb); unpriced: what a
-    step costs for speculating beyond its forwards, paid alone by a sequence
-    that speculates where no other does."""
+    """See SpecPolicy._step_seconds; unpriced: what a step costs for
+    speculating beyond its forwards, paid alone by a sequence that
+    speculates where no other does."""
     share = target(batch) / batch
     draft_row = draft(drafting + 1) - (draft(drafting) if drafting >= 1
                                         else drafting * draft(1))
@@ -450,9 +448,9 @@ def step_seconds(k_max: int, batch: int, target: CostCurve, draft: CostCurve,
     caught_up = draft(batch * (1 + lag)) - draft(batch)  # every sequence's, together
     seconds = [share]
     for k in range(1, k_max + 1):
-        alone = (share + target(positions + k) - target(positions) + (k + after) * draft_row
+        alone = (share + target(positions + k) - target(positions) + k * draft_row
                  + catch_up + max(0.0, 1.0 - drafting) * unpriced)
-        together = (target(batch * (k + 1)) + (k + after) * draft(batch) + caught_up
+        together = (target(batch * (k + 1)) + k * draft(batch) + caught_up
                     + unpriced) / batch
         seconds.append(min(alone, together))
     return seconds
