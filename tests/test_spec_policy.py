@@ -470,6 +470,23 @@ def test_no_probe_with_the_head_where_even_a_good_head_would_not_speculate():
     assert alone.count(True) == 1
 
 
+def test_one_poor_request_does_not_take_the_head_off_the_next():
+    """Whether a new sequence keeps the head is judged on acceptance over a
+    long history: after many requests that accept well, one that accepts
+    nothing (a stream's last request says little of its next) turns the
+    running estimate down, not the new sequence's head."""
+    policy = seasoned(q4_like_policy(DraftKind.HEAD), accepted=3, proposed=4, times=400)
+    assert policy.admits_draft(request(), batch=1)
+    seasoned(policy, accepted=0, proposed=1, times=100)
+    assert policy.acceptance < 0.2 < 0.6 < policy.expected_acceptance
+    assert policy.choose_k(lagging(37, lag=0), batch=1) == 0  # the running sequence stops
+    assert all(policy.admits_draft(request(), batch=1) for _ in range(2 * HEAD_PROBE_EVERY))
+    # a workload that stays poor does take it off, in time
+    seasoned(policy, accepted=0, proposed=1, times=2000)
+    assert policy.expected_acceptance < 0.2
+    assert not all(policy.admits_draft(request(), batch=1) for _ in range(2 * HEAD_PROBE_EVERY))
+
+
 def test_a_head_that_pays_keeps_every_new_sequence():
     policy = seasoned(cheap_draft_policy(), accepted=3, proposed=4, times=40)
     policy.kind = DraftKind.HEAD

@@ -109,6 +109,7 @@ PRIOR_ACCEPTANCE = 0.6
 PRIOR_WEIGHT = 1.0  # tested proposals the prior is worth against all sequences' history
 SEQ_WEIGHT = 4.0  # tested proposals the shared estimate is worth against a sequence's own
 DECAY = 0.97  # all sequences, per observation
+LONG_DECAY = 0.999  # all sequences, per observation: what a new sequence can expect
 SEQ_DECAY = 0.9  # one sequence, per observation
 GAIN_TO_START = 1.05  # speculation must promise this much over k = 0 (unmodelled costs)
 # Steps of each kind (speculating, plain) whose time beyond their forwards'
@@ -249,6 +250,8 @@ class SpecPolicy:
         self.kind = kind
         self.recent_accepted = 0.0  # decayed counts over all sequences
         self.recent_tested = 0.0
+        self.long_accepted = 0.0  # the same, decayed far more slowly
+        self.long_tested = 0.0
         self.target_cost = CostCurve.line(*PRIOR_TARGET)
         self.draft_cost = CostCurve.line(*PRIOR_DRAFT)
         self.calibrated = False
@@ -280,13 +283,21 @@ class SpecPolicy:
         """Per-token acceptance over all sequences, recent history weighted most."""
         return shrunk(self.recent_accepted, self.recent_tested, PRIOR_ACCEPTANCE, PRIOR_WEIGHT)
 
+    @property
+    def expected_acceptance(self) -> float:
+        """What a new sequence can expect: per-token acceptance over all
+        sequences over a far longer history than `acceptance`, which
+        follows the sequences running now (one stream's last request says
+        little of the next one's)."""
+        return shrunk(self.long_accepted, self.long_tested, PRIOR_ACCEPTANCE, PRIOR_WEIGHT)
+
     def admits_draft(self, request: Request, batch: int) -> bool:
         """Whether the draft keeps KV for a new sequence of request, joining
         a batch of this size: always for a draft model (it costs nothing
         while it does not run) and with a fixed k; for a request whose k is
         forced, when it is not 0; for a request that samples with a seed (its
         output must not depend on the load); otherwise a head where
-        some k pays at the shared acceptance, and for one new sequence in
+        some k pays at the expected acceptance, and for one new sequence in
         HEAD_PROBE_EVERY where some k would pay at PROBE_ACCEPTANCE."""
         if self.kind is not DraftKind.HEAD or not self.adaptive or self.k_max == 0:
             return True
@@ -297,7 +308,7 @@ class SpecPolicy:
             return True
         self.num_admitted += 1
         seconds = self._cached_seconds(max(batch, 1), 0)
-        if _best_k(self.acceptance, seconds) > 0:
+        if _best_k(self.expected_acceptance, seconds) > 0:
             return True
         if (self.num_admitted % HEAD_PROBE_EVERY == 1
                 and _best_k(PROBE_ACCEPTANCE, seconds) > 0):
@@ -428,6 +439,8 @@ class SpecPolicy:
         seq.tested = seq.tested * SEQ_DECAY + tested
         self.recent_accepted = self.recent_accepted * DECAY + accepted
         self.recent_tested = self.recent_tested * DECAY + tested
+        self.long_accepted = self.long_accepted * LONG_DECAY + accepted
+        self.long_tested = self.long_tested * LONG_DECAY + tested
         self.num_drafted += proposed
         self.num_accepted += accepted
         self.num_tested += tested
