@@ -9,8 +9,9 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig
 
-from draft.train_head import depth_loss, export, target_labels, ttt_forward
+from draft.train_head import depth_loss, export, head_config, target_labels, ttt_forward
 from specpage.model_runner import SeqSpan
+from specpage.models.eagle3 import Eagle3Config
 from specpage.models.loader import load_model
 from specpage.spec.head_runner import HeadRunner
 from tests.head_util import tiny_head
@@ -88,3 +89,16 @@ def test_the_soft_loss_against_a_one_hot_distribution_is_the_hard_loss():
                                depth_loss(logits, labels, None))
     torch.testing.assert_close(depth_loss(logits, labels, None),
                                F.cross_entropy(logits[labels >= 0], labels[labels >= 0]))
+
+
+def test_a_head_reads_the_target_layers_it_is_given():
+    """--taps: the config names the layers, as vLLM's and SGLang's loaders
+    read them; by default EAGLE-3's low, middle and high."""
+    target = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "rms_norm_eps": 1e-5, "vocab_size": 128, "intermediate_size": 96,
+              "max_position_embeddings": 256}
+    default = Eagle3Config.from_dict(head_config(target, 32, 30), "head")
+    assert default.layers_of(30) == (2, 15, 27)
+    raw = head_config(target, 32, 30, (2, 15, 29))
+    assert raw["eagle_aux_hidden_state_layer_ids"] == [2, 15, 29]
+    assert Eagle3Config.from_dict(raw, "head").layers_of(30) == (2, 15, 29)
