@@ -70,10 +70,12 @@ class IncompleteError(grpc.aio.AioRpcError):
 
 def generate_request(prompt: str | Sequence[int], request_id: str = "", chat: bool = False,
                      priority: int = 0, timeout_s: float | None = None, spec: str = "auto",
-                     **sampling: Any) -> pb.GenerateRequest:
-    """A GenerateRequest; sampling keywords are SamplingParameters fields."""
+                     cache_salt: str = "", **sampling: Any) -> pb.GenerateRequest:
+    """A GenerateRequest; sampling keywords are SamplingParameters fields;
+    cache_salt isolates a tenant's prefix-cache and suffix-cache entries."""
     message = pb.GenerateRequest(request_id=request_id, chat=chat, priority=priority,
-                                 spec=SPEC[spec], sampling=pb.SamplingParameters(**sampling))
+                                 spec=SPEC[spec], cache_salt=cache_salt,
+                                 sampling=pb.SamplingParameters(**sampling))
     if isinstance(prompt, str):
         message.text = prompt
     else:
@@ -115,8 +117,8 @@ class Client:
         chat: wrap a text prompt in the model's chat template, as one user
         message (the daemon refuses it if the model has none); False sends
         the text as it is. Token-id prompts are never wrapped.
-        options: request_id, priority, timeout_s, spec ("auto", "on", "off")
-        and SamplingParameters fields (max_tokens, temperature, n, ...)."""
+        options: request_id, priority, timeout_s, spec ("auto", "on", "off"),
+        cache_salt and SamplingParameters fields (max_tokens, temperature, n, ...)."""
         message = generate_request(prompt, chat=chat, **options)
         for attempt in range(self.max_retries + 1):
             call = self.stub.Generate(message, timeout=deadline_s, metadata=self.metadata)

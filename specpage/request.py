@@ -123,6 +123,8 @@ class Usage:
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    # method (core/model_free.py's Method) -> [drafted, accepted]
+    by_method: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -138,7 +140,8 @@ class Sequence:
 
     __slots__ = ("seq_id", "request", "index", "token_ids", "num_prompt", "num_computed",
                  "num_draft_computed", "draft_state", "draft_on", "status", "finish_reason",
-                 "logprobs", "accepted", "tested", "detok")  # fmt: skip
+                 "logprobs", "accepted", "tested", "model_free_accepted",
+                 "model_free_expected", "detok")  # fmt: skip
 
     def __init__(self, seq_id: int, request: Request, index: int, token_ids: list[int]) -> None:
         self.seq_id = seq_id
@@ -159,6 +162,10 @@ class Sequence:
         self.logprobs: list[float] = []
         self.accepted = 0.0  # decayed counts of its accepted and tested proposals
         self.tested = 0.0
+        # decayed counts of its model-free proposals' accepted tokens and of
+        # the accepted tokens their confidences promised (spec/policy.py)
+        self.model_free_accepted = 0.0
+        self.model_free_expected = 0.0
         self.detok: object = None  # the engine's incremental detokenizer
 
     @property
@@ -200,6 +207,7 @@ class Request:
     timings: Timings = field(default_factory=Timings)
     cache_salt: bytes = b""  # per-tenant prefix-cache isolation
     spec_k: int | None = None  # None: the engine's policy; else at most this k
+    cache_text: bool = True  # False: keep the request's text out of the suffix cache
     aborted: bool = False
     num_ended: int = 0  # samples whose final output was emitted
 

@@ -21,16 +21,19 @@ from typing import NamedTuple
 
 from specpage.block_pool import BlockPool, Copy
 from specpage.core import ledger
+from specpage.core.model_free import NO_SPECULATION, Speculation
 from specpage.engine_config import EngineConfig
 from specpage.request import FinishReason, Sequence, Status
 
-ChooseK = Callable[[Sequence, int], int]  # (sequence, running batch size) -> k
+# (sequence, running batch size) -> its proposals this step
+Speculate = Callable[[Sequence, int], Speculation]
 
 
 class ScheduledSeq(NamedTuple):
     seq: Sequence
     num_new: int  # uncomputed tokens this step computes
     k: int  # proposals (0 unless the chunk reaches the newest token)
+    speculation: Speculation = NO_SPECULATION  # who makes the k proposals, and how
 
     @property
     def wants_logits(self) -> bool:
@@ -56,11 +59,11 @@ def _slots(seq: Sequence) -> int:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, max_context: int, pool: BlockPool,
-                 choose_k: ChooseK) -> None:
+                 speculate: Speculate) -> None:
         self.config = config
         self.max_context = max_context  # positions both models can hold
         self.pool = pool
-        self.choose_k = choose_k
+        self.speculate = speculate
         self.waiting: list[tuple[tuple[int, float, int], Sequence]] = []  # heap
         self.running: list[Sequence] = []  # sorted by _key
         self.num_preemptions = 0
@@ -103,14 +106,14 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new, k = self._span(seq, budget, batch)
+            num_new, spec = self._span(seq, budget, batch)
             if num_new == 0:
                 break  # k never shrinks to fit: the rest wait for the next step
-            k = self._fit(seq, num_new, k, preempted)
+            k = self._fit(seq, num_new, spec.k, preempted)
             if k < 0:  # the sequence preempted itself
                 continue
             copies += self._reserve(seq, num_new + k)
-            scheduled.append(ScheduledSeq(seq, num_new, k))
+            scheduled.append(ScheduledSeq(seq, num_new, k, spec))
             budget -= num_new + k
             i += 1
         if not preempted:
@@ -119,29 +122,29 @@ class Scheduler:
 
     # ------------------------------------------------------------------ helpers
 
-    def _span(self, seq: Sequence, budget: int, batch: int) -> tuple[int, int]:
+    def _span(self, seq: Sequence, budget: int, batch: int) -> tuple[int, Speculation]:
         """Tokens to compute and proposals to make this step, within budget.
         A span that would reach the newest token but not fit its proposals
         stops one token short instead, so the next step needs only 1 + k."""
         num_new = min(seq.num_uncomputed, budget)
-        k = self._k(seq, num_new, batch)
-        if num_new + k <= budget:
-            return num_new, k
-        return min(seq.num_uncomputed - 1, budget), 0
+        spec = self._speculation(seq, num_new, batch)
+        if num_new + spec.k <= budget:
+            return num_new, spec
+        return min(seq.num_uncomputed - 1, budget), NO_SPECULATION
 
-    def _k(self, seq: Sequence, num_new: int, batch: int) -> int:
+    def _speculation(self, seq: Sequence, num_new: int, batch: int) -> Speculation:
         if num_new < seq.num_uncomputed:
-            return 0
+            return NO_SPECULATION
         params = seq.request.params
         if not seq.output_token_ids:
             # The first token is sampled plainly, so samples that fork from
             # this step's logits draw it exactly as a request of their own would.
-            return 0
+            return NO_SPECULATION
         room = min(
             params.max_tokens - len(seq.output_token_ids) - 1,  # k + 1 tokens at most this step
             self.max_context - seq.num_tokens,
         )
-        return max(0, min(self.choose_k(seq, batch), room))
+        return self.speculate(seq, batch).cut(max(0, room))
 
     def _fit(self, seq: Sequence, num_new: int, k: int, preempted: list[Sequence]) -> int:
         """Make room for seq's reservation by preempting the worst running
@@ -189,7 +192,8 @@ class Scheduler:
             if -(-seq.num_tokens // size) > pool.num_available_blocks - reserve:
                 break
             cached = ledger.admit(pool, seq)
-            num_new, k = self._span(seq, budget, batch)
+            num_new, spec = self._span(seq, budget, batch)
+            k = spec.k
             if num_new == 0 or not self._fits(seq, num_new + k):
                 ledger.release(pool, seq)  # wait until the proposals fit too
                 break
@@ -201,7 +205,7 @@ class Scheduler:
                 seq.request.usage.cached_tokens += cached
             self.add_running(seq)
             self._reserve(seq, num_new + k)  # a fresh prompt shares no partial block
-            scheduled.append(ScheduledSeq(seq, num_new, k))
+            scheduled.append(ScheduledSeq(seq, num_new, k, spec))
             budget -= num_new + k
 
     def _drop_ended(self, now: float) -> list[Sequence]:

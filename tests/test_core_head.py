@@ -26,6 +26,7 @@ from hypothesis.stateful import initialize, invariant
 from specpage.block_pool import BlockPool
 from specpage.core import ledger
 from specpage.core.engine_core import EngineCore
+from specpage.core.model_free import Speculation
 from specpage.core.step import DraftKind, SeqResult, StepBatch, StepResult
 from specpage.engine_config import EngineConfig
 from specpage.spec.policy import SpecPolicy
@@ -106,7 +107,7 @@ class HeadCoreMachine(CoreMachine):
         self.core = EngineCore(config, pool, SpecPolicy(K_MAX, adaptive=False), 48,
                                eos_token_ids=(0,), draft_kind=DraftKind.HEAD)
         # k at random, even for a sequence the head keeps nothing for
-        self.core.scheduler.choose_k = lambda seq, batch: self.rng.randint(0, K_MAX)
+        self.core.scheduler.speculate = lambda seq, batch: Speculation(self.rng.randint(0, K_MAX))
         self.core.policy.admits_draft = lambda request, batch: self.rng.random() < 0.7
         self.executor = FakeHeadExecutor(self.rng)
         self.lags = 0  # checks that found a sequence lagging

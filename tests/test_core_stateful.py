@@ -26,6 +26,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from specpage.block_pool import BlockPool
 from specpage.core import ledger
 from specpage.core.engine_core import EngineCore, StepResultError
+from specpage.core.model_free import Speculation
 from specpage.core.step import SeqResult, StepBatch, StepResult
 from specpage.engine_config import EngineConfig
 from specpage.request import Request, SamplingParams
@@ -87,7 +88,7 @@ class CoreMachine(RuleBasedStateMachine):
         pool = BlockPool(NUM_BLOCKS, BLOCK_SIZE, model_identity=b"fake")
         self.core = EngineCore(config, pool, SpecPolicy(K_MAX, adaptive=False), 48,
                                eos_token_ids=(EOS,))
-        self.core.scheduler.choose_k = lambda seq, batch: self.rng.randint(0, K_MAX)
+        self.core.scheduler.speculate = lambda seq, batch: Speculation(self.rng.randint(0, K_MAX))
         self.executor = FakeExecutor(self.rng)
         self.ids = 0
         self.ended: dict[str, set[int]] = {}  # request -> samples whose last output came

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specpage.attention.cpu import CpuAttention
+from specpage.core.model_free import Speculation
 from specpage.engine import Engine, EngineConfig
 from specpage.kernels.native import native_kernels
 from specpage.models import quant
@@ -124,7 +125,7 @@ def test_a_head_left_behind_catches_up_to_the_reference(models):
     reference's, computed from transformers' hidden states."""
     hf, root, _ = models
     eng = engine(models, head="head", spec_k=2, block_size=8)
-    eng.scheduler.choose_k = lambda seq, batch: 2 if seq.num_tokens % 7 == 0 else 0
+    eng.scheduler.speculate = lambda seq, batch: Speculation(2 if seq.num_tokens % 7 == 0 else 0)
     seen = record_proposals(eng)
     steps_with_a_head_forward = set()  # the step's number: proposals recorded so far
     run = eng.executor.draft.run
@@ -189,7 +190,7 @@ def test_greedy_with_a_head_equals_transformers_across_mixed_batches(models):
     hf = models[0]
     eng = engine(models, max_step_tokens=12)
     rng = random.Random(3)
-    eng.scheduler.choose_k = lambda seq, batch: rng.choice([0, 1, 2, 3, 3])
+    eng.scheduler.speculate = lambda seq, batch: Speculation(rng.choice([0, 1, 2, 3, 3]))
     batch = prompts(8, seed=1)
     arrivals = {i // 2 * 3: [] for i in range(8)}
     for i, p in enumerate(batch):
@@ -278,7 +279,7 @@ def test_n_samples_fork_with_the_head(models):
 def test_pool_invariants_hold_every_step_and_aborts_leak_nothing(models):
     rng = random.Random(8)
     eng = engine(models, num_blocks=32, max_num_seqs=16, max_step_tokens=24)
-    eng.scheduler.choose_k = lambda seq, batch: rng.choice([0, 2, 3])
+    eng.scheduler.speculate = lambda seq, batch: Speculation(rng.choice([0, 2, 3]))
     steps, submitted = 0, 0
     while submitted < 120 or eng.has_unfinished():
         if submitted < 120 and rng.random() < 0.7:
@@ -313,7 +314,7 @@ def test_a_sequence_the_head_is_left_off_gives_the_targets_output(models):
     eng = engine(models, num_blocks=40, max_num_seqs=8, max_step_tokens=16)
     flags = iter([False, True] * 20)
     eng.core.policy.admits_draft = lambda request, batch: next(flags)
-    eng.scheduler.choose_k = lambda seq, batch: 3
+    eng.scheduler.speculate = lambda seq, batch: Speculation(3)
     seen = record_proposals(eng)
     tapped, verify = [], eng.executor.verifier.verify
     eng.executor.verifier.verify = lambda batch_, proposal: (

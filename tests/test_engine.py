@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 
+from specpage.core.model_free import Speculation
 from specpage.engine import Engine, EngineConfig
 from specpage.models.loader import ModelLoadError, load_model
 from specpage.request import SamplingParams, ValidationError
@@ -27,7 +28,9 @@ def models(tmp_path_factory):
 def engine(models, draft="draft", **config):
     _, target, other = models
     draft_model = {"draft": other, "self": target, None: None}[draft]
-    options = dict(block_size=4, num_blocks=512, spec_k=3, adaptive_k=False)
+    # the draft's own rules; tests/test_model_free_engine.py adds the proposers
+    # that need no model
+    options = dict(block_size=4, num_blocks=512, spec_k=3, adaptive_k=False, spec_methods="")
     options.update(config)
     return Engine(target, draft_model, None, EngineConfig(**options))
 
@@ -272,7 +275,7 @@ def test_the_draft_catches_up_after_steps_without_speculation(models):
     runner_forward = runner.forward
     runner.forward = lambda spans: forwards.append(spans) or runner_forward(spans)
     steps = iter([0] * 7 + [3, 0, 0, 3, 3, 0] * 20)
-    eng.scheduler.choose_k = lambda seq, batch: next(steps)
+    eng.scheduler.speculate = lambda seq, batch: Speculation(next(steps))
     batch = prompts(2, seed=5)
     results = drain(eng, {0: [(str(i), p, GREEDY) for i, p in enumerate(batch)]})
     for i, p in enumerate(batch):
@@ -285,7 +288,7 @@ def test_the_draft_catches_up_after_steps_without_speculation(models):
 
 def test_speculation_off_costs_no_draft_forward(models):
     eng = engine(models, draft="draft", spec_k=3)
-    eng.scheduler.choose_k = lambda seq, batch: 0
+    eng.scheduler.speculate = lambda seq, batch: Speculation(0)
     calls = []
     eng.executor.proposer.runner.forward = lambda spans: calls.append(spans)
     drain(eng, {0: [("a", prompts(1)[0], GREEDY)]})

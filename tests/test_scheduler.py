@@ -1,6 +1,7 @@
 """The scheduler alone (pure Python): spans, budget and progress."""
 
 from specpage.block_pool import BlockPool
+from specpage.core.model_free import Speculation
 from specpage.engine_config import EngineConfig
 from specpage.request import Request, SamplingParams, Sequence
 from specpage.scheduler import Scheduler
@@ -25,7 +26,7 @@ def test_a_last_chunk_that_cannot_hold_its_proposals_stops_one_short():
     overflows the budget must not wait forever."""
     pool = BlockPool(64, 4)
     config = EngineConfig(max_step_tokens=8, spec_k=4)
-    scheduler = Scheduler(config, 2048, pool, lambda seq, batch: 4)
+    scheduler = Scheduler(config, 2048, pool, lambda seq, batch: Speculation(4))
     request = Request("r", tuple(range(1, 11)), SamplingParams(max_tokens=50))
     seq = Sequence(0, request, 0, list(range(1, 11)) + [7, 7, 7, 7, 7])  # 5 outputs so far
     request.sequences.append(seq)

@@ -77,7 +77,7 @@ def drafted_share(models, params: SamplingParams) -> tuple[float, float]:
     """A fresh engine runs one request alone: (drafted, accepted) per
     generated token."""
     engine = Engine(*models, None, EngineConfig(block_size=4, num_blocks=128, max_num_seqs=4,
-                                                 spec_k=4))
+                                                 spec_k=4, spec_methods=""))
     assert engine.policy.calibrated
     request = engine.add_request("r", PROMPT, params)
     while engine.has_unfinished():
@@ -109,7 +109,7 @@ def test_each_step_reports_its_whole_time_beyond_its_forwards(models, monkeypatc
     forwards' prices): never less than the forwards it ran."""
     monkeypatch.setenv("SPECPAGE_CACHE_DIR", str(tmp_path))
     engine = Engine(*models, None, EngineConfig(block_size=4, num_blocks=128, max_num_seqs=4,
-                                                 spec_k=4))
+                                                 spec_k=4, spec_methods=""))
     results, execute = [], engine.executor.execute
     monkeypatch.setattr(engine.executor, "execute",
                         lambda batch: results.append(execute(batch)) or results[-1])

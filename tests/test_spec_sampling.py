@@ -40,11 +40,11 @@ def peaked_model(folder, seed):
     return model
 
 
-def exact_joint(model, params):
+def exact_joint(model, params, prompt=PROMPT):
     """P(x2, x3) of the 2nd and 3rd sampled tokens, over the 1st."""
     def dist(prefix):
         with torch.no_grad():
-            logits = model(torch.tensor([PROMPT + list(prefix)])).logits[0, -1:]
+            logits = model(torch.tensor([prompt + list(prefix)])).logits[0, -1:]
         return probabilities(logits, torch.tensor([params.temperature]),
                              torch.tensor([params.top_k]), torch.tensor([params.top_p]))[0]
     joint = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
@@ -56,17 +56,17 @@ def exact_joint(model, params):
     return joint.flatten()
 
 
-def sampled_joint(target, draft, params, proposed=None):
+def sampled_joint(target, draft, params, proposed=None, prompt=PROMPT, methods=""):
     """Counts of (x2, x3) over RUNS seeded requests; `proposed` collects
-    every token the draft proposed."""
+    every token the draft proposed; methods: the model-free proposers on."""
     engine = Engine(target, draft, None, EngineConfig(
         block_size=4, num_blocks=2048, max_num_seqs=256, max_step_tokens=2048,
-        spec_k=2, adaptive_k=False))
+        spec_k=2, adaptive_k=False, spec_methods=methods))
     if proposed is not None:
         propose = engine.executor.proposer.propose
         engine.executor.proposer.propose = lambda scheduled: record(propose(scheduled), proposed)
     for seed in range(RUNS):
-        engine.add_request(str(seed), PROMPT, SamplingParams(
+        engine.add_request(str(seed), prompt, SamplingParams(
             max_tokens=4, temperature=params.temperature, top_k=params.top_k,
             top_p=params.top_p, seed=seed, ignore_eos=True))
     outputs = {}
@@ -92,11 +92,28 @@ def chi_square_p(observed, expected_probs):
     return chisquare(obs.numpy(), exp.numpy()).pvalue
 
 
-@pytest.mark.parametrize(
-    "params",
-    [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=5, top_p=0.9)],
-    ids=["plain", "top-k-top-p"],
-)
+PARAMS = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=5, top_p=0.9)]
+
+
+@pytest.mark.parametrize("params", PARAMS, ids=["plain", "top-k-top-p"])
+def test_model_free_proposals_preserve_the_target_distribution(tmp_path, params):
+    """Prompt lookup proposes with no distribution (q one-hot): accepted with
+    probability p(x), else the next token is drawn from p without x."""
+    # after any first token v, the context's own n-grams propose 2, v + 1, 2, ...
+    prompt = [t for v in range(VOCAB) for t in (2, v)] + [2]
+    target_hf = peaked_model(tmp_path / "t", seed=0)
+    target = load_model(tmp_path / "t")
+    exact = exact_joint(target_hf, params, prompt)
+
+    speculative, engine = sampled_joint(target, None, params, prompt=prompt, methods="ngram")
+    counts = engine.stats().by_method["ngram"]
+    assert counts.drafted > RUNS and counts.accepted < counts.drafted
+    if params.top_k == 0:  # top-k and top-p may leave the proposed token no mass
+        assert counts.accepted > 0
+    assert chi_square_p(speculative, exact) > ALPHA
+
+
+@pytest.mark.parametrize("params", PARAMS, ids=["plain", "top-k-top-p"])
 def test_speculative_sampling_preserves_the_target_distribution(tmp_path, params):
     target_hf = peaked_model(tmp_path / "t", seed=0)
     draft_hf = peaked_model(tmp_path / "d", seed=1)

@@ -17,6 +17,7 @@ from specpage.logging_setup import configure_logging
 SHORTCUTS = {"host": "server.host", "port": "server.port", "http_port": "server.http_port",
              "target": "model.target",
              "draft": "model.draft", "spec_k": "engine.spec_k",
+             "spec_methods": "engine.spec_methods",
              "tensor_parallel_size": "engine.tensor_parallel_size",
              "quantization": "model.quantization"}
 
@@ -33,6 +34,9 @@ def add_parser(sub: Any, name: str) -> None:
     parser.add_argument("--target", help="target model: HF folder, .gguf or a known name")
     parser.add_argument("--draft", help="draft model (empty: no speculation)")
     parser.add_argument("--spec-k", help="largest k (0: no speculation)")
+    parser.add_argument("--spec-methods", help="proposers that need no model, comma-separated: "
+                        "ngram (prompt lookup), suffix (earlier requests of the same cache "
+                        "salt); empty: none (default ngram,suffix)")
     parser.add_argument("--quantization", help="both models' linears: none, q4, q4-g64, "
                         "q4-g128 or auto (default: q4 where a model is a Q4_0/Q4_1 GGUF)")
     parser.add_argument("--tensor-parallel-size", help="ranks the target's forward is split "

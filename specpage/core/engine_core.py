@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import msgspec
 
 from specpage.block_pool import BlockPool
 from specpage.core import ledger
+from specpage.core.model_free import Method, ModelFreeProposer, Speculation
 from specpage.core.outputs import OutputProcessor, RequestOutput
 from specpage.core.step import (
     NOTHING,
@@ -28,7 +29,7 @@ from specpage.core.step import (
     StepResult,
 )
 from specpage.engine_config import EngineConfig
-from specpage.request import FinishReason, Request, Sequence, ValidationError
+from specpage.request import FinishReason, Request, Sequence, Usage, ValidationError
 from specpage.scheduler import ScheduledSeq, Scheduler, StepPlan
 from specpage.spec.policy import SpecPolicy
 
@@ -54,6 +55,15 @@ class EngineStats:
     aborts: int = 0  # requests aborted by a caller before they finished, cumulative
     # new sequences a draft head was left off (it did not pay), cumulative
     sequences_without_draft: int = 0
+    # per proposal method (core/model_free.py's Method) that drafted anything
+    by_method: dict[str, MethodStats] = field(default_factory=dict)
+    suffix_cache_tokens: int = 0  # earlier requests' tokens the suffix cache holds
+
+
+class MethodStats(NamedTuple):
+    drafted: int
+    accepted: int
+    accepted_by_position: tuple[int, ...]  # cumulative acceptances at proposal 1..
 
 
 class StepResultError(ValueError):
@@ -76,9 +86,9 @@ class EngineCore:
         self.pool = pool
         self.policy = policy
         self.max_context = max_context
-        self.scheduler = Scheduler(config, max_context, pool, policy.choose_k)
-        self.outputs = OutputProcessor(tokenizer, eos_token_ids, max_context,
-                                       self.scheduler.finish)
+        self.model_free = ModelFreeProposer(config)
+        self.scheduler = Scheduler(config, max_context, pool, self._speculate)
+        self.outputs = OutputProcessor(tokenizer, eos_token_ids, max_context, self._end)
         self.requests: dict[str, Request] = {}
         self.num_aborts = 0  # requests a caller aborted before they finished
         self._seq_ids = itertools.count()
@@ -101,6 +111,17 @@ class EngineCore:
         scheduler = self.scheduler
         return min(len(scheduler.running) + scheduler.num_waiting + 1,
                    scheduler.config.max_num_seqs)
+
+    def _speculate(self, seq: Sequence, batch: int) -> Speculation:
+        """The scheduler's question: what seq proposes this step."""
+        candidate = self.model_free.propose(seq) if self.policy.model_free_k else None
+        return self.policy.speculate(seq, batch, candidate)
+
+    def _end(self, seq: Sequence, reason: FinishReason) -> None:
+        """A sequence ends: out of the scheduler and the pool, and of the
+        model-free proposer's per-sequence state."""
+        self.scheduler.finish(seq, reason)
+        self.model_free.end(seq, reason)
 
     def abort(self, request_id: str) -> bool:
         """Takes effect at the next step boundary. False if unknown or finished."""
@@ -144,7 +165,9 @@ class EngineCore:
         plan = self.scheduler.schedule(time.monotonic())
         if self.draft_kind is DraftKind.HEAD:  # a draft model runs what was scheduled
             plan = plan._replace(scheduled=[
-                ScheduledSeq(e.seq, *ledger.head_span(e.seq, e.num_new, e.k, self.draft_kind))
+                ScheduledSeq(e.seq, *ledger.head_span(e.seq, e.num_new, e.k, self.draft_kind),
+                             e.speculation)
+                if e.speculation.method is Method.DRAFT else e
                 for e in plan.scheduled])
         self._plan = plan
         return StepBatch([self._work(e) for e in plan.scheduled], plan.copies)
@@ -154,13 +177,15 @@ class EngineCore:
         plan, self._plan = self._plan, None
         assert plan is not None, "apply without a scheduled step"
         _check_result(plan.scheduled, result)
-        ks = [e.k for e in plan.scheduled if e.wants_logits]
-        self.policy.observe_step(ks)
-        self.policy.observe_step_seconds(any(ks), result.target_cost, result.draft_costs,
+        decoding = [e for e in plan.scheduled if e.wants_logits]
+        drafting = sum(e.k > 0 and e.speculation.method is Method.DRAFT for e in decoding)
+        self.policy.observe_step([e.k for e in decoding], drafting)
+        self.policy.observe_step_seconds(drafting > 0, result.target_cost, result.draft_costs,
                                          result.seconds)
         self.policy.observe_costs(result.target_cost, result.draft_costs)
         for entry, done in zip(plan.scheduled, result.seqs, strict=True):
-            ledger.apply(self.pool, entry.seq, entry.num_new, entry.k, done, self.draft_kind)
+            ledger.apply(self.pool, entry.seq, entry.num_new, entry.k, done,
+                         self._kind(entry.speculation))
         outputs = []
         for seq in plan.dropped:
             reason = seq.finish_reason or FinishReason.ABORT
@@ -169,9 +194,9 @@ class EngineCore:
         for entry, done in zip(plan.scheduled, result.seqs, strict=True):
             seq = entry.seq
             request = seq.request
-            self.policy.observe_acceptance(seq, done.num_proposed, done.num_accepted)
-            request.usage.drafted_tokens += done.num_proposed
-            request.usage.accepted_tokens += done.num_accepted
+            self.policy.observe_acceptance(seq, done.num_proposed, done.num_accepted,
+                                           entry.speculation)
+            _count(request.usage, entry.speculation.method, done.num_proposed, done.num_accepted)
             if done.fork_tokens:
                 outputs += self._fork(seq, done.fork_tokens, done.fork_logprobs)
             if done.tokens:
@@ -181,11 +206,20 @@ class EngineCore:
                 del self.requests[out.request_id]
         return outputs
 
+    def _kind(self, speculation: Speculation) -> DraftKind:
+        """Whose rules a sequence's step follows (core/ledger.py): the draft's,
+        and where the core proposed and no head absorbs anyway, none."""
+        if speculation.method is Method.DRAFT or self.draft_kind is DraftKind.HEAD:
+            return self.draft_kind
+        return DraftKind.NONE
+
     def _work(self, entry: ScheduledSeq) -> SeqWork:
         seq = entry.seq
         start, params = seq.num_computed, seq.request.params
-        draft_start, draft_tokens = (ledger.draft_span(seq, self.draft_kind)
-                                     if entry.k or self.draft_kind is DraftKind.HEAD
+        kind = self._kind(entry.speculation)
+        draft_start, draft_tokens = (ledger.draft_span(seq, kind)
+                                     if (entry.k and kind is DraftKind.MODEL)
+                                     or kind is DraftKind.HEAD
                                      else (start, []))
         end = start + entry.num_new
         forks = (params.n - 1 if entry.wants_logits and seq.index == 0
@@ -205,6 +239,7 @@ class EngineCore:
             following=seq.token_ids[end] if end < seq.num_tokens else -1,
             draft_state=seq.draft_state,
             draft_on=seq.draft_on,
+            proposal=list(entry.speculation.tokens),
         )
 
     def _fork(self, parent: Sequence, first_tokens: list[int],
@@ -247,7 +282,22 @@ class EngineCore:
             accepted_by_position=tuple(policy.accepted_by_position),
             aborts=self.num_aborts,
             sequences_without_draft=policy.num_without_draft,
+            by_method={str(method): MethodStats(c.drafted, c.accepted,
+                                                tuple(c.accepted_by_position))
+                       for method, c in policy.by_method.items() if c.drafted},
+            suffix_cache_tokens=self.model_free.suffix.num_tokens,
         )
+
+
+def _count(usage: Usage, method: Method, drafted: int, accepted: int) -> None:
+    """A request's drafted and accepted tokens, in all and by method."""
+    if not drafted:
+        return
+    usage.drafted_tokens += drafted
+    usage.accepted_tokens += accepted
+    counts = usage.by_method.setdefault(str(method), [0, 0])
+    counts[0] += drafted
+    counts[1] += accepted
 
 
 def _check_result(scheduled: list[ScheduledSeq], result: StepResult) -> None:

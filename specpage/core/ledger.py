@@ -127,8 +127,9 @@ def num_commit(num_new: int, k: int, num_accepted: int,
     tokens (if it proposed) and was fed all but its last proposal; without
     proposals it did not run, and lags by the num_new tokens. A head
     absorbed each position the target computed whose next token is known:
-    the num_new tokens and the accepted proposals."""
-    if kind is DraftKind.HEAD:
+    the num_new tokens and the accepted proposals. Proposals no model made
+    (DraftKind.NONE) leave the target's KV, all of it kept."""
+    if kind is not DraftKind.MODEL:
         return num_new + num_accepted
     return num_new + min(num_accepted, max(k - 1, 0))
 
@@ -149,7 +150,7 @@ def apply(pool: BlockPool, seq: Sequence, num_new: int, k: int, done: SeqResult,
         assert done.draft_lag == 0 or done.draft_state, done
         seq.num_draft_computed = seq.num_computed - done.draft_lag
         seq.draft_state = done.draft_state
-    elif k > 0:  # the draft ran over the span: caught up
+    elif k > 0 and kind is DraftKind.MODEL:  # the draft ran over the span: caught up
         seq.num_draft_computed = seq.num_computed
     check(pool, seq)
 

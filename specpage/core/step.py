@@ -20,6 +20,9 @@ class DraftKind(enum.StrEnum):
 
     MODEL = "model"  # a draft model over tokens: may lag the target, catches up
     HEAD = "head"  # an EAGLE-3 head over the target's hidden states: lags within a block
+    # no model runs over the proposals (core/model_free.py): the target's KV is
+    # all a step computes, and a draft model beside it lags by the step
+    NONE = "none"
 
 
 class Sampling(msgspec.Struct, frozen=True, array_like=True):
@@ -54,6 +57,9 @@ class SeqWork(msgspec.Struct, frozen=True, array_like=True):
     # draft_start .. start - 1, which it has not absorbed yet; fp32 (see core/ledger.py)
     draft_state: bytes = b""
     draft_on: bool = True  # False: the head keeps nothing for this sequence
+    # the core's own proposal (core/model_free.py), k tokens, or [] when the
+    # draft proposes k; the executor only verifies it, as if drawn with certainty
+    proposal: list[int] = []
 
     @property
     def end(self) -> int:

@@ -62,24 +62,25 @@ class Engine:
                                + ([draft.config.max_position] if draft else []))
         identity = target.identity + (draft.identity if draft else b"no-draft")
         policy = SpecPolicy(c.spec_k if draft is not None else 0, adaptive=c.adaptive_k,
-                            kind=kind)
+                            kind=kind, model_free_k=c.model_free_k if c.spec_k else 0)
         self.core = EngineCore(c, BlockPool(c.num_blocks, c.block_size, model_identity=identity),
                                policy, self.max_context, tokenizer,
                                tuple(target.config.eos_token_ids), kind)
         self.intake = Intake(c, tokenizer, target.config.vocab_size, self.max_context,
-                             policy.k_max)
+                             policy.max_proposals)
         self.executor = (Executor(target, draft, c) if c.tensor_parallel_size == 1
                          else TensorParallelExecutor(target, draft, c))
-        if policy.adaptive and policy.k_max > 0:
+        if policy.adaptive and policy.max_proposals > 0:
             self._calibrate()
 
     def _calibrate(self) -> None:
         """Time both models' forwards for the adaptive-k policy."""
         costs = self.executor.measure_costs(self.config, self.max_context)
-        if costs is None or min(len(costs.target), len(costs.draft)) < 2:
+        if costs is None or len(costs.target) < 2 or 0 < len(costs.draft) < 2:
             log.warning("speculation costs: too few forwards timed; keeping the priors")
             return
-        self.core.policy.calibrate(fit_segments(costs.target), fit_segments(costs.draft))
+        self.core.policy.calibrate(fit_segments(costs.target),
+                                   fit_segments(costs.draft) if costs.draft else [])
 
     # ------------------------------------------------------------------ requests
 
@@ -146,8 +147,8 @@ class Engine:
 
     @property
     def k_max(self) -> int:
-        """Proposals per step at most (0 without a draft)."""
-        return self.core.policy.k_max
+        """Proposals per step at most, by any method (0: none)."""
+        return self.core.policy.max_proposals
 
     @property
     def requests(self) -> dict[str, Request]:

@@ -58,6 +58,7 @@ class Executor:
             proposal = Proposal.none(len(batch.seqs))
         else:
             proposal = self.proposer.propose(batch.seqs)
+        proposal = proposal.with_core(batch.seqs)
         verdict = self.verifier.verify(batch.seqs, proposal)
         results, costs = verdict.results, proposal.costs
         if self.proposer is not None and batch.seqs:
@@ -86,8 +87,10 @@ class Executor:
         costs, source = cost_cache.load(path), "read from " + str(path)
         if costs is None:
             source = "measured"
-            measured = measure([(self.target, True), (self.draft, False)], plan)
-            costs = cost_cache.CachedCosts(*(m.points() for m in measured))
+            runners = [(self.target, True)] + ([(self.draft, False)] if self.draft else [])
+            measured = measure(runners, plan)
+            costs = cost_cache.CachedCosts(*(m.points() for m in measured),
+                                           *([[]] if self.draft is None else []))
             if all(len(m) == len(sizes) for m in measured):
                 cost_cache.store(path, costs)
         log.info("speculation costs %s (%d and %d sizes) in %.1f s", source,

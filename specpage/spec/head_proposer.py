@@ -35,7 +35,7 @@ import torch
 from specpage.core.step import Cost, SeqResult, SeqWork
 from specpage.model_runner import SeqSpan
 from specpage.spec.head_runner import HeadRunner
-from specpage.spec.proposer import Proposal, draw
+from specpage.spec.proposer import Proposal, drafts, draw
 from specpage.spec.verdict import Verdict
 
 
@@ -65,7 +65,7 @@ class HeadProposer:
         tokens: list[list[int]] = [[] for _ in batch]
         probs: list[list[torch.Tensor]] = [[] for _ in batch]
         costs: list[Cost] = []
-        active = [i for i, w in enumerate(batch) if w.k > 0]
+        active = [i for i, w in enumerate(batch) if drafts(w)]
         if not active:
             return Proposal.none(len(batch))
         start = time.perf_counter()
@@ -144,7 +144,7 @@ class HeadProposer:
                     draft_lag=len(w.draft_tokens) + len(following))
                 continue
             rows = verdict.features[first:last]
-            if drafted or not w.draft_tokens:  # a proposal took what it left unabsorbed
+            if drafts(w) or not w.draft_tokens:  # a proposal took what it left unabsorbed
                 spans.append(SeqSpan(following, w.start, w.block_table))
             else:
                 spans.append(SeqSpan(self._unabsorbed(w) + following, w.draft_start,

@@ -63,6 +63,12 @@ from collections import deque
 from collections.abc import Sequence as Seq
 
 from specpage.core.ledger import draft_lag
+from specpage.core.model_free import (
+    NO_SPECULATION,
+    Candidate,
+    Method,
+    Speculation,
+)
 from specpage.core.step import DraftKind
 from specpage.request import Request, Sequence
 
@@ -121,6 +127,35 @@ UNPRICED_LEAST = 4
 # some k would pay at PROBE_ACCEPTANCE.
 HEAD_PROBE_EVERY = 8
 PROBE_ACCEPTANCE = 0.9
+# A model-free proposal's confidences (core/ngram.py) are scaled by how many
+# tokens verification accepted over how many they promised: per method over
+# all sequences (from CALIBRATION_PRIOR, worth CALIBRATION_WEIGHT promised
+# tokens), and per sequence against that (SEQ_WEIGHT).
+CALIBRATION_PRIOR = 1.0
+CALIBRATION_WEIGHT = 2.0
+# A seeded sample's model-free proposal keeps the tokens at least this
+# likely by their confidences alone: its tokens depend on what it proposes,
+# so the choice may not depend on measured costs or on other requests.
+SEEDED_CHANCE = 0.5
+
+
+class MethodCounts:
+    """What one proposal method drafted and verification accepted."""
+
+    __slots__ = ("drafted", "accepted", "accepted_by_position", "recent_accepted",
+                 "recent_expected")
+
+    def __init__(self, positions: int) -> None:
+        self.drafted = 0
+        self.accepted = 0
+        self.accepted_by_position = [0] * positions  # acceptances at proposal 1..positions
+        self.recent_accepted = 0.0  # decayed, for the model-free calibration
+        self.recent_expected = 0.0
+
+    @property
+    def calibration(self) -> float:
+        return shrunk(self.recent_accepted, self.recent_expected, CALIBRATION_PRIOR,
+                      CALIBRATION_WEIGHT)
 
 
 class CostCurve:
@@ -236,7 +271,7 @@ PRIOR_DRAFT = (0.1, 0.001)
 
 class SpecPolicy:
     def __init__(self, k_max: int, adaptive: bool = True,
-                 kind: DraftKind = DraftKind.MODEL) -> None:
+                 kind: DraftKind = DraftKind.MODEL, model_free_k: int = 0) -> None:
         """kind: what proposes (core/ledger.py). A draft model lags where a
         sequence does not speculate and catches up when it does. An EAGLE-3
         head (spec/head_proposer.py) makes k proposals in k forwards as a
@@ -248,6 +283,8 @@ class SpecPolicy:
         self.k_max = k_max
         self.adaptive = adaptive
         self.kind = kind
+        self.model_free_k = model_free_k  # model-free proposals at most (0: none)
+        self.by_method = {method: MethodCounts(max(k_max, model_free_k)) for method in Method}
         self.recent_accepted = 0.0  # decayed counts over all sequences
         self.recent_tested = 0.0
         self.long_accepted = 0.0  # the same, decayed far more slowly
@@ -272,9 +309,17 @@ class SpecPolicy:
         self.num_admitted = 0  # new sequences asked about
         self.num_without_draft = 0  # of them, those a head was left off
 
+    @property
+    def max_proposals(self) -> int:
+        """Proposals a sequence may make in a step, by any method."""
+        return max(self.k_max, self.model_free_k)
+
     def calibrate(self, target: list[tuple[int, float]], draft: list[tuple[int, float]]) -> None:
-        """Measured (positions, seconds) of target and draft forwards."""
-        self.target_cost, self.draft_cost = CostCurve(target), CostCurve(draft)
+        """Measured (positions, seconds) of target and draft forwards (none
+        without a draft model)."""
+        self.target_cost = CostCurve(target)
+        if draft:
+            self.draft_cost = CostCurve(draft)
         self.calibrated = True
         self._seconds.clear()
 
@@ -355,6 +400,51 @@ class SpecPolicy:
             return 1
         return best_k
 
+    def speculate(self, seq: Sequence, batch: int, candidate: Candidate | None) -> Speculation:
+        """This step's proposals for seq: none, the draft's k, or as much of
+        a model-free candidate as pays, whichever promises the most expected
+        tokens per second of seq's share of the step. A forced k keeps the
+        draft where there is one; a seeded sample chooses without costs."""
+        k = self.choose_k(seq, batch)
+        forced = seq.request.spec_k
+        if candidate is None or forced == 0:
+            return Speculation(k)
+        params = seq.request.params
+        if forced is not None or not self.adaptive:
+            if self.k_max:
+                return Speculation(k)
+            return self._model_free(candidate, len(candidate.tokens) if forced is None
+                                    else forced)
+        chance = self._chance(seq, candidate)
+        if params.seed is not None and not params.greedy:
+            if k:
+                return Speculation(k)
+            return self._model_free(candidate, sum(c >= SEEDED_CHANCE for c in chance))
+        batch = max(batch, 1)
+        seconds = self._cached_seconds(batch, -1)  # model-free: the target's positions only
+        length, rate = _best_length(chance, seconds)
+        if k:
+            acceptance = shrunk(seq.accepted, seq.tested, self.acceptance, SEQ_WEIGHT)
+            drafted = self._cached_seconds(batch, draft_lag(seq, self.kind))
+            if expected_tokens(acceptance, k) / drafted[k] >= rate:
+                return Speculation(k)
+        return self._model_free(candidate, length)
+
+    @staticmethod
+    def _model_free(candidate: Candidate, length: int) -> Speculation:
+        length = min(length, len(candidate.tokens))
+        if length <= 0:
+            return NO_SPECULATION
+        return Speculation(length, tuple(candidate.tokens[:length]), candidate.method,
+                           sum(candidate.chance[:length]))
+
+    def _chance(self, seq: Sequence, candidate: Candidate) -> list[float]:
+        """The candidate's chances of acceptance, calibrated by what its
+        method's proposals (all sequences', then seq's own) were accepted."""
+        shared = self.by_method[candidate.method].calibration
+        scale = shrunk(seq.model_free_accepted, seq.model_free_expected, shared, SEQ_WEIGHT)
+        return [min(1.0, c * scale) for c in candidate.chance]
+
     def _probe_period(self, acceptance: float, seconds: list[float], best_k: int,
                       batch: int) -> int:
         """probe_period once the draft has run, PROBE_IDLE · batch until then:
@@ -364,11 +454,25 @@ class SpecPolicy:
         return probe_period(acceptance, seconds, best_k, batch)
 
     def _cached_seconds(self, batch: int, lag: int) -> list[float]:
-        """_step_seconds, kept until the costs or the last step change."""
+        """_step_seconds (lag -1: _model_free_seconds), kept until the costs
+        or the last step change."""
         seconds = self._seconds.get((batch, lag))
         if seconds is None:
-            seconds = self._seconds[batch, lag] = self._step_seconds(batch, lag)
+            seconds = self._seconds[batch, lag] = (
+                self._model_free_seconds(batch) if lag < 0 else self._step_seconds(batch, lag))
         return seconds
+
+    def _model_free_seconds(self, batch: int) -> list[float]:
+        """Seconds of a sequence's share of the step for each model-free
+        proposal length 0..model_free_k: only target positions, priced alone
+        (what its proposals add to the step's positions) or together (a step
+        in which every sequence proposes as many), the cheaper."""
+        target = self.target_cost
+        positions = batch + (batch - 1) * self.last_k
+        share = target(batch) / batch
+        return [share] + [min(share + target(positions + n) - target(positions),
+                              target(batch * (n + 1)) / batch)
+                          for n in range(1, self.model_free_k + 1)]
 
     def _step_seconds(self, batch: int, lag: int = 0) -> list[float]:
         """Seconds of a sequence's share of the step for each k in 0..k_max,
@@ -422,15 +526,36 @@ class SpecPolicy:
             self.unpriced = max(0.0, statistics.median(speculating) - statistics.median(plain))
             self._seconds.clear()
 
-    def observe_step(self, ks: list[int]) -> None:
-        """The k of each decoding sequence of the step just run."""
+    def observe_step(self, ks: list[int], drafting: int | None = None) -> None:
+        """The k of each decoding sequence of the step just run, and how many
+        of them the draft proposed for (all that proposed, if not given)."""
         if ks:
             self.last_k = sum(ks) / len(ks)
-            self.last_drafting = sum(k > 0 for k in ks) / len(ks)
+            self.last_drafting = (sum(k > 0 for k in ks) if drafting is None
+                                  else drafting) / len(ks)
             self._seconds.clear()
 
-    def observe_acceptance(self, seq: Sequence, proposed: int, accepted: int) -> None:
+    def observe_acceptance(self, seq: Sequence, proposed: int, accepted: int,
+                           speculation: Speculation | None = None) -> None:
+        """What verification kept of seq's proposals, as speculation (the
+        draft's when not given) proposed them."""
         if proposed == 0:
+            return
+        method = speculation.method if speculation is not None else Method.DRAFT
+        counts = self.by_method[method]
+        counts.drafted += proposed
+        counts.accepted += accepted
+        for position in range(accepted):
+            counts.accepted_by_position[position] += 1
+        self.num_drafted += proposed
+        self.num_accepted += accepted
+        if method is not Method.DRAFT:
+            assert speculation is not None
+            expected = speculation.expected
+            counts.recent_accepted = counts.recent_accepted * DECAY + accepted
+            counts.recent_expected = counts.recent_expected * DECAY + expected
+            seq.model_free_accepted = seq.model_free_accepted * SEQ_DECAY + accepted
+            seq.model_free_expected = seq.model_free_expected * SEQ_DECAY + expected
             return
         # Proposals are tested until the first rejection: a per-token rate is
         # accepted over tested, not over proposed.
@@ -441,8 +566,6 @@ class SpecPolicy:
         self.recent_tested = self.recent_tested * DECAY + tested
         self.long_accepted = self.long_accepted * LONG_DECAY + accepted
         self.long_tested = self.long_tested * LONG_DECAY + tested
-        self.num_drafted += proposed
-        self.num_accepted += accepted
         self.num_tested += tested
         for position in range(accepted):
             self.accepted_by_position[position] += 1
@@ -479,6 +602,19 @@ def probe_period(acceptance: float, seconds: list[float], best_k: int, batch: in
     if loss > 0:
         period = max(period, math.ceil(loss / (PROBE_BUDGET * per_token)))
     return min(period, PROBE_MOST)
+
+
+def _best_length(chance: list[float], seconds: list[float]) -> tuple[int, float]:
+    """The model-free proposal length with the most expected tokens per
+    second (1 + the chances of the tokens proposed), and that rate; 0
+    unless another length clearly beats it, as for k."""
+    best, best_rate, tokens = 0, 1.0 / seconds[0], 1.0
+    for length, p in enumerate(chance[: len(seconds) - 1], start=1):
+        tokens += p
+        rate = tokens / seconds[length]
+        if rate > best_rate * (GAIN_TO_START if best == 0 else 1.01):
+            best, best_rate = length, rate
+    return best, best_rate
 
 
 def _best_k(acceptance: float, seconds: list[float]) -> int:

@@ -31,6 +31,20 @@ class Proposal(NamedTuple):
     def none(cls, size: int) -> Proposal:
         return cls([[] for _ in range(size)], [None] * size, [])
 
+    def with_core(self, batch: list[SeqWork]) -> Proposal:
+        """With the core's own proposals (SeqWork.proposal) in their rows: no
+        distribution, as if drawn with certainty (q one-hot, spec/verifier.py)."""
+        if not any(w.proposal for w in batch):
+            return self
+        tokens = [list(w.proposal) if w.proposal else drafted
+                  for w, drafted in zip(batch, self.tokens, strict=True)]
+        return Proposal(tokens, self.probs, self.costs)
+
+
+def drafts(w: SeqWork) -> bool:
+    """Whether the draft proposes for w this step (not the core)."""
+    return w.k > 0 and not w.proposal
+
 
 class DraftProposer:
     def __init__(self, runner: ModelRunner) -> None:
@@ -46,7 +60,7 @@ class DraftProposer:
         tokens: list[list[int]] = [[] for _ in batch]
         probs: list[list[torch.Tensor]] = [[] for _ in batch]
         costs: list[Cost] = []
-        active = [i for i, w in enumerate(batch) if w.k > 0]
+        active = [i for i, w in enumerate(batch) if drafts(w)]
         if not active:
             return Proposal.none(len(batch))
         spans = [SeqSpan(batch[i].draft_tokens + batch[i].tokens, batch[i].draft_start,

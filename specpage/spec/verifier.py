@@ -125,8 +125,13 @@ class Verifier:
             target_padded[r, : k + 1] = target[start : start + k + 1]
             start += k + 1
             if k:
-                draft_padded[r, :k] = proposal.probs[i]
                 draft_tokens[r, :k] = torch.tensor(proposal.tokens[i])
+                probs = proposal.probs[i]
+                if probs is None:  # proposed with certainty: q is one-hot
+                    draft_padded[r, :k] = 0.0
+                    draft_padded[r, torch.arange(k), draft_tokens[r, :k]] = 1.0
+                else:
+                    draft_padded[r, :k] = probs
         u_accept = torch.tensor(
             [[uniform(w.sampling.seed, w.end + j, Purpose.ACCEPT) for j in range(k_max)]
              for w in works], dtype=torch.float64,

@@ -1,0 +1,124 @@
+"""Proposers that need no model: they read committed tokens, which only the
+core holds, and their proposals travel in the step's batch for the target
+to verify (no draft forward).
+
+- `ngram` (prompt lookup): each sequence's own context (prompt and output so
+  far) in an n-gram table that is brought up to date with the tokens added
+  since the last proposal, longest match first (core/ngram.py).
+- `suffix`: the texts of earlier requests of the same cache salt
+  (core/suffix_cache.py); a finished request's text goes in unless it
+  opted out.
+
+Per sequence, the method whose continuation promises more accepted tokens
+proposes; the policy (spec/policy.py) then decides how much of it, if any,
+is worth verifying. Pure Python; no torch.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import NamedTuple
+
+from specpage.core.ngram import Continuation, NgramCounts
+from specpage.core.suffix_cache import SuffixCache
+from specpage.engine_config import EngineConfig
+from specpage.request import FinishReason, Sequence
+
+
+class Method(enum.StrEnum):
+    """Where a sequence's proposal came from (vLLM's names where they mean the same)."""
+
+    DRAFT = "draft"  # the draft model or the EAGLE-3 head
+    NGRAM = "ngram"
+    SUFFIX = "suffix"
+
+
+MODEL_FREE = (Method.NGRAM, Method.SUFFIX)
+
+
+class Candidate(NamedTuple):
+    method: Method
+    tokens: list[int]
+    # per token: the chance that it and every token before it are accepted
+    chance: list[float]
+
+
+class Speculation(NamedTuple):
+    """What a sequence proposes in a step, as the policy chose it."""
+
+    k: int  # proposals
+    tokens: tuple[int, ...] = ()  # a model-free proposal's k tokens; () when the draft makes k
+    method: Method = Method.DRAFT
+    expected: float = 0.0  # accepted tokens its confidences promise (model-free)
+
+    def cut(self, k: int) -> Speculation:
+        """At most k proposals."""
+        if k >= self.k:
+            return self
+        if self.method is Method.DRAFT:
+            return self._replace(k=k)
+        return Speculation(k, self.tokens[:k], self.method, self.expected) if k else NO_SPECULATION
+
+
+NO_SPECULATION = Speculation(0)
+
+
+class ModelFreeProposer:
+    def __init__(self, config: EngineConfig) -> None:
+        self.max_tokens = config.model_free_k
+        self.n_min, self.n_max = config.spec_ngram_min, config.spec_ngram_max
+        self.methods = frozenset(Method(m) for m in config.model_free_methods)
+        self.suffix = SuffixCache(config.spec_suffix_cache_tokens, self.n_min, self.n_max)
+        self.contexts: dict[int, tuple[NgramCounts, int]] = {}  # seq_id -> (counts, indexed)
+        self.num_counted = 0  # n-gram counts made for contexts, all sequences
+
+    def propose(self, seq: Sequence, methods: frozenset[Method] | None = None
+                ) -> Candidate | None:
+        """The likelier of seq's continuations, up to max_tokens, by the
+        methods on (or those of them given). A seeded sample's comes from
+        its own context only: its tokens depend on what it proposes, which
+        must not depend on other requests."""
+        methods = self.methods if methods is None else self.methods & methods
+        length = min(self.max_tokens, seq.request.params.max_tokens - len(seq.output_token_ids))
+        if length <= 0:
+            return None
+        params = seq.request.params
+        across = params.seed is None or params.greedy
+        best = None
+        if Method.NGRAM in methods:
+            best = _candidate(Method.NGRAM, self._context(seq).continuation(seq.token_ids, length))
+        if across and Method.SUFFIX in methods:
+            found = _candidate(Method.SUFFIX, self.suffix.continuation(
+                seq.request.cache_salt, seq.token_ids, length))
+            if found is not None and (best is None or sum(found.chance) > sum(best.chance)):
+                best = found
+        return best
+
+    def end(self, seq: Sequence, reason: FinishReason) -> None:
+        """seq has ended: nothing of it stays but, unless it failed or its
+        request keeps its text out, its text in the suffix cache."""
+        self.contexts.pop(seq.seq_id, None)
+        request = seq.request
+        keep = request.cache_text and reason is not FinishReason.ERROR
+        if keep and Method.SUFFIX in self.methods:
+            self.suffix.add(request.cache_salt, seq.token_ids)
+
+    def _context(self, seq: Sequence) -> NgramCounts:
+        """seq's own n-gram counts, with the tokens added since last time."""
+        entry = self.contexts.get(seq.seq_id)
+        counts, indexed = entry if entry is not None else (
+            NgramCounts(self.n_min, self.n_max), 0)
+        if indexed < seq.num_tokens:
+            self.num_counted += counts.add(seq.token_ids, indexed)
+            self.contexts[seq.seq_id] = (counts, seq.num_tokens)
+        return counts
+
+
+def _candidate(method: Method, found: Continuation) -> Candidate | None:
+    if not found.tokens:
+        return None
+    chance, chain = [], 1.0
+    for p in found.confidence:
+        chain *= p
+        chance.append(chain)
+    return Candidate(method, found.tokens, chance)

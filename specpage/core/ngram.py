@@ -1,0 +1,126 @@
+"""Counts of what followed each n-gram of some token text, for proposals
+that need no model.
+
+`NgramCounts` maps every n-gram of the text it was given (for n in
+n_min..n_max) to the tokens that followed it and how often. Adding text is
+work in proportion to the new tokens (one count per n per token), never a
+rescan of what was added before, and text can be taken out again, so the
+same table serves a sequence's own context (which only grows) and a cache
+of earlier requests (which evicts).
+
+`continuation` walks it: from the longest n-gram that ends the context and
+occurred before, the most frequent follower, then the same from the context
+with that token appended, while the chain stays likely. Each token's
+confidence is its follower's share of what followed that n-gram, shrunk by
+SHRINK pseudo-counts (one occurrence alone is a guess, not a certainty);
+the policy (spec/policy.py) calibrates them against what verification
+accepts.
+
+Pure Python; no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from typing import NamedTuple
+
+# Pseudo-counts against a follower: its share of n occurrences is
+# count / (n + SHRINK), so a follower seen once scores 2/3, four times 8/9.
+SHRINK = 0.5
+# The chain stops where its product of confidences falls below this: past
+# it, a proposal's tokens are almost never accepted, and each costs a
+# verified position.
+MIN_CHAIN = 0.05
+
+
+class Continuation(NamedTuple):
+    tokens: list[int]
+    confidence: list[float]  # per token: the chance it follows, given the ones before
+    matched: int  # the n-gram length the first token was found after
+
+
+NO_CONTINUATION = Continuation([], [], 0)
+
+
+class NgramCounts:
+    """n-gram -> {follower: count} for n in n_min..n_max."""
+
+    __slots__ = ("n_min", "n_max", "tables", "num_entries")
+
+    def __init__(self, n_min: int, n_max: int) -> None:
+        assert 1 <= n_min <= n_max, (n_min, n_max)
+        self.n_min, self.n_max = n_min, n_max
+        # per n (index n - n_min): n-gram -> follower -> count
+        self.tables: list[dict[tuple[int, ...], dict[int, int]]] = [
+            {} for _ in range(n_max - n_min + 1)]
+        self.num_entries = 0  # (n-gram, follower) pairs held: the memory they take
+
+    def add(self, tokens: Seq[int], start: int) -> int:
+        """Count the followers at positions start.. of tokens (each after the
+        n-grams ending just before it). Returns the counts made."""
+        made = 0
+        for position in range(max(start, self.n_min), len(tokens)):
+            follower = tokens[position]
+            for n, table in enumerate(self.tables, start=self.n_min):
+                if n > position:
+                    break
+                key = tuple(tokens[position - n : position])
+                followers = table.get(key)
+                if followers is None:
+                    table[key] = {follower: 1}
+                    self.num_entries += 1
+                else:
+                    count = followers.get(follower, 0)
+                    self.num_entries += count == 0
+                    followers[follower] = count + 1
+                made += 1
+        return made
+
+    def remove(self, tokens: Seq[int]) -> None:
+        """Take out the counts `add(tokens, 0)` made."""
+        for position in range(self.n_min, len(tokens)):
+            follower = tokens[position]
+            for n, table in enumerate(self.tables, start=self.n_min):
+                if n > position:
+                    break
+                key = tuple(tokens[position - n : position])
+                followers = table[key]
+                count = followers[follower] - 1
+                if count:
+                    followers[follower] = count
+                    continue
+                del followers[follower]
+                self.num_entries -= 1
+                if not followers:
+                    del table[key]
+
+    def next_token(self, context: Seq[int]) -> tuple[int, float, int] | None:
+        """The likeliest follower of the longest n-gram ending context that
+        occurred: (token, confidence, n), or None."""
+        for n in range(min(self.n_max, len(context)), self.n_min - 1, -1):
+            followers = self.tables[n - self.n_min].get(tuple(context[len(context) - n :]))
+            if followers:
+                token = max(followers, key=followers.__getitem__)
+                return token, followers[token] / (sum(followers.values()) + SHRINK), n
+        return None
+
+    def continuation(self, context: Seq[int], length: int) -> Continuation:
+        """Up to `length` tokens likely to follow context, by walking the
+        counts while the chain's confidence stays above MIN_CHAIN."""
+        tail = list(context[max(0, len(context) - self.n_max) :])
+        tokens: list[int] = []
+        confidence: list[float] = []
+        chain, matched = 1.0, 0
+        while len(tokens) < length:
+            found = self.next_token(tail)
+            if found is None:
+                break
+            token, p, n = found
+            chain *= p
+            if chain < MIN_CHAIN:
+                break
+            matched = matched or n
+            tokens.append(token)
+            confidence.append(p)
+            tail = tail[1:] + [token] if len(tail) == self.n_max else tail + [token]
+        return Continuation(tokens, confidence, matched)
