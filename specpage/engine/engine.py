@@ -76,7 +76,7 @@ class Engine:
     def _calibrate(self) -> None:
         """Time both models' forwards for the adaptive-k policy."""
         costs = self.executor.measure_costs(self.config, self.max_context)
-        if costs is None or len(costs.target) < 2 or 0 < len(costs.draft) < 2:
+        if len(costs.target) < 2 or 0 < len(costs.draft) < 2:
             log.warning("speculation costs: too few forwards timed; keeping the priors")
             return
         self.core.policy.calibrate(fit_segments(costs.target),

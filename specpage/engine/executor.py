@@ -74,14 +74,14 @@ class Executor:
         """Give back what the executor started (tensor parallelism: its ranks)."""
 
     def measure_costs(self, config: EngineConfig,
-                      max_context: int) -> cost_cache.CachedCosts | None:
+                      max_context: int) -> cost_cache.CachedCosts:
         """Both models' forward costs over the sizes a step can verify, for
         the speculation policy (spec/calibrate.py), or what an earlier start
-        measured on this machine (spec/cost_cache.py); None without a draft."""
-        if self.draft is None:
-            return None
+        measured on this machine (spec/cost_cache.py); the target's alone
+        without a draft (model-free proposals cost only its positions)."""
         c, start = config, time.perf_counter()
-        sizes = calibration_sizes(min(c.max_step_tokens, c.max_num_seqs * (c.spec_k + 1)))
+        k = max(c.spec_k if self.draft is not None else 0, c.model_free_k)
+        sizes = calibration_sizes(min(c.max_step_tokens, c.max_num_seqs * (k + 1)))
         plan = Plan.make(sizes, c.max_num_seqs, c.num_blocks, max_context)
         path = cost_cache.cache_path(self._identities, plan, self.target.dtype, c.block_size)
         costs, source = cost_cache.load(path), "read from " + str(path)
