@@ -70,11 +70,14 @@ class IncompleteError(grpc.aio.AioRpcError):
 
 def generate_request(prompt: str | Sequence[int], request_id: str = "", chat: bool = False,
                      priority: int = 0, timeout_s: float | None = None, spec: str = "auto",
-                     cache_salt: str = "", **sampling: Any) -> pb.GenerateRequest:
+                     cache_salt: str = "", no_suffix_cache: bool = False,
+                     **sampling: Any) -> pb.GenerateRequest:
     """A GenerateRequest; sampling keywords are SamplingParameters fields;
-    cache_salt isolates a tenant's prefix-cache and suffix-cache entries."""
+    cache_salt isolates a tenant's prefix-cache and suffix-cache entries;
+    no_suffix_cache keeps the request's text out of the suffix cache."""
     message = pb.GenerateRequest(request_id=request_id, chat=chat, priority=priority,
                                  spec=SPEC[spec], cache_salt=cache_salt,
+                                 no_suffix_cache=no_suffix_cache,
                                  sampling=pb.SamplingParameters(**sampling))
     if isinstance(prompt, str):
         message.text = prompt
@@ -118,7 +121,7 @@ class Client:
         message (the daemon refuses it if the model has none); False sends
         the text as it is. Token-id prompts are never wrapped.
         options: request_id, priority, timeout_s, spec ("auto", "on", "off"),
-        cache_salt and SamplingParameters fields (max_tokens, temperature, n, ...)."""
+        cache_salt, no_suffix_cache and SamplingParameters fields (max_tokens, temperature, n, ...)."""
         message = generate_request(prompt, chat=chat, **options)
         for attempt in range(self.max_retries + 1):
             call = self.stub.Generate(message, timeout=deadline_s, metadata=self.metadata)
@@ -184,7 +187,9 @@ def _event(event: pb.GenerateEvent) -> Chunk | Final:
     usage = Usage(prompt_tokens=f.usage.prompt_tokens,
                   completion_tokens=f.usage.completion_tokens,
                   cached_tokens=f.usage.cached_tokens, drafted_tokens=f.usage.drafted_tokens,
-                  accepted_tokens=f.usage.accepted_tokens)
+                  accepted_tokens=f.usage.accepted_tokens,
+                  by_method={m.method: [m.drafted_tokens, m.accepted_tokens]
+                             for m in f.usage.by_method})
     timings = Durations(queue_s=f.timings.queue_s, prefill_s=f.timings.prefill_s,
                         total_s=f.timings.total_s)
     # A server older than finish_reasons sends sample 0's alone.

@@ -100,6 +100,11 @@ def server_info(config: Config, engine: AsyncEngine) -> pb.ServerInfo:
         drafted_tokens=stats.drafted_tokens, accepted_tokens=stats.accepted_tokens,
         running=stats.running, waiting=stats.waiting, preemptions=stats.preemptions,
         prefix_cached_tokens=stats.prefix_cached_tokens,
+        by_method=[pb.MethodCounts(method=method, drafted_tokens=c.drafted,
+                                   accepted_tokens=c.accepted,
+                                   accepted_by_position=c.accepted_by_position)
+                   for method, c in stats.by_method.items()],
+        suffix_cache_tokens=stats.suffix_cache_tokens,
     )
 
 

@@ -15,7 +15,7 @@ speculation, preemptions) have names of their own.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 from wsgiref.simple_server import WSGIServer
@@ -53,6 +53,8 @@ class EngineStatsLike(Protocol):
     total_blocks: int
     aborts: int
     sequences_without_draft: int
+    # method -> (drafted, accepted, accepted_by_position), cumulative
+    by_method: Mapping[str, tuple[int, int, tuple[int, ...]]]
 
 
 class _CumulativeCounter:
@@ -164,6 +166,21 @@ class Metrics:
             "accepted_tokens_by_position", "Accepted draft tokens by proposal position (1..k)",
             ["position"], namespace=ns, registry=r,
         )  # fmt: skip
+        self.drafted_by_method = Counter(
+            "drafted_tokens_by_method", "Tokens proposed, by method (draft, ngram, suffix)",
+            ["method"], namespace=ns, registry=r,
+        )  # fmt: skip
+        self.accepted_by_method = Counter(
+            "accepted_tokens_by_method", "Proposed tokens the target accepted, by method",
+            ["method"], namespace=ns, registry=r,
+        )  # fmt: skip
+        self.accepted_by_method_position = Counter(
+            "accepted_tokens_by_method_position",
+            "Accepted proposed tokens by method and proposal position (1..)",
+            ["method", "position"], namespace=ns, registry=r,
+        )  # fmt: skip
+        # (method, position or "", drafted?) -> the cumulative count last seen
+        self._method_counts: dict[tuple[str, str, bool], _CumulativeCounter] = {}
         self.spec_k = Gauge("spec_k", "Current proposal length k", namespace=ns, registry=r)
         self.acceptance = Gauge(
             "acceptance_ratio", "Accepted / drafted tokens, since start", namespace=ns, registry=r
@@ -230,6 +247,24 @@ class Metrics:
         self.acceptance.set(stats.acceptance)
         self.per_token_acceptance.set(stats.per_token_acceptance)
         self.spec_k.set(stats.current_k)
+        for method, (drafted, accepted, by_position) in stats.by_method.items():
+            self._method_count(method, "", True).set(drafted)
+            self._method_count(method, "", False).set(accepted)
+            for position, count in enumerate(by_position, start=1):
+                self._method_count(method, str(position), False).set(count)
+
+    def _method_count(self, method: str, position: str, drafted: bool) -> _CumulativeCounter:
+        key = (method, position, drafted)
+        counter = self._method_counts.get(key)
+        if counter is None:
+            if position:
+                family = self.accepted_by_method_position.labels(method=method,
+                                                                  position=position)
+            else:
+                family = (self.drafted_by_method if drafted
+                          else self.accepted_by_method).labels(method=method)
+            counter = self._method_counts[key] = _CumulativeCounter(family)
+        return counter
 
     def start_http(self, host: str, port: int) -> MetricsServer:
         """Serve /metrics for this registry on host:port (0: a free port)."""

@@ -122,6 +122,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             options = RequestOptions(
                 request_id, arrival, priority=request.priority,
                 deadline=_deadline(request, context), cache_salt=request.cache_salt,
+                cache_text=not request.no_suffix_cache,
                 spec_k=spec_k(request.spec, self.engine.k_max), prompt_field=field)
             return await self.engine.add_request(prompt, params, options)
         except ValidationError as error:
@@ -205,7 +206,10 @@ def _final(final: Final) -> pb.Final:
         usage=pb.Usage(prompt_tokens=usage.prompt_tokens,
                        completion_tokens=usage.completion_tokens,
                        cached_tokens=usage.cached_tokens, drafted_tokens=usage.drafted_tokens,
-                       accepted_tokens=usage.accepted_tokens),
+                       accepted_tokens=usage.accepted_tokens,
+                       by_method=[pb.MethodCounts(method=method, drafted_tokens=drafted,
+                                                  accepted_tokens=accepted)
+                                  for method, (drafted, accepted) in usage.by_method.items()]),
         timings=pb.Timings(queue_s=durations.queue_s, prefill_s=durations.prefill_s,
                            total_s=durations.total_s),
         finish_reason=final.finish_reason,

@@ -8,7 +8,7 @@ import json
 import logging
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -38,6 +38,7 @@ class Stats:
     accepted_by_position: tuple[int, ...] = ()
     aborts: int = 0
     sequences_without_draft: int = 0
+    by_method: dict = field(default_factory=dict)
 
 
 def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -130,6 +131,23 @@ def test_update_engine_sets_gauges_and_adds_counter_growth(metrics: Metrics) -> 
     assert got["specpage_per_token_acceptance_ratio", ()] == 0.7
     assert got["specpage_spec_k", ()] == 3
     assert got["specpage_kv_cache_usage_ratio", ()] == 0.0
+
+
+def test_speculation_counts_by_method_and_position(metrics: Metrics) -> None:
+    metrics.update_engine(Stats(by_method={"ngram": (10, 6, (4, 2)), "draft": (8, 3, (3,))}))
+    metrics.update_engine(Stats(by_method={"ngram": (15, 9, (5, 3, 1)),
+                                           "draft": (8, 3, (3,)), "suffix": (4, 4, (2, 2))}))
+    got = samples(metrics.render().decode())
+    drafted, accepted = ("specpage_drafted_tokens_by_method_total",
+                         "specpage_accepted_tokens_by_method_total")
+    assert got[drafted, (("method", "ngram"),)] == 15
+    assert got[accepted, (("method", "ngram"),)] == 9
+    assert got[drafted, (("method", "draft"),)] == 8
+    assert got[accepted, (("method", "suffix"),)] == 4
+    by_position = "specpage_accepted_tokens_by_method_position_total"
+    assert got[by_position, (("method", "ngram"), ("position", "1"))] == 5
+    assert got[by_position, (("method", "ngram"), ("position", "3"))] == 1
+    assert got[by_position, (("method", "suffix"), ("position", "2"))] == 2
 
 
 def test_block_states_partition_the_pool(metrics: Metrics) -> None:

@@ -60,6 +60,7 @@ class RequestOptions:
     priority: int = 0
     deadline: float | None = None  # time.monotonic() after which it ends "timeout"
     cache_salt: str = ""
+    cache_text: bool = True  # False: the request's text stays out of the suffix cache
     spec_k: int | None = None  # the largest k allowed; None leaves k to the policy
     # max_tokens becomes as many tokens as the context leaves after the prompt
     # (OpenAI's chat default)
@@ -98,6 +99,7 @@ class Preparer:
             raise ValidationError(field, f"{len(made.prompt_token_ids)} tokens exceed "
                                   f"the limit of {self.max_prompt_tokens}")
         made.cache_salt = salt
+        made.cache_text = options.cache_text
         made.spec_k = options.spec_k
         return made
 

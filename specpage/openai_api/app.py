@@ -135,6 +135,7 @@ class OpenAIRoutes:
             params = protocol.sampling_params(body, max_tokens)
             options = RequestOptions(
                 request_id, arrival, priority=body.priority, cache_salt=body.cache_salt or "",
+                cache_text=not body.no_suffix_cache,
                 max_tokens_to_context=max_tokens is None, prompt_field=field, chat_field=field)
             stream = await self.frontend.engine.add_request(prompt, params, options)
         except Exception as error:  # noqa: BLE001 (api_error re-raises what it cannot map)

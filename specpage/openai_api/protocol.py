@@ -67,6 +67,7 @@ class SamplingFields(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     cache_salt: str | None = None
+    no_suffix_cache: bool = False  # keep the request's text out of the suffix cache
     priority: int = 0  # lower runs first
 
 

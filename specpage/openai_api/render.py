@@ -23,7 +23,11 @@ def usage(counts: Usage) -> Json:
         "prompt_tokens_details": {"cached_tokens": counts.cached_tokens},
         # An extension: what speculation drafted and the target kept, all samples together.
         "speculation": {"drafted_tokens": counts.drafted_tokens,
-                        "accepted_tokens": counts.accepted_tokens},
+                        "accepted_tokens": counts.accepted_tokens,
+                        "by_method": {method: {"drafted_tokens": drafted,
+                                               "accepted_tokens": accepted}
+                                      for method, (drafted, accepted)
+                                      in counts.by_method.items()}},
     }
 
 

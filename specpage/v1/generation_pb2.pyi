@@ -41,7 +41,7 @@ class SamplingParameters(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., n: _Optional[int] = ..., logprobs: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "chat", "sampling", "priority", "timeout_s", "spec", "cache_salt")
+    __slots__ = ("request_id", "text", "token_ids", "chat", "sampling", "priority", "timeout_s", "spec", "cache_salt", "no_suffix_cache")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +51,7 @@ class GenerateRequest(_message.Message):
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    NO_SUFFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -60,7 +61,8 @@ class GenerateRequest(_message.Message):
     timeout_s: float
     spec: SpecMode
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., chat: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParameters, _Mapping]] = ..., priority: _Optional[int] = ..., timeout_s: _Optional[float] = ..., spec: _Optional[_Union[SpecMode, str]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    no_suffix_cache: bool
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., chat: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParameters, _Mapping]] = ..., priority: _Optional[int] = ..., timeout_s: _Optional[float] = ..., spec: _Optional[_Union[SpecMode, str]] = ..., cache_salt: _Optional[str] = ..., no_suffix_cache: _Optional[bool] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("index", "token_ids", "text", "num_tokens", "logprobs", "finish_reason")
@@ -78,19 +80,33 @@ class Chunk(_message.Message):
     finish_reason: str
     def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., num_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[str] = ...) -> None: ...
 
+class MethodCounts(_message.Message):
+    __slots__ = ("method", "drafted_tokens", "accepted_tokens", "accepted_by_position")
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_BY_POSITION_FIELD_NUMBER: _ClassVar[int]
+    method: str
+    drafted_tokens: int
+    accepted_tokens: int
+    accepted_by_position: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, method: _Optional[str] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., accepted_by_position: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "drafted_tokens", "accepted_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "drafted_tokens", "accepted_tokens", "by_method")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BY_METHOD_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
     drafted_tokens: int
     accepted_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ...) -> None: ...
+    by_method: _containers.RepeatedCompositeFieldContainer[MethodCounts]
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., by_method: _Optional[_Iterable[_Union[MethodCounts, _Mapping]]] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("queue_s", "prefill_s", "total_s")
@@ -153,7 +169,7 @@ class PoolCounters(_message.Message):
     def __init__(self, total: _Optional[int] = ..., free: _Optional[int] = ..., cached: _Optional[int] = ..., in_use: _Optional[int] = ..., tentative: _Optional[int] = ...) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("version", "target_model", "draft_model", "block_size", "max_context", "pool", "current_k", "acceptance", "drafted_tokens", "accepted_tokens", "running", "waiting", "preemptions", "prefix_cached_tokens")
+    __slots__ = ("version", "target_model", "draft_model", "block_size", "max_context", "pool", "current_k", "acceptance", "drafted_tokens", "accepted_tokens", "running", "waiting", "preemptions", "prefix_cached_tokens", "by_method", "suffix_cache_tokens")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -168,6 +184,8 @@ class ServerInfo(_message.Message):
     WAITING_FIELD_NUMBER: _ClassVar[int]
     PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BY_METHOD_FIELD_NUMBER: _ClassVar[int]
+    SUFFIX_CACHE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     version: str
     target_model: str
     draft_model: str
@@ -182,4 +200,6 @@ class ServerInfo(_message.Message):
     waiting: int
     preemptions: int
     prefix_cached_tokens: int
-    def __init__(self, version: _Optional[str] = ..., target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., block_size: _Optional[int] = ..., max_context: _Optional[int] = ..., pool: _Optional[_Union[PoolCounters, _Mapping]] = ..., current_k: _Optional[float] = ..., acceptance: _Optional[float] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., preemptions: _Optional[int] = ..., prefix_cached_tokens: _Optional[int] = ...) -> None: ...
+    by_method: _containers.RepeatedCompositeFieldContainer[MethodCounts]
+    suffix_cache_tokens: int
+    def __init__(self, version: _Optional[str] = ..., target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., block_size: _Optional[int] = ..., max_context: _Optional[int] = ..., pool: _Optional[_Union[PoolCounters, _Mapping]] = ..., current_k: _Optional[float] = ..., acceptance: _Optional[float] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., preemptions: _Optional[int] = ..., prefix_cached_tokens: _Optional[int] = ..., by_method: _Optional[_Iterable[_Union[MethodCounts, _Mapping]]] = ..., suffix_cache_tokens: _Optional[int] = ...) -> None: ...
