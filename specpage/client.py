@@ -121,7 +121,8 @@ class Client:
         message (the daemon refuses it if the model has none); False sends
         the text as it is. Token-id prompts are never wrapped.
         options: request_id, priority, timeout_s, spec ("auto", "on", "off"),
-        cache_salt, no_suffix_cache and SamplingParameters fields (max_tokens, temperature, n, ...)."""
+        cache_salt, no_suffix_cache and SamplingParameters fields (max_tokens,
+        temperature, n, ...)."""
         message = generate_request(prompt, chat=chat, **options)
         for attempt in range(self.max_retries + 1):
             call = self.stub.Generate(message, timeout=deadline_s, metadata=self.metadata)

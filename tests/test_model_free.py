@@ -19,15 +19,18 @@ texts = st.lists(st.integers(0, 5), max_size=60)
 
 def brute_force_next(tokens, context, n_min, n_max):
     """The likeliest follower of the longest n-gram ending context that
-    occurs in tokens (ties: the one max() meets first in order of first
-    occurrence), rescanning everything."""
+    occurs in tokens (ties: the latest to reach the highest count),
+    rescanning everything."""
     for n in range(min(n_max, len(context)), n_min - 1, -1):
         gram = tuple(context[len(context) - n :])
-        followers = Counter(tokens[p] for p in range(n, len(tokens))
-                            if tuple(tokens[p - n : p]) == gram)
+        followers, best = Counter(), None
+        for p in range(n, len(tokens)):
+            if tuple(tokens[p - n : p]) == gram:
+                followers[tokens[p]] += 1
+                if best is None or followers[tokens[p]] >= followers[best]:
+                    best = tokens[p]
         if followers:
-            token = max(followers, key=followers.__getitem__)
-            return token, followers[token] / (sum(followers.values()) + SHRINK), n
+            return best, followers[best] / (sum(followers.values()) + SHRINK), n
     return None
 
 
@@ -44,7 +47,7 @@ def test_counts_added_piece_by_piece_equal_a_rescan(tokens, cuts, n_min, extra):
     whole = NgramCounts(n_min, n_max)
     whole.add(tokens, 0)
     assert counts.tables == whole.tables
-    assert counts.num_entries == sum(len(f) for t in whole.tables for f in t.values())
+    assert counts.num_entries == sum(len(f.counts) for t in whole.tables for f in t.values())
     for end in range(len(tokens) + 1):
         context = tokens[:end]
         assert counts.next_token(context) == brute_force_next(tokens, context, n_min, n_max)
@@ -83,10 +86,10 @@ def test_prompt_lookup_proposes_what_followed_the_longest_match():
     proposer = ModelFreeProposer(EngineConfig(spec_methods="ngram", spec_model_free_k=4))
     seq = sequence([9, 1, 2, 3, 4, 5, 6, 8, 2, 3, 4, 7, 0, 3, 4])
     found = proposer.propose(seq)
-    # "3 4" is followed by 5 and by 7; "2 3 4" (longer) too; "0 3 4" never
-    # occurred, so the 3-gram decides nothing and the counts tie: the first seen
+    # "3 4" is followed by 5 and by 7; "0 3 4" never occurred, so the 3-gram
+    # decides nothing and the counts tie: the latest, 7
     assert found is not None and found.method is Method.NGRAM
-    assert found.tokens[0] == 5
+    assert found.tokens[0] == 7
     assert found.chance[0] == 1 / (2 + SHRINK)
     assert all(a >= b for a, b in zip(found.chance, found.chance[1:], strict=False))
 

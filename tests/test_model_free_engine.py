@@ -34,7 +34,7 @@ def routed(eng):
         method = ROUTES[seq.request.request_id.split("-")[0]]
         if method is None:
             return Speculation(eng.config.spec_k)
-        found = core.model_free.propose(seq, frozenset({method}))
+        found = core.model_free.propose(seq, methods=frozenset({method}))
         if found is None:
             return Speculation(0)
         return Speculation(len(found.tokens), tuple(found.tokens), found.method,

@@ -86,7 +86,7 @@ class EngineCore:
         self.pool = pool
         self.policy = policy
         self.max_context = max_context
-        self.model_free = ModelFreeProposer(config)
+        self.model_free = ModelFreeProposer(config, enabled=policy.model_free_k > 0)
         self.scheduler = Scheduler(config, max_context, pool, self._speculate)
         self.outputs = OutputProcessor(tokenizer, eos_token_ids, max_context, self._end)
         self.requests: dict[str, Request] = {}
@@ -114,7 +114,8 @@ class EngineCore:
 
     def _speculate(self, seq: Sequence, batch: int) -> Speculation:
         """The scheduler's question: what seq proposes this step."""
-        candidate = self.model_free.propose(seq) if self.policy.model_free_k else None
+        length = self.policy.model_free_length(seq, batch) if self.policy.model_free_k else 0
+        candidate = self.model_free.propose(seq, length) if length else None
         return self.policy.speculate(seq, batch, candidate)
 
     def _end(self, seq: Sequence, reason: FinishReason) -> None:

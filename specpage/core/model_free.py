@@ -64,22 +64,24 @@ NO_SPECULATION = Speculation(0)
 
 
 class ModelFreeProposer:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, enabled: bool = True) -> None:
+        """enabled: False keeps nothing and proposes nothing (speculation off)."""
         self.max_tokens = config.model_free_k
         self.n_min, self.n_max = config.spec_ngram_min, config.spec_ngram_max
-        self.methods = frozenset(Method(m) for m in config.model_free_methods)
+        self.methods = frozenset(Method(m) for m in config.model_free_methods if enabled)
         self.suffix = SuffixCache(config.spec_suffix_cache_tokens, self.n_min, self.n_max)
         self.contexts: dict[int, tuple[NgramCounts, int]] = {}  # seq_id -> (counts, indexed)
         self.num_counted = 0  # n-gram counts made for contexts, all sequences
 
-    def propose(self, seq: Sequence, methods: frozenset[Method] | None = None
-                ) -> Candidate | None:
-        """The likelier of seq's continuations, up to max_tokens, by the
-        methods on (or those of them given). A seeded sample's comes from
-        its own context only: its tokens depend on what it proposes, which
-        must not depend on other requests."""
+    def propose(self, seq: Sequence, length: int | None = None,
+                methods: frozenset[Method] | None = None) -> Candidate | None:
+        """The likelier of seq's continuations, up to length (max_tokens)
+        tokens, by the methods on (or those of them given). A seeded
+        sample's comes from its own context only: its tokens depend on what
+        it proposes, which must not depend on other requests."""
         methods = self.methods if methods is None else self.methods & methods
-        length = min(self.max_tokens, seq.request.params.max_tokens - len(seq.output_token_ids))
+        length = min(self.max_tokens if length is None else length,
+                     seq.request.params.max_tokens - len(seq.output_token_ids))
         if length <= 0:
             return None
         params = seq.request.params

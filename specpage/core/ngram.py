@@ -42,6 +42,45 @@ class Continuation(NamedTuple):
 NO_CONTINUATION = Continuation([], [], 0)
 
 
+class Followers:
+    """What followed one n-gram: each token's count, their total, and the
+    likeliest, kept as counts change so that a lookup reads it without a
+    scan. Of tokens tied on the highest count the likeliest is the latest
+    to reach it (a text's most recent continuation); once counts are taken
+    out, the first of them in the order they were first seen."""
+
+    __slots__ = ("counts", "total", "best")
+
+    def __init__(self, token: int) -> None:
+        self.counts = {token: 1}
+        self.total = 1
+        self.best = token
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Followers) and self.counts == other.counts
+
+    def add(self, token: int) -> int:
+        """Count one more; returns 1 if the token is new here."""
+        count = self.counts.get(token, 0) + 1
+        self.counts[token] = count
+        self.total += 1
+        if count >= self.counts[self.best]:
+            self.best = token
+        return int(count == 1)
+
+    def remove(self, token: int) -> int:
+        """Count one less; returns 1 if the token is gone from here."""
+        count = self.counts[token] - 1
+        self.total -= 1
+        if count:
+            self.counts[token] = count
+        else:
+            del self.counts[token]
+        if token == self.best and self.counts:
+            self.best = max(self.counts, key=self.counts.__getitem__)
+        return int(count == 0)
+
+
 class NgramCounts:
     """n-gram -> {follower: count} for n in n_min..n_max."""
 
@@ -50,8 +89,8 @@ class NgramCounts:
     def __init__(self, n_min: int, n_max: int) -> None:
         assert 1 <= n_min <= n_max, (n_min, n_max)
         self.n_min, self.n_max = n_min, n_max
-        # per n (index n - n_min): n-gram -> follower -> count
-        self.tables: list[dict[tuple[int, ...], dict[int, int]]] = [
+        # per n (index n - n_min): n-gram -> what followed it
+        self.tables: list[dict[tuple[int, ...], Followers]] = [
             {} for _ in range(n_max - n_min + 1)]
         self.num_entries = 0  # (n-gram, follower) pairs held: the memory they take
 
@@ -65,14 +104,12 @@ class NgramCounts:
                 if n > position:
                     break
                 key = tuple(tokens[position - n : position])
-                followers = table.get(key)
-                if followers is None:
-                    table[key] = {follower: 1}
+                entry = table.get(key)
+                if entry is None:
+                    table[key] = Followers(follower)
                     self.num_entries += 1
                 else:
-                    count = followers.get(follower, 0)
-                    self.num_entries += count == 0
-                    followers[follower] = count + 1
+                    self.num_entries += entry.add(follower)
                 made += 1
         return made
 
@@ -84,24 +121,18 @@ class NgramCounts:
                 if n > position:
                     break
                 key = tuple(tokens[position - n : position])
-                followers = table[key]
-                count = followers[follower] - 1
-                if count:
-                    followers[follower] = count
-                    continue
-                del followers[follower]
-                self.num_entries -= 1
-                if not followers:
+                entry = table[key]
+                self.num_entries -= entry.remove(follower)
+                if not entry.total:
                     del table[key]
 
     def next_token(self, context: Seq[int]) -> tuple[int, float, int] | None:
         """The likeliest follower of the longest n-gram ending context that
         occurred: (token, confidence, n), or None."""
         for n in range(min(self.n_max, len(context)), self.n_min - 1, -1):
-            followers = self.tables[n - self.n_min].get(tuple(context[len(context) - n :]))
-            if followers:
-                token = max(followers, key=followers.__getitem__)
-                return token, followers[token] / (sum(followers.values()) + SHRINK), n
+            entry = self.tables[n - self.n_min].get(tuple(context[len(context) - n :]))
+            if entry is not None:
+                return entry.best, entry.counts[entry.best] / (entry.total + SHRINK), n
         return None
 
     def continuation(self, context: Seq[int], length: int) -> Continuation:

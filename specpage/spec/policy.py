@@ -137,6 +137,9 @@ CALIBRATION_WEIGHT = 2.0
 # likely by their confidences alone: its tokens depend on what it proposes,
 # so the choice may not depend on measured costs or on other requests.
 SEEDED_CHANCE = 0.5
+# Keys of SpecPolicy._cached_seconds beside a draft's lag (>= 0).
+MODEL_FREE = -1
+LONGEST_PAYING = -2
 
 
 class MethodCounts:
@@ -421,7 +424,7 @@ class SpecPolicy:
                 return Speculation(k)
             return self._model_free(candidate, sum(c >= SEEDED_CHANCE for c in chance))
         batch = max(batch, 1)
-        seconds = self._cached_seconds(batch, -1)  # model-free: the target's positions only
+        seconds = self._cached_seconds(batch, MODEL_FREE)
         length, rate = _best_length(chance, seconds)
         if k:
             acceptance = shrunk(seq.accepted, seq.tested, self.acceptance, SEQ_WEIGHT)
@@ -429,6 +432,17 @@ class SpecPolicy:
             if expected_tokens(acceptance, k) / drafted[k] >= rate:
                 return Speculation(k)
         return self._model_free(candidate, length)
+
+    def model_free_length(self, seq: Sequence, batch: int) -> int:
+        """The longest model-free proposal that could pay for seq in a batch
+        of this size, were every token sure to be accepted: none need be
+        looked up beyond it (at a large batch on a CPU, a few)."""
+        if seq.request.spec_k is not None or not self.adaptive:
+            return self.model_free_k if seq.request.spec_k != 0 else 0
+        params = seq.request.params
+        if params.seed is not None and not params.greedy:
+            return self.model_free_k  # chosen by confidences alone
+        return int(self._cached_seconds(max(batch, 1), LONGEST_PAYING)[0])
 
     @staticmethod
     def _model_free(candidate: Candidate, length: int) -> Speculation:
@@ -454,12 +468,19 @@ class SpecPolicy:
         return probe_period(acceptance, seconds, best_k, batch)
 
     def _cached_seconds(self, batch: int, lag: int) -> list[float]:
-        """_step_seconds (lag -1: _model_free_seconds), kept until the costs
-        or the last step change."""
+        """_step_seconds, kept until the costs or the last step change; lag
+        MODEL_FREE: _model_free_seconds; LONGEST_PAYING: [the length
+        model_free_length gives]."""
         seconds = self._seconds.get((batch, lag))
         if seconds is None:
-            seconds = self._seconds[batch, lag] = (
-                self._model_free_seconds(batch) if lag < 0 else self._step_seconds(batch, lag))
+            if lag == LONGEST_PAYING:
+                sure = [1.0] * self.model_free_k
+                seconds = [float(_best_length(sure, self._cached_seconds(batch, MODEL_FREE))[0])]
+            elif lag == MODEL_FREE:
+                seconds = self._model_free_seconds(batch)
+            else:
+                seconds = self._step_seconds(batch, lag)
+            self._seconds[batch, lag] = seconds
         return seconds
 
     def _model_free_seconds(self, batch: int) -> list[float]:
