@@ -93,6 +93,7 @@ class EngineCore:
         self.num_aborts = 0  # requests a caller aborted before they finished
         self._seq_ids = itertools.count()
         self._plan: StepPlan | None = None  # scheduled, its result not yet applied
+        self._scheduled_at = 0.0  # time.perf_counter() when the step began scheduling
 
     # ------------------------------------------------------------------ requests
 
@@ -163,6 +164,7 @@ class EngineCore:
     def schedule(self) -> StepBatch:
         """This step's work for the executor; `apply` takes its result."""
         assert self._plan is None, "the last step's result was never applied"
+        self._scheduled_at = time.perf_counter()
         plan = self.scheduler.schedule(time.monotonic())
         if self.draft_kind is DraftKind.HEAD:  # a draft model runs what was scheduled
             plan = plan._replace(scheduled=[
@@ -183,6 +185,11 @@ class EngineCore:
         self.policy.observe_step([e.k for e in decoding], drafting)
         self.policy.observe_step_seconds(drafting > 0, result.target_cost, result.draft_costs,
                                          result.seconds)
+        if result.target_cost is not None and decoding:  # it decoded only
+            model_free = any(e.speculation.method is not Method.DRAFT for e in decoding)
+            self.policy.observe_payoff(len(decoding), model_free,
+                                       sum(len(done.tokens) for done in result.seqs),
+                                       time.perf_counter() - self._scheduled_at)
         self.policy.observe_costs(result.target_cost, result.draft_costs)
         for entry, done in zip(plan.scheduled, result.seqs, strict=True):
             ledger.apply(self.pool, entry.seq, entry.num_new, entry.k, done,

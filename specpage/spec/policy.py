@@ -71,6 +71,7 @@ from specpage.core.model_free import (
 )
 from specpage.core.step import DraftKind
 from specpage.request import Request, Sequence
+from specpage.spec.payoff import Payoff
 
 # Observations of one curve point whose least is its correction (as the
 # start-up measurement keeps the least of its repeats). Other work on the
@@ -311,6 +312,7 @@ class SpecPolicy:
         self.unpriced = 0.0  # seconds a step takes for speculating beyond its forwards
         self.num_admitted = 0  # new sequences asked about
         self.num_without_draft = 0  # of them, those a head was left off
+        self.payoff = Payoff()  # whether model-free steps paid, by batch (spec/payoff.py)
 
     @property
     def max_proposals(self) -> int:
@@ -442,6 +444,8 @@ class SpecPolicy:
         params = seq.request.params
         if params.seed is not None and not params.greedy:
             return self.model_free_k  # chosen by confidences alone
+        if not self.payoff.allows(batch):
+            return 0
         return int(self._cached_seconds(max(batch, 1), LONGEST_PAYING)[0])
 
     @staticmethod
@@ -546,6 +550,12 @@ class SpecPolicy:
         if min(len(plain), len(speculating)) >= UNPRICED_LEAST:
             self.unpriced = max(0.0, statistics.median(speculating) - statistics.median(plain))
             self._seconds.clear()
+
+    def observe_payoff(self, batch: int, model_free: bool, tokens: int, seconds: float) -> None:
+        """A decoding step's outcome (spec/payoff.py): its batch, whether a
+        model-free proposal was verified in it, the tokens it made and its
+        whole time, scheduling included."""
+        self.payoff.observe(batch, model_free, tokens, seconds, self.target_cost(batch))
 
     def observe_step(self, ks: list[int], drafting: int | None = None) -> None:
         """The k of each decoding sequence of the step just run, and how many
