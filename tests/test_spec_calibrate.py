@@ -64,7 +64,9 @@ def models(tmp_path_factory):
 
 def engine(models, draft: bool, **config) -> Engine:
     target, other = models
-    options = dict(block_size=4, num_blocks=64, max_num_seqs=8, spec_k=3) | config
+    # the draft's calibration; the target's alone for model-free proposals below
+    options = dict(block_size=4, num_blocks=64, max_num_seqs=8, spec_k=3,
+                   spec_methods="") | config
     return Engine(target, other if draft else None, None, EngineConfig(**options))
 
 
@@ -95,6 +97,15 @@ def test_fixed_k_or_no_draft_measures_nothing(models):
     assert not engine(models, draft=True, adaptive_k=False).policy.calibrated
     assert not engine(models, draft=False).policy.calibrated
     assert not engine(models, draft=True, spec_k=0).policy.calibrated
+    assert not engine(models, draft=False, spec_k=0, spec_methods="ngram").policy.calibrated
+
+
+def test_model_free_proposals_without_a_draft_measure_the_target_alone(models):
+    policy = engine(models, draft=False, spec_methods="ngram", spec_model_free_k=3).policy
+    assert policy.calibrated and policy.k_max == 0 and policy.model_free_k == 3
+    # up to 8 sequences x (3 + 1) positions, as for a draft's k = 3
+    assert [n for n, _ in policy.target_cost.points] == [1, 2, 3, 4, 6, 8, 16, 32]
+    assert policy.draft_cost.observations == 0
 
 
 class Clock:
