@@ -15,6 +15,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.models_util import tiny_checkpoint
+from tests.step_gate import ENV as GATE_ENV
+from tests.step_gate import StepGate
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def free_port() -> int:
@@ -32,10 +36,12 @@ def tiny_pair(folder: Path) -> tuple[Path, Path]:
 
 class Daemon:
     """`python -m specpage serve` in a subprocess; stopped with SIGTERM.
-    http=True serves the OpenAI-compatible API too, at http_url."""
+    http=True serves the OpenAI-compatible API too, at http_url. gate=True
+    puts a StepGate (open until a test closes it) before every engine step."""
 
     def __init__(self, folder: Path, engine: str = "", server: str = "",
-                 env: dict[str, str] | None = None, http: bool = False) -> None:
+                 env: dict[str, str] | None = None, http: bool = False,
+                 gate: bool = False) -> None:
         target, draft = tiny_pair(folder / "models")
         self.port = free_port()
         self.http_port = free_port() if http else None
@@ -53,10 +59,17 @@ class Daemon:
         )
         self.log = folder / f"daemon-{self.port}.log"
         environment = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        command = "specpage"
+        self.gate: StepGate | None = None
+        if gate:
+            self.gate = StepGate(folder / f"gate-{self.port}")
+            environment[GATE_ENV] = str(self.gate.folder)
+            command = "tests.step_gate"  # `specpage serve` behind the gate
         self._log_file = self.log.open("w")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "specpage", "serve", "--config", str(self.config)],
+            [sys.executable, "-m", command, "serve", "--config", str(self.config)],
             stdout=self._log_file, stderr=subprocess.STDOUT, env=environment,
+            cwd=REPO if gate else None,  # where `tests` imports from
         )
         self.address = f"127.0.0.1:{self.port}"
 
@@ -93,9 +106,9 @@ class Daemon:
             self._log_file.close()
 
 
-def http_daemon(models: Path) -> Iterator[Daemon]:
+def http_daemon(models: Path, gate: bool = False) -> Iterator[Daemon]:
     """A daemon with its HTTP front and metrics on, for a module's fixture."""
-    process = Daemon(models, http=True, server=f"metrics_port = {free_port()}")
+    process = Daemon(models, http=True, server=f"metrics_port = {free_port()}", gate=gate)
     process.wait_serving()
     yield process
     assert process.stop() == 0

@@ -1,6 +1,7 @@
 """The asyncio bridge's request streams: merging for slow readers, ordering."""
 
 import asyncio
+import time
 
 import pytest
 
@@ -269,10 +270,9 @@ async def test_a_failure_outside_the_step_fails_the_streams(tmp_path):
     with pytest.raises(EngineFaultError, match="has_unfinished broke"):
         async for _ in stream.events():
             pass
-    for _ in range(500):  # the step's own fault handling comes first, then the loop ends
-        if async_engine.draining:
-            break
-        await asyncio.sleep(0.01)
+    end = time.monotonic() + 60  # a bound on a hang, not a guess at the speed
+    while not async_engine.draining and time.monotonic() < end:
+        await asyncio.sleep(0.01)  # the step's own fault handling comes first, then the loop ends
     with pytest.raises(DrainingError):
         async_engine.submit(Request("s", (1, 2, 3), SamplingParams(max_tokens=4)))
     await async_engine.stop(timeout=1)

@@ -19,13 +19,16 @@ from tests.daemon_util import Daemon, tiny_pair
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 GREEDY = dict(max_tokens=12, temperature=0.0, ignore_eos=True)
+RETRIES = 3000
+DRAIN_GRACE_S = 600  # the drains here end when their requests do, long before this
+HEALTH_TIMEOUT_S = 60.0  # for the daemon to answer NOT_SERVING after SIGTERM
 
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
     folder = tmp_path_factory.mktemp("daemon")
     process = Daemon(folder, server="max_queue = 64\nmax_prompt_tokens = 100\n"
-                                    "max_message_bytes = 65536")
+                                    "max_message_bytes = 65536", gate=True)
     process.wait_serving()
     yield process
     assert process.stop() == 0
@@ -39,6 +42,12 @@ async def wait_idle(client, timeout=20.0):
             return info
         await asyncio.sleep(0.1)
     raise AssertionError(f"daemon not idle: {info}")
+
+
+async def until_passed(moment):
+    """Sleeps until time.monotonic() (one clock for every process) is past moment."""
+    while (now := time.monotonic()) <= moment:
+        await asyncio.sleep(moment - now)
 
 
 def prompt(seed, length=9):
@@ -88,6 +97,9 @@ async def test_request_id_is_echoed_and_generated(daemon):
 
 
 async def test_cancel_and_deadline_free_the_blocks(daemon):
+    """With the step gate closed no request can finish, so each deadline
+    passes before its request could end, however fast the machine."""
+    gate = daemon.gate
     async with Client(daemon.address) as client:
         long = dict(max_tokens=400, temperature=0.0, ignore_eos=True)
         events = client.generate(prompt(2, 40), request_id="cancel-me", **long)
@@ -95,18 +107,34 @@ async def test_cancel_and_deadline_free_the_blocks(daemon):
             assert isinstance(event, Chunk)
             break
         await events.aclose()  # leaving the iterator cancels the call
+        gate.close()
+        try:
+            # the call's own deadline: the client ends it while no step runs
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                async for _ in client.generate(prompt(3, 40), deadline_s=0.3, **long):
+                    pass
+            assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        finally:
+            gate.open()
+        await wait_idle(client)
+        # the request's timeout: the engine drops it at its first step past
+        # it, and no step runs until it has passed
+        gate.close()
+        try:
+            admitted = gate.admitted()
+            call = asyncio.ensure_future(client.complete(prompt(4, 40), timeout_s=0.3, **long))
+            await gate.wait_admitted(admitted + 1)  # its deadline is set before admission
+            await until_passed(time.monotonic() + 0.3)
+        finally:
+            gate.open()
         with pytest.raises(grpc.aio.AioRpcError) as error:
-            async for _ in client.generate(prompt(3, 40), deadline_s=0.3, **long):
-                pass
-        assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        with pytest.raises(grpc.aio.AioRpcError) as error:
-            async for _ in client.generate(prompt(4, 40), timeout_s=0.3, **long):
-                pass
+            await call
         assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         await wait_idle(client)
 
 
 async def test_a_killed_client_process_frees_its_blocks(daemon):
+    gate = daemon.gate
     script = textwrap.dedent(f"""
         import asyncio, sys
         from specpage.client import Client
@@ -118,14 +146,21 @@ async def test_a_killed_client_process_frees_its_blocks(daemon):
                     await asyncio.sleep(60)
         asyncio.run(main())
     """)
-    with subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
-                          text=True) as child:
-        assert child.stdout.readline().strip() == "streaming"
-        async with Client(daemon.address) as client:
-            assert (await client.server_info()).running == 1
-            child.kill()
-            child.wait()
-            await wait_idle(client)
+    gate.close()
+    try:
+        with subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                              text=True) as child:
+            await gate.wait_held()
+            gate.allow()  # the prompt's prefill, which samples the first token
+            assert child.stdout.readline().strip() == "streaming"
+            async with Client(daemon.address) as client:
+                assert (await client.server_info()).running == 1  # held after one step
+                child.kill()
+                child.wait()
+                gate.open()
+                await wait_idle(client)
+    finally:
+        gate.open()
 
 
 async def test_64_concurrent_streams_with_cancels_and_deadlines(daemon):
@@ -191,17 +226,19 @@ async def test_bad_input_gets_its_status_code(daemon, options, code, message):
 
 
 async def test_full_admission_queue_says_when_to_retry(tmp_path):
-    daemon = Daemon(tmp_path, engine="max_num_seqs = 1", server="max_queue = 2")
+    daemon = Daemon(tmp_path, engine="max_num_seqs = 1", server="max_queue = 2", gate=True)
     daemon.wait_serving()
+    gate = daemon.gate
     try:
         async with Client(daemon.address, max_retries=0) as client:
             long = dict(max_tokens=480, temperature=0.0, ignore_eos=True)
+            gate.close()  # none of them can finish: each step waits for the test
             tasks = [asyncio.ensure_future(client.complete(prompt(i), **long)) for i in range(3)]
-            for _ in range(200):  # until one runs and two wait
-                info = await client.server_info()
-                if (info.running, info.waiting) == (1, 2):
-                    break
-                await asyncio.sleep(0.02)
+            await gate.wait_admitted(3)
+            await gate.wait_held()
+            for _ in range(2):  # a step takes what was admitted, the next schedules it all
+                await gate.step()
+            info = await client.server_info()
             assert (info.running, info.waiting) == (1, 2)
             with pytest.raises(grpc.aio.AioRpcError) as error:
                 await client.complete(prompt(9), **long)
@@ -211,8 +248,10 @@ async def test_full_admission_queue_says_when_to_retry(tmp_path):
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            gate.open()
             await wait_idle(client)
     finally:
+        gate.open()
         assert daemon.stop() == 0
 
 
@@ -232,22 +271,38 @@ async def test_bearer_token_is_required_when_configured(tmp_path):
 
 
 async def test_sigterm_drains_in_flight_requests_and_exits_0(tmp_path):
-    daemon = Daemon(tmp_path, server="drain_grace_s = 30")
+    daemon = Daemon(tmp_path, server=f"drain_grace_s = {DRAIN_GRACE_S}", gate=True)
     daemon.wait_serving()
+    gate = daemon.gate
     async with Client(daemon.address, max_retries=0) as client:
         options = dict(max_tokens=480, temperature=0.0, ignore_eos=True)
-        tasks = [asyncio.ensure_future(client.complete(prompt(i), **options)) for i in range(3)]
-        while (await client.server_info()).running < 3:
-            await asyncio.sleep(0.05)
-        daemon.process.send_signal(__import__("signal").SIGTERM)
-        await asyncio.sleep(0.1)
-        assert daemon.health() == 2  # NOT_SERVING
-        with pytest.raises(grpc.aio.AioRpcError) as error:
-            await client.complete(prompt(7), **GREEDY)
-        assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+        gate.close()  # they are in flight until the test lets them go on
+        try:
+            tasks = [asyncio.ensure_future(client.complete(prompt(i), **options))
+                     for i in range(3)]
+            await gate.wait_admitted(3)
+            await gate.wait_held()
+            while (await client.server_info()).running < 3:  # two steps at most
+                await gate.step()
+            daemon.process.send_signal(__import__("signal").SIGTERM)
+            assert await not_serving(daemon) == 2  # NOT_SERVING
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await client.complete(prompt(7), **GREEDY)
+            assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+        finally:
+            gate.open()
         for completion in await asyncio.gather(*tasks):
             assert completion.finish_reason == "length" and len(completion.token_ids) == 480
     assert daemon.stop() == 0
+
+
+async def not_serving(daemon):
+    """The health status once it is no longer SERVING (the signal is handled
+    on the daemon's own time)."""
+    end = time.monotonic() + HEALTH_TIMEOUT_S
+    while (status := daemon.health()) == 1 and time.monotonic() < end:
+        await asyncio.sleep(0.02)
+    return status
 
 
 async def test_sd_notify_messages_in_order(tmp_path):
@@ -317,7 +372,9 @@ async def test_client_retries_when_the_queue_is_full(tmp_path):
     daemon = Daemon(tmp_path, engine="max_num_seqs = 1", server="max_queue = 1")
     daemon.wait_serving()
     try:
-        async with Client(daemon.address, max_retries=8, backoff_s=0.05) as client:
+        # A retry waits at least the server's retry-after-ms (>= 100 ms), so
+        # this many is minutes: a bound on a hang, not a guess at the speed.
+        async with Client(daemon.address, max_retries=RETRIES, backoff_s=0.05) as client:
             options = dict(max_tokens=40, temperature=0.0, ignore_eos=True)
             completions = await asyncio.gather(
                 *(client.complete(prompt(i), **options) for i in range(4)))
@@ -377,12 +434,19 @@ async def test_abort_rpc_ends_the_stream_and_reflection_lists_the_service(daemon
         ProtoReflectionDescriptorDatabase,
     )
 
+    gate = daemon.gate
     async with Client(daemon.address) as client:
         events = client.generate(prompt(3, 20), request_id="to-abort", max_tokens=400,
                                  temperature=0.0, ignore_eos=True)
-        first = await anext(events)
-        assert isinstance(first, Chunk)
-        assert await client.abort("to-abort")
+        gate.close()  # the request is still running when the abort comes
+        try:
+            first = asyncio.ensure_future(anext(events))
+            await gate.wait_held()
+            gate.allow()  # the prefill: the first token
+            assert isinstance(await first, Chunk)
+            assert await client.abort("to-abort")
+        finally:
+            gate.open()
         rest = [event async for event in events]
         assert isinstance(rest[-1], Final) and rest[-1].finish_reason == "abort"
         assert not await client.abort("to-abort")  # gone

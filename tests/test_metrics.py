@@ -273,7 +273,7 @@ async def test_a_real_daemon_counts_tokens_and_latencies_exactly(tmp_path: Path)
     tiny_checkpoint(models / "target")
     tiny_checkpoint(models / "draft")  # the same seed: the same weights
     metrics_port = free_port()
-    daemon = Daemon(tmp_path, server=f"metrics_port = {metrics_port}")
+    daemon = Daemon(tmp_path, server=f"metrics_port = {metrics_port}", gate=True)
     try:
         daemon.wait_serving()
         first = scrape(metrics_port)
@@ -293,11 +293,21 @@ async def test_a_real_daemon_counts_tokens_and_latencies_exactly(tmp_path: Path)
             while (await client.server_info()).pool.in_use:  # the last step's stats
                 await asyncio.sleep(0.05)
             got = scrape(metrics_port)
-            # a call left after its first chunk (one token a step: 400 steps
-            # to go): the server aborts its request
-            async for _ in client.generate([7, 8, 9], max_tokens=400, temperature=0.0,
-                                           ignore_eos=True, spec="off"):
-                break
+            # a call left after its first chunk, while the step gate holds the
+            # next step (399 to go): the server aborts its request
+            gate = daemon.gate
+            assert gate is not None
+            events = client.generate([7, 8, 9], max_tokens=400, temperature=0.0,
+                                     ignore_eos=True, spec="off")
+            gate.close()
+            try:
+                first = asyncio.ensure_future(anext(events))
+                await gate.wait_held()
+                gate.allow()  # the prefill: the first token
+                assert isinstance(await first, Chunk)
+                await events.aclose()
+            finally:
+                gate.open()
             while (await client.server_info()).pool.in_use:
                 await asyncio.sleep(0.05)
         aborted = scrape(metrics_port)

@@ -166,8 +166,11 @@ async def test_usage_counts_cached_prompt_tokens_and_speculation(daemon: Daemon)
         assert usage["prompt_tokens"] == 40 and usage["completion_tokens"] == 4
         assert usage["total_tokens"] == 44
         spec = usage["speculation"]
-        assert set(spec) == {"drafted_tokens", "accepted_tokens"}
+        assert set(spec) == {"drafted_tokens", "accepted_tokens", "by_method"}
         assert 0 <= spec["accepted_tokens"] <= spec["drafted_tokens"]
+        by_method = spec["by_method"].values()
+        assert sum(m["drafted_tokens"] for m in by_method) == spec["drafted_tokens"]
+        assert sum(m["accepted_tokens"] for m in by_method) == spec["accepted_tokens"]
 
 
 # ---------------------------------------------------------------- chat template
@@ -219,7 +222,10 @@ async def test_sse_framing_with_n_choices_and_usage(daemon: Daemon) -> None:
     assert len(ids) == 1 and ids.pop() == "chatcmpl-" + response.headers["x-request-id"]
     for index in (0, 1):
         mine = [c["choices"][0] for c in choices if c["choices"][0]["index"] == index]
-        assert mine[0]["delta"] == {"role": "assistant", "content": ""}
+        # the role comes with the choice's first text, not in a chunk of its own
+        assert mine[0]["delta"] == {"role": "assistant", "content": mine[0]["delta"]["content"]}
+        assert isinstance(mine[0]["delta"]["content"], str)
+        assert all("role" not in c["delta"] for c in mine[1:])
         assert [c["finish_reason"] for c in mine[:-1]] == [None] * (len(mine) - 1)
         assert mine[-1]["finish_reason"] == "length"
     assert all("usage" not in chunk for chunk in choices)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,8 @@ from tests.test_openai_api import NO_EOS, TIMEOUT_S, sse
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
 LONG = {"prompt": [5, 6, 7, 8], "max_tokens": 400, "temperature": 0.0, **NO_EOS}
+DRAIN_GRACE_S = 600  # the drain ends when its streams do, long before this
+HEALTH_TIMEOUT_S = 60.0  # for /health to answer 503 after SIGTERM
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +37,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def daemon(models: Path) -> Iterator[Daemon]:
-    yield from http_daemon(models)
+    yield from http_daemon(models, gate=True)
 
 
 async def pool_idle(daemon: Daemon) -> None:
@@ -139,46 +142,63 @@ async def test_not_found_and_method_not_allowed_are_error_objects(daemon: Daemon
 
 
 async def test_a_client_disconnecting_mid_stream_frees_its_blocks(daemon: Daemon) -> None:
+    """The step gate holds each request after its first step: it cannot run
+    its 400 tokens to the end before its client leaves."""
+    gate = daemon.gate
+    assert gate is not None
     async with httpx.AsyncClient(base_url=daemon.http_url, timeout=TIMEOUT_S) as http:
         before = await aborts(http)
         for path, body in (("/v1/completions", {**LONG, "stream": True}),
                            ("/v1/chat/completions", {**CHAT, **NO_EOS, "max_tokens": 400,
                                                      "stream": True, "n": 2})):
-            async with http.stream("POST", path, json=body) as response:
-                events = sse(response)
-                while "delta" in (chunk := await anext(events)) and '"role"' in chunk:
-                    pass  # a chat stream's opening chunks come before any token
-                async with Client(daemon.address, max_retries=0) as client:
-                    info = await client.server_info()
-                    assert info.running > 0 and info.pool.in_use > 0
+            gate.close()
+            try:
+                async with http.stream("POST", path, json=body) as response:
+                    events = sse(response)
+                    first = asyncio.ensure_future(anext(events))
+                    await gate.wait_held()
+                    gate.allow()  # the prefill: the first token, the first event
+                    assert '"error"' not in await first
+                    async with Client(daemon.address, max_retries=0) as client:
+                        info = await client.server_info()
+                        assert info.running > 0 and info.pool.in_use > 0
+            finally:
+                gate.open()
             # the response is closed: the request is aborted at the next step
             await pool_idle(daemon)
         # a non-streamed request whose client leaves is aborted too
-        task = asyncio.ensure_future(http.post("/v1/completions", json=LONG))
-        async with Client(daemon.address, max_retries=0) as client:
-            while (await client.server_info()).running == 0:
-                await asyncio.sleep(0.02)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
+        gate.close()
+        try:
+            task = asyncio.ensure_future(http.post("/v1/completions", json=LONG))
+            await gate.wait_held()
+            await gate.step()  # it runs
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        finally:
+            gate.open()
         await pool_idle(daemon)
         # each was aborted, none ran its 400 tokens to the end
         assert await aborts(http) == before + 3
 
 
 async def test_a_full_queue_is_429_with_retry_after(models: Path) -> None:
-    daemon = Daemon(models, engine="max_num_seqs = 1", server="max_queue = 2", http=True)
+    daemon = Daemon(models, engine="max_num_seqs = 1", server="max_queue = 2", http=True,
+                    gate=True)
     daemon.wait_serving()
+    gate = daemon.gate
+    assert gate is not None
     try:
         async with httpx.AsyncClient(base_url=daemon.http_url, timeout=TIMEOUT_S) as http:
+            gate.close()  # none of them can finish: each step waits for the test
             tasks = [asyncio.ensure_future(http.post("/v1/completions", json={
                 **LONG, "prompt": [5, 6, 7, i]})) for i in range(3)]
+            await gate.wait_admitted(3)
+            await gate.wait_held()
+            for _ in range(2):  # a step takes what was admitted, the next schedules it all
+                await gate.step()
             async with Client(daemon.address, max_retries=0) as client:
-                for _ in range(300):  # until one runs and two wait
-                    info = await client.server_info()
-                    if (info.running, info.waiting) == (1, 2):
-                        break
-                    await asyncio.sleep(0.02)
+                info = await client.server_info()
                 assert (info.running, info.waiting) == (1, 2)
             reply = await http.post("/v1/completions", json=LONG)
             assert reply.status_code == 429
@@ -188,6 +208,7 @@ async def test_a_full_queue_is_429_with_retry_after(models: Path) -> None:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
     finally:
+        gate.open()
         assert daemon.stop() == 0
 
 
@@ -211,8 +232,10 @@ async def test_bearer_token_guards_all_but_health(models: Path) -> None:
 
 
 async def test_drain_finishes_http_streams_and_refuses_new_requests(models: Path) -> None:
-    daemon = Daemon(models, server="drain_grace_s = 60", http=True)
+    daemon = Daemon(models, server=f"drain_grace_s = {DRAIN_GRACE_S}", http=True, gate=True)
     daemon.wait_serving()
+    gate = daemon.gate
+    assert gate is not None
     async with httpx.AsyncClient(base_url=daemon.http_url, timeout=TIMEOUT_S) as http:
         async def stream(i: int) -> list[str]:
             body = {**LONG, "prompt": [5, 6, 7, i], "max_tokens": 300, "stream": True,
@@ -220,17 +243,26 @@ async def test_drain_finishes_http_streams_and_refuses_new_requests(models: Path
             async with http.stream("POST", "/v1/completions", json=body) as response:
                 return [data async for data in sse(response)]
 
-        streams = [asyncio.ensure_future(stream(i)) for i in range(2)]
-        async with Client(daemon.address, max_retries=0) as client:
-            while (await client.server_info()).running < 2:
-                await asyncio.sleep(0.05)
-        daemon.process.send_signal(signal.SIGTERM)
-        await asyncio.sleep(0.3)
-        health = await http.get("/health")
-        assert health.status_code == 503
-        refused = await http.post("/v1/completions", json={"prompt": "a"})
-        assert refused.status_code == 503
-        assert refused.json()["error"]["type"] == "service_unavailable_error"
+        gate.close()  # the streams are in flight until the test lets them go on
+        try:
+            streams = [asyncio.ensure_future(stream(i)) for i in range(2)]
+            await gate.wait_admitted(2)
+            await gate.wait_held()
+            async with Client(daemon.address, max_retries=0) as client:
+                while (await client.server_info()).running < 2:  # two steps at most
+                    await gate.step()
+            daemon.process.send_signal(signal.SIGTERM)
+            health = await http.get("/health")
+            end = time.monotonic() + HEALTH_TIMEOUT_S  # SIGTERM is handled on its own time
+            while health.status_code == 200 and time.monotonic() < end:
+                await asyncio.sleep(0.02)
+                health = await http.get("/health")
+            assert health.status_code == 503
+            refused = await http.post("/v1/completions", json={"prompt": "a"})
+            assert refused.status_code == 503
+            assert refused.json()["error"]["type"] == "service_unavailable_error"
+        finally:
+            gate.open()
         for events in await asyncio.gather(*streams):
             assert events[-1] == "[DONE]"
             assert json.loads(events[-2])["usage"]["completion_tokens"] == 300

@@ -9,12 +9,16 @@ import grpc
 import pytest
 
 from specpage.client import Chunk, Client, Final
-from tests.test_server_streams import PROMPT, serving, target  # noqa: F401 (fixture)
+from tests.test_server_streams import PROMPT, Gate, serving, target  # noqa: F401 (fixture)
 
 
 @pytest.mark.asyncio
 async def test_a_request_cut_by_the_stop_ends_unavailable_after_its_chunks(target):  # noqa: F811
     async with serving(target) as served, Client(served.address, max_retries=0) as client:
+        # The prefill runs; the step after it waits until the stop has begun,
+        # so the request cannot end on its own before the stop cuts it.
+        gate = Gate(served.engine, lambda: True)
+        gate.allow()
         tokens: list[int] = []
         reasons: list[str | None] = []
         finals: list[Final] = []
@@ -27,6 +31,9 @@ async def test_a_request_cut_by_the_stop_ends_unavailable_after_its_chunks(targe
                     reasons.append(event.finish_reason)
                     if stopping is None:  # the drain's grace is over: stop aborts it
                         stopping = asyncio.create_task(served.async_engine.stop())
+                        # its abort is queued before the steps let go could
+                        # deliver: at most two run ahead of the event loop
+                        gate.open()
                 else:
                     finals.append(event)
         assert stopping is not None

@@ -26,6 +26,7 @@ from tests.models_util import tiny_checkpoint
 PROMPT = [5, 17, 33, 2, 101, 7, 88]
 SEED = 0  # sample 0's first token never comes up in sample 1's first tokens (checked below)
 GATE_TIMEOUT_S = 60.0  # a held step that is never let go fails the test instead of hanging it
+UNREACHED_TIMEOUT_S = 600.0  # a request timeout that only a test passes (by moving it)
 
 
 def engine_config(max_num_seqs: int = 4) -> EngineConfig:
@@ -147,21 +148,24 @@ async def test_samples_that_all_end_on_their_own_end_ok_with_every_finish_reason
 
 @pytest.mark.asyncio
 async def test_a_timeout_that_cuts_one_of_two_samples_is_deadline_exceeded(target, two_samples):
-    """Sample 0 stops at its first token; the step after it is held until
-    the request's timeout has passed, so sample 1 is cut with one token."""
+    """Sample 0 stops at its first token; before the step after it, the
+    request's timeout is made to pass, so sample 1 is cut with one token.
+    The timeout is one no step reaches by itself (a short one could pass
+    before the first step on a slow machine): the test moves the deadline
+    the timeout set to now, as its passing would."""
     async with serving(target) as served, Client(served.address, max_retries=0) as client:
         engine = served.engine
 
-        def hold_until_deadline() -> bool:
+        def pass_the_timeout() -> bool:
             request = engine.requests.get("cut")
             if request is not None and request.sequences[0].finished:
-                assert request.deadline is not None
-                time.sleep(max(0.0, request.deadline - time.monotonic()))
+                assert request.deadline is not None  # from timeout_s
+                request.deadline = min(request.deadline, time.monotonic())
             return False
 
-        Gate(engine, hold_until_deadline)
+        Gate(engine, pass_the_timeout)
         tokens, reasons, finals, error = await collect(
-            client, "cut", timeout_s=2.0, **sampling(two_samples, 400))
+            client, "cut", timeout_s=UNREACHED_TIMEOUT_S, **sampling(two_samples, 400))
         assert error is not None and error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert "finish reasons by sample: stop, timeout" in error.details()
         assert finals == []  # a Final event means OK
@@ -169,7 +173,7 @@ async def test_a_timeout_that_cuts_one_of_two_samples_is_deadline_exceeded(targe
         assert reasons == {0: "stop", 1: "timeout"}
         # complete() raises the same status, with both samples as far as they came
         with pytest.raises(IncompleteError) as raised:
-            await client.complete(PROMPT, request_id="cut", timeout_s=2.0,
+            await client.complete(PROMPT, request_id="cut", timeout_s=UNREACHED_TIMEOUT_S,
                                   **sampling(two_samples, 400))
         assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert "finish reasons by sample: stop, timeout" in raised.value.details()

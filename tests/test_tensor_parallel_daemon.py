@@ -4,6 +4,7 @@ flight gets INTERNAL, one error line names the rank, exit status 2."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -40,10 +41,13 @@ def test_a_killed_worker_ends_the_daemon_with_status_2(tmp_path):
     models = tmp_path / "models"
     tiny_checkpoint(models / "target", vocab_size=VOCAB)
     tiny_checkpoint(models / "draft", seed=1, num_hidden_layers=1, vocab_size=VOCAB)
-    daemon = Daemon(tmp_path, engine="tensor_parallel_size = 2")
+    daemon = Daemon(tmp_path, engine="tensor_parallel_size = 2", gate=True)
+    gate = daemon.gate
+    assert gate is not None
     try:
         daemon.wait_serving()
         [worker] = workers(daemon.process.pid)
+        gate.close()  # the stream is still in flight when its worker is killed
         first_chunk, outcome = threading.Event(), {}
 
         def stream() -> None:
@@ -59,13 +63,17 @@ def test_a_killed_worker_ends_the_daemon_with_status_2(tmp_path):
 
         client = threading.Thread(target=stream)
         client.start()
+        asyncio.run(gate.wait_held())
+        gate.allow()  # the prefill: the first token
         assert first_chunk.wait(60)
         os.kill(worker, signal.SIGKILL)
         killed = time.monotonic()
+        gate.open()  # the next step finds the worker gone
         status = daemon.process.wait(EXIT_WITHIN)
         assert time.monotonic() - killed < EXIT_WITHIN
         client.join(10)
     finally:
+        gate.open()
         daemon.stop()
     assert status == EXIT_ENGINE_FAILED
     assert outcome["code"] == grpc.StatusCode.INTERNAL

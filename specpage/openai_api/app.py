@@ -175,13 +175,15 @@ class OpenAIRoutes:
     async def _events(self, stream: RequestStream, renderer: Renderer, arrival: float,
                       include_usage: bool) -> AsyncIterator[bytes]:
         # Runs as the response's body; a client that disconnects cancels it here.
+        # Nothing is sent before the engine's first output: a chat choice's
+        # role goes with its first chunk (see Renderer.chunk).
+        opened: set[int] = set()  # the choices whose first chunk is sent
         async with self.frontend.running(stream):
             try:
-                for opening in renderer.first_chunks(stream.num_samples):
-                    yield _event(opening)
                 async for event in self.frontend.events(stream, arrival):
                     if isinstance(event, Chunk):
-                        yield _event(renderer.chunk(event))
+                        yield _event(renderer.chunk(event, opens=event.index not in opened))
+                        opened.add(event.index)
                         continue
                     _check_complete(event.finish_reasons)
                     if include_usage:

@@ -82,18 +82,15 @@ class Renderer:
         return self._object("chat.completion" if self.chat else "text_completion",
                             choices, counts)
 
-    def first_chunks(self, num_samples: int) -> list[Json]:
-        """A chat stream opens each choice with the assistant's role, as OpenAI's does."""
-        if not self.chat:
-            return []
-        return [self._chunk({"index": i, "delta": {"role": "assistant", "content": ""},
-                             "logprobs": None, "finish_reason": None}) for i in range(num_samples)]
-
-    def chunk(self, chunk: Chunk) -> Json:
+    def chunk(self, chunk: Chunk, opens: bool = False) -> Json:
+        """opens: the choice's first chunk, which in a chat stream carries the
+        assistant's role with the first text ("" while its tokens have none
+        yet), as vLLM's does. It goes with the first token, never before it:
+        a client that times its first chunk times the first token."""
         choice: Json = {"index": chunk.index, "finish_reason": chunk.finish_reason,
                         "logprobs": self._logprobs(chunk.token_ids, chunk.logprobs)}
         if self.chat:
-            choice["delta"] = {"content": chunk.text} if chunk.text else {}
+            choice["delta"] = _delta(chunk.text, opens)
         else:
             choice["text"] = chunk.text
         return self._chunk(choice)
@@ -120,3 +117,9 @@ class Renderer:
                 for text, logprob in zip(tokens, logprobs, strict=True)]}
         return {"tokens": tokens, "token_logprobs": logprobs,
                 "top_logprobs": None, "text_offset": None}
+
+
+def _delta(text: str, opens: bool) -> Json:
+    if opens:
+        return {"role": "assistant", "content": text}
+    return {"content": text} if text else {}
