@@ -26,11 +26,14 @@ fails, the failure is logged once, and every caller takes its pure-torch way
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
 import os
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,11 +53,14 @@ _loaded: dict[str, Any] = {}
 
 
 def build_key() -> str:
-    """Names one build: the sources and headers, flags, torch and the CPU's instruction set
-    (the build is -march=native, so a cache shared by machines of different
-    CPUs keeps their builds apart)."""
+    """Names one build: the sources and headers, where they are, flags, torch
+    and the CPU's instruction set (the build is -march=native, so a cache
+    shared by machines of different CPUs keeps their builds apart; and
+    torch rebuilds a folder whose sources moved, so two checkouts sharing
+    a cache would otherwise rebuild it in turn)."""
     digest = hashlib.sha256()
     for part in (*(path.read_bytes() for path in SOURCES + HEADERS), " ".join(FLAGS).encode(),
+                 str(SOURCES[0].parent if SOURCES else "").encode(),
                  torch.__version__.encode(), cpu.describe().encode()):
         digest.update(part)
     return digest.hexdigest()[:16]
@@ -78,6 +84,23 @@ def loaded_kernels() -> Any:
     return native_kernels()
 
 
+@contextlib.contextmanager
+def _builder(folder: Path) -> Iterator[None]:
+    """One process at a time builds or loads a folder's kernels. torch marks
+    a build with a `lock` file and waits for it to go, forever: a process
+    killed while building (a daemon stopped during its start) leaves it
+    behind, and every later start would hang. An advisory lock, which the
+    kernel drops when its holder dies, keeps builders apart instead; any
+    `lock` file found while holding it belongs to a builder that died."""
+    with open(folder.with_suffix(".flock"), "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        (folder / "lock").unlink(missing_ok=True)
+        try:
+            yield
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)
+
+
 def _build() -> Any:
     from torch.utils import cpp_extension
 
@@ -87,13 +110,14 @@ def _build() -> Any:
     folder = cache_dir() / "kernels" / f"cpu-{key}"
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        if not any(folder.glob("*.so")):
-            log.info("building the native CPU kernels into %s (once, ~30 s)", folder)
-        cpp_extension.load(
-            name=f"specpage_cpu_{key}", sources=[str(source) for source in SOURCES],
-            extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], build_directory=str(folder),
-            is_python_module=False, verbose=False,
-        )
+        with _builder(folder):
+            if not any(folder.glob("*.so")):
+                log.info("building the native CPU kernels into %s (once, ~30 s)", folder)
+            cpp_extension.load(
+                name=f"specpage_cpu_{key}", sources=[str(source) for source in SOURCES],
+                extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], build_directory=str(folder),
+                is_python_module=False, verbose=False,
+            )
         return torch.ops.specpage_cpu
     except Exception as error:  # noqa: BLE001 (any build failure means: use the fallback)
         log.warning("native CPU kernels unavailable, using torch ops instead: %s",
