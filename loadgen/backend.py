@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from loadgen.prompts import Conversation
 from loadgen.record import RequestRecord
 from loadgen.workload import RequestSpec
 
@@ -93,9 +94,12 @@ class Backend(Protocol):
 def new_record(spec: RequestSpec, run_tag: str) -> RequestRecord:
     """A request's empty record; run_tag keeps ids unique across concurrent loadgen runs."""
     prompt = spec.prompt
+    if isinstance(prompt, Conversation):
+        prompt_len = prompt.words()
+    else:
+        prompt_len = len(prompt.split()) if isinstance(prompt, str) else len(prompt)
     return RequestRecord(
         index=spec.index, warmup=spec.warmup, request_id=f"lg-{run_tag}-{spec.index}",
-        prompt_len=len(prompt.split()) if isinstance(prompt, str) else len(prompt),
-        max_tokens=spec.max_tokens, prefix_id=spec.prefix_id,
-        cancel_after_s=spec.cancel_after_s,
+        prompt_len=prompt_len, max_tokens=spec.max_tokens, prefix_id=spec.prefix_id,
+        cancel_after_s=spec.cancel_after_s, item=spec.item, kind=spec.kind,
     )

@@ -97,6 +97,9 @@ def _add_workload_flags(parser: argparse.ArgumentParser) -> None:
     work.add_argument("--output-len", default="32", help="as --prompt-len; sets max_tokens")
     work.add_argument("--vocab-size", type=int, default=32000, help="token ids drawn below this")
     work.add_argument("--prompts-file", help="text prompts: word windows from this file")
+    work.add_argument("--requests-file",
+                      help="real requests: JSONL of {messages|prompt, max_tokens?} or "
+                           "ShareGPT JSON, taken in seeded shuffled passes")
     work.add_argument("--chat", action="store_true", help="text prompts use the chat template")
     work.add_argument("--prefix-fraction", type=float, default=0.0,
                       help="fraction of requests that start with a shared prefix")

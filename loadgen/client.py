@@ -10,6 +10,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from loadgen.backend import RequestOptions, TargetError, TargetOptions, new_record
+from loadgen.prompts import Conversation
 from loadgen.record import RequestRecord
 from loadgen.workload import RequestSpec
 from specpage.v1 import generation_pb2 as pb
@@ -37,7 +38,12 @@ def build_request(
         request_id=request_id, sampling=sampling, spec=SPEC_MODES[options.spec],
         cache_salt=options.cache_salt,
     )
-    if isinstance(spec.prompt, str):
+    if isinstance(spec.prompt, Conversation):
+        # chat=true is one user message; RequestFile.check_grpc refused the others.
+        text = spec.prompt.lone_user_text()
+        assert text is not None, f"{spec.item}: a conversation gRPC cannot carry"
+        request.text, request.chat = text, True
+    elif isinstance(spec.prompt, str):
         request.text, request.chat = spec.prompt, options.chat
     else:
         request.token_ids.extend(spec.prompt)

@@ -158,7 +158,10 @@ def _point_rate(point: dict[str, Any], where: str) -> float:
 
 
 async def selfcheck(args: argparse.Namespace) -> int:
-    check = await run_selfcheck(workload(args))
+    work = workload(args)
+    if work.requests is not None:
+        work.requests.check_grpc()  # the null target is a gRPC server
+    check = await run_selfcheck(work)
     print(_selfcheck_line(check))
     return 0
 

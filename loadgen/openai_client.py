@@ -2,8 +2,9 @@
 completion per request.
 
 Text prompts with --chat go to /v1/chat/completions as one user message (the
-server applies its chat template, as gRPC's `chat=true` does); every other prompt
-goes to /v1/completions as `prompt`, text or token ids. Streams ask for
+server applies its chat template, as gRPC's `chat=true` does), and conversations
+from --requests-file as their messages; every other prompt goes to
+/v1/completions as `prompt`, text or token ids. Streams ask for
 `stream_options.include_usage`, so the last chunk carries the server's token
 counts, and the request's tokens are those counts, never the number of chunks.
 """
@@ -20,6 +21,7 @@ from typing import Any
 import httpx
 
 from loadgen.backend import RequestOptions, TargetError, TargetOptions, new_record
+from loadgen.prompts import Conversation
 from loadgen.record import RequestRecord
 from loadgen.sse import DONE, event_data
 from loadgen.workload import RequestSpec
@@ -55,7 +57,10 @@ def build_body(
         "model": model, "max_tokens": spec.max_tokens, "stream": True,
         "stream_options": {"include_usage": True},
     }
-    if isinstance(spec.prompt, str) and options.chat:
+    if isinstance(spec.prompt, Conversation):
+        path = CHAT_PATH
+        body["messages"] = spec.prompt.to_openai()
+    elif isinstance(spec.prompt, str) and options.chat:
         path = CHAT_PATH
         body["messages"] = [{"role": "user", "content": spec.prompt}]
     else:

@@ -13,6 +13,7 @@ from loadgen.backend import RequestOptions, TargetOptions
 from loadgen.errors import UsageError
 from loadgen.lengths import parse_lengths
 from loadgen.prompts import PromptSource, SharedPrefixes, TokenPrompts, read_text_prompts
+from loadgen.request_file import read_request_file
 from loadgen.schedule import Bounds
 from loadgen.slo import Slo, parse_slo
 from loadgen.trace import TraceEntry, read_trace
@@ -57,14 +58,20 @@ def run_settings(args: argparse.Namespace, sweeping: bool = False) -> RunSetting
             raise UsageError("give --requests N or --duration D to bound the run")
         requests = max(1, len(load.trace) - warmup)  # the whole trace
     bounds = Bounds(requests, duration_s, warmup)
+    target = target_options(args)
+    work = workload(args)
+    if work.requests is not None and load.trace is not None:
+        raise UsageError("--trace brings its own prompts and lengths: drop --requests-file")
+    if work.requests is not None and target.api == "grpc":
+        work.requests.check_grpc()
     return RunSettings(
-        target=target_options(args),
+        target=target,
         request=RequestOptions(
             temperature=_temperature(args.temperature), spec=args.spec, chat=args.chat,
             ignore_eos=not args.no_ignore_eos, request_seeds=args.request_seeds,
             share_prefix_cache=args.share_prefix_cache,
         ).for_new_run(),
-        workload=workload(args),
+        workload=work,
         load=load,
         bounds=bounds,
         slo=parse_slo(args.slo) if args.slo is not None else None,
@@ -129,14 +136,20 @@ def _openai_target(
 def workload(args: argparse.Namespace) -> Workload:
     """The request-content half of the flags (shared by run, sweep and selfcheck)."""
     source: PromptSource
+    if args.prompts_file is not None and args.requests_file is not None:
+        raise UsageError("--prompts-file (word windows) and --requests-file (whole requests) "
+                         "are both prompt sources: give one")
     if args.prompts_file is not None:
         source = read_text_prompts(args.prompts_file)
     else:
         source = TokenPrompts(_at_least(args.vocab_size, 1, "--vocab-size") or 1)
-    if args.chat and args.prompts_file is None:
-        raise UsageError("--chat wraps text prompts: it needs --prompts-file")
+    if args.chat and args.prompts_file is None and args.requests_file is None:
+        raise UsageError("--chat wraps text prompts: it needs --prompts-file or --requests-file")
     prefixes = None
     fraction = _fraction(args.prefix_fraction, "--prefix-fraction")
+    if fraction > 0 and args.requests_file is not None:
+        raise UsageError("--prefix-fraction prepends prefixes to generated prompts; "
+                         "--requests-file sends its requests as they are: drop one")
     if fraction > 0:
         count = _at_least(args.num_prefixes, 1, "--num-prefixes") or 1
         length = _at_least(args.prefix_len, 1, "--prefix-len") or 1
@@ -153,6 +166,7 @@ def workload(args: argparse.Namespace) -> Workload:
         seed=args.seed,
         prefixes=prefixes,
         cancel=cancel,
+        requests=read_request_file(args.requests_file) if args.requests_file else None,
     )
 
 

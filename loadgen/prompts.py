@@ -2,7 +2,8 @@
 
 Token-id prompts are how tiny test models are driven (they go in the request's
 `token_ids`); text prompts go in `text`, and their lengths are counted in words
-(the server's usage reports the real token counts).
+(the server's usage reports the real token counts). A Conversation is a chat
+request read from --requests-file (loadgen/request_file.py), sent as its messages.
 """
 
 from __future__ import annotations
@@ -15,7 +16,28 @@ import numpy as np
 
 from loadgen.errors import UsageError
 
-Prompt = tuple[int, ...] | str
+
+@dataclass(frozen=True)
+class Conversation:
+    """Chat messages as (role, content), the last one the user's."""
+
+    messages: tuple[tuple[str, str], ...]
+
+    def words(self) -> int:
+        """The prompt's length as loadgen counts text: words, over every message."""
+        return sum(len(content.split()) for _, content in self.messages)
+
+    def lone_user_text(self) -> str | None:
+        """The text of a conversation that is one user message, else None."""
+        if len(self.messages) == 1 and self.messages[0][0] == "user":
+            return self.messages[0][1]
+        return None
+
+    def to_openai(self) -> list[dict[str, str]]:
+        return [{"role": role, "content": content} for role, content in self.messages]
+
+
+Prompt = tuple[int, ...] | str | Conversation
 
 
 class PromptSource(Protocol):

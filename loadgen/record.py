@@ -19,7 +19,7 @@ class RequestRecord:
     index: int
     warmup: bool
     request_id: str
-    prompt_len: int  # tokens, or words for text prompts
+    prompt_len: int  # tokens, or words for text prompts (over every message of a chat)
     max_tokens: int
     prefix_id: int | None = None
     cancel_after_s: float | None = None  # planned; None: never cancelled
@@ -43,6 +43,8 @@ class RequestRecord:
     queue_s: float | None = None  # server timings, from the final event
     prefill_s: float | None = None
     server_total_s: float | None = None
+    item: str | None = None  # --requests-file: the file and line of the request
+    kind: str | None = None  # --requests-file: the entry's `kind`
 
     def add_chunk(self, now: float, num_tokens: int) -> None:
         """A chunk arrived carrying the server's cumulative count; counts never go back."""

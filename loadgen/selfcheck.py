@@ -58,7 +58,7 @@ async def run_selfcheck(workload: Workload, probe_s: float = 1.0) -> SelfCheck:
     server, address = await start_null_server()
     client = Client(TargetOptions(address, request_timeout_s=10.0), RequestOptions(), "selfcheck")
     try:
-        mean_tokens = max(1.0, workload.output_len.mean)
+        mean_tokens = max(1.0, workload.mean_output_len())
         burst = max(20, min(200, int(BURST_TOKENS / mean_tokens)))
         records = await _probe(client, [_spec(workload, i, 0.0) for i in range(burst)])
         burst_rate = _completed_rate(records)
