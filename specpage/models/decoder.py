@@ -334,12 +334,20 @@ class DecoderModel(nn.Module):
     def logits(self, x: torch.Tensor, branch: torch.Tensor | None) -> torch.Tensor:
         """Logits [rows, vocab] in fp32 from the stream after the last
         layer's attention and that layer's MLP branch (None: x is the
-        stream after the last layer)."""
+        stream after the last layer).
+
+        No rows (a forward whose spans want no logits: prefill chunks, or a
+        span that stops short of its newest token) project nothing: the
+        products' kernels take at least one row (bf16_gemv 1 to 16). Its
+        columns are the projection's (a tensor-parallel rank's share)."""
+        head = self._head()
+        if x.shape[0] == 0:
+            return torch.empty((0, self.config.vocab_size if self.output_vocab is not None
+                                else head.shape[0]), dtype=torch.float32, device=x.device)
         if branch is None:
             x = self.norm(x)
         else:
             _, x = self.norm.after_add(branch, x)
-        head = self._head()
         if self.q8_head is not None and self.output_vocab is None and self.q8_head.takes(x):
             logits = self.q8_head(x).float()
         elif x.shape[0] == 1 and head.device.type == "cpu" and head.dtype == torch.float32:
