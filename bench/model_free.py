@@ -1,0 +1,219 @@
+"""Speculation through the running daemon, by kind of request: spec AUTO
+against spec OFF on the same daemon, as `make serve` starts it.
+
+    python bench/model_free.py [--quick] [--systems A,B,...] [--rounds N]
+
+The requests: bench/workloads/grounded.jsonl (input-grounded: summaries of
+a given paragraph, rewrites, extraction into JSON, tables, code edits, answers
+from a given context, multi-turn edits) and bench/workloads/chat.jsonl (open
+chat), written for this bench; no draft was trained on them. Each is
+rendered with the model's chat template and sent as token ids over gRPC,
+greedy, with its own max_tokens (EOS ends it, as for a user).
+
+The systems are daemons (one up at a time, each started as `make serve`
+does, q4 by default): `specpage` (the default: draft model and the
+proposers that need no model), `model_free` (no draft), `draft_only`
+(spec_methods ""). Against each, the same daemon with spec OFF per request.
+
+- single stream: each request alone, AUTO and OFF one after the other (the
+  order alternating by request and round), decode speed from the client's
+  clock (tokens after the first over the time from the first chunk to the
+  last), by kind;
+- 32 streams: every grounded request at once (then every chat request), in
+  AUTO and in OFF (alternating which goes first), tokens per second of wall
+  time.
+
+Every (round, mode) pair sends its own cache_salt, so neither the prefix
+cache nor the suffix cache ever holds a previous run of the same request:
+AUTO's suffix cache holds only the other requests of its own round. The
+greedy answers of AUTO and OFF are compared request by request. Medians
+over the rounds of per-round ratios, with min-max spreads (bench/common.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import DRAFT, Spread, finish, machine, parse_args, rounds  # noqa: E402
+from bench.serving import MODEL, SPECPAGE, Running, ServerSpec, free_port  # noqa: E402
+from specpage.client import Chunk, Client  # noqa: E402
+from specpage.models.fetch import ensure_model  # noqa: E402
+
+WORKLOADS = Path(__file__).resolve().parent / "workloads"
+STREAMS = 32
+QUICK_REQUESTS = 6  # per set, single stream, with --quick
+QUICK_TOKENS = 64  # max_tokens cap with --quick
+SYSTEMS = {
+    "specpage": ["--draft", str(DRAFT)],
+    "model_free": ["--draft", ""],
+    "draft_only": ["--draft", str(DRAFT), "--spec-methods", ""],
+}
+
+
+def load(name: str) -> list[dict[str, Any]]:
+    lines = (WORKLOADS / f"{name}.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def render(requests: list[dict[str, Any]], cap: int | None) -> list[dict[str, Any]]:
+    """Each request's prompt as token ids through the model's chat template."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(ensure_model(MODEL))
+    rendered = []
+    for r in requests:
+        ids = tokenizer.apply_chat_template(r["messages"], add_generation_prompt=True)
+        if not isinstance(ids, list):  # a BatchEncoding in newer transformers
+            ids = ids["input_ids"]
+        tokens = min(r["max_tokens"], cap) if cap else r["max_tokens"]
+        rendered.append({"kind": r["kind"], "ids": list(ids), "max_tokens": tokens})
+    return rendered
+
+
+def daemon(name: str, flags: list[str], threads: int) -> ServerSpec:
+    http, grpc_port = free_port(), free_port()
+    argv = [str(SPECPAGE), "serve", "--target", MODEL, *flags, "--port", str(grpc_port),
+            "--http-port", str(http), "--set", "server.log_level=warning"]
+    import os
+
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1"}
+    return ServerSpec(name, argv, env, http), grpc_port
+
+
+class Outcome:
+    """One request's run: its text, tokens, decode time and speculation counts."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.first = self.last = 0.0
+        self.drafted = self.accepted = 0
+
+    @property
+    def decode_seconds(self) -> float:
+        return self.last - self.first
+
+
+async def run_one(client: Client, request: dict[str, Any], spec: str, salt: str) -> Outcome:
+    out = Outcome()
+    async for event in client.generate(request["ids"], spec=spec, cache_salt=salt,
+                                       max_tokens=request["max_tokens"], temperature=0.0):
+        now = time.perf_counter()
+        if isinstance(event, Chunk):
+            out.first = out.first or now
+            out.last = now
+            out.tokens += event.token_ids
+        else:
+            out.drafted, out.accepted = event.usage.drafted_tokens, event.usage.accepted_tokens
+    return out
+
+
+async def single_stream(client: Client, requests: list[dict[str, Any]], r: int
+                        ) -> dict[str, dict[str, Outcome]]:
+    """Every request alone in both modes: {mode: {index: outcome}}."""
+    runs: dict[str, dict[str, Outcome]] = {"auto": {}, "off": {}}
+    order = list(range(len(requests)))
+    order = order[r % len(order):] + order[: r % len(order)]
+    for i in order:
+        modes = ("auto", "off") if (i + r) % 2 == 0 else ("off", "auto")
+        for mode in modes:
+            runs[mode][str(i)] = await run_one(client, requests[i], mode, f"s{r}-{mode}")
+    return runs
+
+
+async def concurrent(client: Client, requests: list[dict[str, Any]], mode: str,
+                     salt: str) -> tuple[float, list[Outcome]]:
+    start = time.perf_counter()
+    outcomes = await asyncio.gather(*(run_one(client, q, mode, salt) for q in requests))
+    tokens = sum(len(o.tokens) for o in outcomes)
+    return tokens / (time.perf_counter() - start), list(outcomes)
+
+
+def speed(outcomes: list[Outcome]) -> float:
+    """Decode tokens per second over the requests together."""
+    seconds = sum(o.decode_seconds for o in outcomes)
+    return sum(max(len(o.tokens) - 1, 0) for o in outcomes) / max(seconds, 1e-9)
+
+
+async def measure(port: int, sets: dict[str, list[dict[str, Any]]], count: int,
+                  streams: bool) -> dict[str, Any]:
+    ratios: dict[str, list[float]] = defaultdict(list)
+    counts: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    same = total = 0
+    detail: list[dict[str, Any]] = []  # every single-stream pair, for a second look
+    async with Client(f"127.0.0.1:{port}") as client:
+        for requests in sets.values():  # warm-up: every step shape, untimed
+            for mode in ("auto", "off"):
+                await run_one(client, {**requests[0], "max_tokens": 16}, mode, f"w-{mode}")
+        for r in range(count):
+            for name, requests in sets.items():
+                runs = await single_stream(client, requests, r)
+                kinds = defaultdict(list)
+                for i, q in enumerate(requests):
+                    kinds[q["kind"]].append(str(i))
+                    kinds[name].append(str(i))
+                    auto, off = runs["auto"][str(i)], runs["off"][str(i)]
+                    detail.append({"round": r, "set": name, "index": i, "kind": q["kind"],
+                                   "tokens": [len(auto.tokens), len(off.tokens)],
+                                   "decode_s": [auto.decode_seconds, off.decode_seconds],
+                                   "drafted": auto.drafted, "accepted": auto.accepted})
+                    same += auto.tokens == off.tokens
+                    total += 1
+                    counts[q["kind"]][0] += auto.drafted
+                    counts[q["kind"]][1] += auto.accepted
+                for kind, ids in kinds.items():
+                    auto = speed([runs["auto"][i] for i in ids])
+                    ratios[f"single/{kind}"].append(auto / speed([runs["off"][i] for i in ids]))
+                if streams:
+                    modes = ("auto", "off") if r % 2 == 0 else ("off", "auto")
+                    rate = {}
+                    for mode in modes:
+                        rate[mode], _ = await concurrent(client, (requests * 2)[:STREAMS], mode,
+                                                         f"c{r}-{mode}")
+                    ratios[f"streams/{name}"].append(rate["auto"] / rate["off"])
+                print(f"round {r} {name}: " + ", ".join(
+                    f"{k} {v[-1]:.2f}" for k, v in ratios.items() if k.endswith(name)),
+                    file=sys.stderr, flush=True)
+    return {"auto_vs_off": {k: Spread.of(v).as_json() for k, v in sorted(ratios.items())},
+            "drafted_accepted_by_kind": {k: {"drafted": d, "accepted": a,
+                                             "acceptance": a / max(d, 1)}
+                                         for k, (d, a) in sorted(counts.items())},
+            "greedy_same_as_off": f"{same}/{total}", "requests": detail}
+
+
+def main() -> None:
+    args = parse_args(__doc__, extra=lambda p: (
+        p.add_argument("--systems", default="specpage,model_free,draft_only"),
+        p.add_argument("--rounds", type=int, default=3),
+        p.add_argument("--no-streams", action="store_true", help="single stream only")))
+    cap = QUICK_TOKENS if args.quick else None
+    sets = {name: render(load(name), cap) for name in ("grounded", "chat")}
+    if args.quick:
+        sets = {name: requests[:QUICK_REQUESTS] for name, requests in sets.items()}
+    count = rounds(args.quick, args.rounds)
+    results = {}
+    for name in args.systems.split(","):
+        spec, port = daemon(name, SYSTEMS[name], args.threads)
+        server = Running(spec, Path(tempfile.gettempdir()) / f"model_free_{name}.log")
+        try:
+            results[name] = asyncio.run(measure(port, sets, count,
+                                                not (args.quick or args.no_streams)))
+        finally:
+            server.stop()
+        print(json.dumps({name: results[name]["auto_vs_off"]}), file=sys.stderr, flush=True)
+    headline = {f"{name}/{k}": v["median"] for name, r in results.items()
+                for k, v in r["auto_vs_off"].items()}
+    finish("model_free", {"machine": machine(), "rounds": count, "systems": results,
+                          "headline_auto_vs_off": headline})
+
+
+if __name__ == "__main__":
+    main()
