@@ -2,7 +2,7 @@
 whose model-free steps make fewer tokens per priced second than its plain
 steps goes without them but for probes, and comes back once they pay."""
 
-from specpage.spec.payoff import LEAST, PROBE_EVERY, Payoff
+from specpage.spec.payoff import LEAST, PROBE_EVERY, PROBE_RARELY, Payoff
 
 
 def run(payoff: Payoff, batch: int, steps: int, gain: float) -> list[bool]:
@@ -27,8 +27,14 @@ def test_a_class_where_model_free_steps_lose_goes_without_them_but_for_probes():
 
 def test_a_class_where_they_pay_keeps_them_and_measures_plain_steps_now_and_then():
     payoff = Payoff()
-    allowed = run(payoff, 8, 20 * PROBE_EVERY, gain=1.5)
+    allowed = run(payoff, 8, 20 * PROBE_EVERY, gain=1.1)
     assert allowed[-4 * PROBE_EVERY :].count(False) == 4
+
+
+def test_where_they_clearly_pay_plain_steps_are_measured_rarely():
+    payoff = Payoff()
+    allowed = run(payoff, 1, 20 * PROBE_RARELY, gain=2.0)
+    assert allowed[-4 * PROBE_RARELY :].count(False) == 4
 
 
 def test_a_class_comes_back_once_model_free_steps_pay_again():
