@@ -2,7 +2,7 @@
 whose model-free steps make fewer tokens per priced second than its plain
 steps goes without them but for probes, and comes back once they pay."""
 
-from specpage.spec.payoff import LEAST, PROBE_EVERY, PROBE_FIRST, PROBE_RARELY, Payoff
+from specpage.spec.payoff import LEAST, PROBE_EVERY, PROBE_RARELY, Payoff
 
 
 def run(payoff: Payoff, batch: int, steps: int, gain: float) -> list[bool]:
@@ -29,14 +29,6 @@ def test_a_class_where_they_pay_keeps_them_and_measures_plain_steps_now_and_then
     payoff = Payoff()
     allowed = run(payoff, 8, 20 * PROBE_EVERY, gain=1.1)
     assert allowed[-4 * PROBE_EVERY :].count(False) == 4
-
-
-def test_a_new_class_measures_both_kinds_often_until_it_is_judged():
-    payoff = Payoff()
-    first = run(payoff, 32, 8 * PROBE_FIRST, gain=0.9)
-    assert first.count(False) == 8  # plain steps one in PROBE_FIRST
-    run(payoff, 32, 12 * PROBE_FIRST, gain=0.9)
-    assert not payoff.classes[32 .bit_length()].pays  # judged after 20 plain steps
 
 
 def test_where_they_clearly_pay_plain_steps_are_measured_rarely():

@@ -29,10 +29,6 @@ PROBE_EVERY = 16  # steps of a class between steps of the other kind
 # what the margin is worth (at 1.8x, a plain step in 16 lost 3% of the time).
 CLEAR_MARGIN = 1.25
 PROBE_RARELY = 64
-# Until a class has LEAST steps of each kind, one step in PROBE_FIRST is of
-# the other kind: at 32 streams a request lasts a few hundred steps, and at
-# one in PROBE_EVERY a class would be judged only after 128.
-PROBE_FIRST = 4
 
 
 class Outcomes:
@@ -65,8 +61,6 @@ class Outcomes:
 
     @property
     def probe_every(self) -> int:
-        if min(self.weights) < LEAST:
-            return PROBE_FIRST
         return PROBE_RARELY if self.gain >= CLEAR_MARGIN else PROBE_EVERY
 
 
