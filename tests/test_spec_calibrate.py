@@ -211,3 +211,19 @@ def test_an_incomplete_measurement_is_not_cached_and_two_sizes_are_needed(models
     eng = engine(models, draft=True)
     assert not eng.policy.calibrated  # no slope measured: the priors, corrected online
     assert not (cost_cache.cache_dir() / "costs").exists()
+
+
+def test_a_draft_left_unmeasured_keeps_the_priors(models, monkeypatch, tmp_path):
+    """A busy machine may spend the budget before the draft's first size:
+    calibrating the target alone would price the draft at its prior in
+    absolute seconds, a tenth of a second a forward, and it would never run."""
+    monkeypatch.setenv("SPECPAGE_CACHE_DIR", str(tmp_path))
+    measure = calibrate.measure
+
+    def target_only(*args, **kwargs):
+        results = measure(*args, **kwargs)
+        results[-1].clear()
+        return results
+
+    monkeypatch.setattr("specpage.engine.executor.measure", target_only)
+    assert not engine(models, draft=True).policy.calibrated

@@ -74,9 +74,13 @@ class Engine:
             self._calibrate()
 
     def _calibrate(self) -> None:
-        """Time both models' forwards for the adaptive-k policy."""
+        """Time both models' forwards (the target's alone without a draft)
+        for the adaptive-k policy."""
         costs = self.executor.measure_costs(self.config, self.max_context)
-        if len(costs.target) < 2 or 0 < len(costs.draft) < 2:
+        # a draft left unmeasured (a busy machine spent the budget) keeps the
+        # priors for both, which price it relative to the target's step
+        drafts = self.core.policy.k_max > 0
+        if len(costs.target) < 2 or (drafts and len(costs.draft) < 2):
             log.warning("speculation costs: too few forwards timed; keeping the priors")
             return
         self.core.policy.calibrate(fit_segments(costs.target),
