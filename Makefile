@@ -67,5 +67,4 @@ clean:
 
 # Regenerate the committed gRPC stubs (tests fail when they are stale).
 protos: $(STAMP)
-	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. \
-		protos/specpage/v1/generation.proto
+	$(PY) protos/generate.py

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from specpage.block_pool import BlockPool
+from specpage.core.block_pool import BlockPool
 
 TARGET_US = 10.0
 

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from specpage import hugepages
+from specpage.kernels.cpu import hugepages
 
 RESULTS = Path(__file__).parent / "results"
 DRAFT = Path(__file__).resolve().parent.parent / "models" / "smollm2-draft"  # the default draft
@@ -116,7 +116,7 @@ def compare(ours: Spread, theirs: Spread, higher_is_better: bool = True) -> dict
 def copy_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
     """Bytes copied per second by a large tensor copy (each byte read once and
     written once, so memory traffic is twice this). Its buffers are on huge
-    pages where the weights are (specpage/hugepages.py): on 4 KB pages
+    pages where the weights are (specpage/kernels/cpu/hugepages.py): on 4 KB pages
     the same copy is slower, and the floor would flatter the step."""
     src = hugepages.empty((megabytes * 2**20 // 4,), torch.float32).fill_(1.0)
     dst = hugepages.empty(tuple(src.shape), torch.float32)

@@ -42,11 +42,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import compare, finish, machine, parse_args, rotated, rounds  # noqa: E402
 from bench.prompts import chat_prompts  # noqa: E402
 from bench.vllm_cpu import VllmPeer, modes, start_peers  # noqa: E402
+from specpage.core.request import SamplingParams  # noqa: E402
 from specpage.engine import EngineConfig  # noqa: E402
+from specpage.kernels.cpu.features import has_fast_bf16  # noqa: E402
 from specpage.llm import LLM, chat_prompt  # noqa: E402
-from specpage.models.cpu import has_fast_bf16  # noqa: E402
 from specpage.models.fetch import ensure_model  # noqa: E402
-from specpage.request import SamplingParams  # noqa: E402
 
 SAME_PREFIX = 32  # tokens: fp32 summation order may part outputs later than this
 

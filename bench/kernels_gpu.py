@@ -91,7 +91,7 @@ def fraction(nbytes: int, ms: float, copy: float) -> float:
 
 
 def bench_decode(args: argparse.Namespace, copy: float) -> dict[str, Any]:
-    from specpage.kernels.paged_decode import paged_decode
+    from specpage.kernels.triton.paged_decode import paged_decode
 
     pool = Pool(args, [(args.context - 1, 1)] * args.num_seqs)
     q = torch.randn(args.num_seqs, args.heads, args.head_dim, dtype=torch.bfloat16, device="cuda")
@@ -122,7 +122,7 @@ def bench_decode(args: argparse.Namespace, copy: float) -> dict[str, Any]:
 def bench_spans(args: argparse.Namespace, copy: float, num_seqs: int, new: int) -> dict[str, Any]:
     from torch.nn.attention.bias import causal_lower_right
 
-    from specpage.kernels.paged_prefill import paged_prefill
+    from specpage.kernels.triton.paged_prefill import paged_prefill
 
     pool = Pool(args, [(args.context - new, new)] * num_seqs)
     q = torch.randn(num_seqs * new, args.heads, args.head_dim, dtype=torch.bfloat16, device="cuda")
@@ -163,7 +163,7 @@ def bench_spans(args: argparse.Namespace, copy: float, num_seqs: int, new: int) 
 
 
 def bench_write_kv(args: argparse.Namespace, copy: float) -> dict[str, Any]:
-    from specpage.kernels.kv_write import write_kv
+    from specpage.kernels.triton.kv_write import write_kv
 
     num_tokens = args.num_seqs * 128  # e.g. one 128-token prefill chunk per sequence
     pool = Pool(args, [(args.context - 128, 128)] * args.num_seqs)
@@ -181,7 +181,7 @@ def bench_write_kv(args: argparse.Namespace, copy: float) -> dict[str, Any]:
 
 
 def bench_copy_blocks(args: argparse.Namespace, copy: float) -> dict[str, Any]:
-    from specpage.kernels.block_copy import copy_blocks
+    from specpage.kernels.triton.block_copy import copy_blocks
 
     layers, num_blocks, num_pairs = (8, 1024, 256) if args.quick else (32, 2048, 512)
     shape = (layers, 2, num_blocks, args.block_size, args.kv_heads, args.head_dim)
@@ -211,8 +211,8 @@ def main() -> None:
     if not torch.cuda.is_available():
         skip("no CUDA device")
         return
-    from specpage.kernels import is_interpreted
-    from specpage.kernels.paged_decode import _paged_decode_kernel
+    from specpage.kernels.triton import is_interpreted
+    from specpage.kernels.triton.paged_decode import _paged_decode_kernel
 
     if is_interpreted(_paged_decode_kernel):
         skip("TRITON_INTERPRET is set")

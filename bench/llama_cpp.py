@@ -75,7 +75,7 @@ def setup() -> str | None:
 def build_flags() -> str:
     """llama.cpp's CMake options for this CPU: none (-march=native) unless it
     has AMX, where the same instruction sets are named without AMX."""
-    from specpage.models.cpu import cpu_flags
+    from specpage.kernels.cpu.features import cpu_flags
 
     flags = cpu_flags()
     if "amx_int8" not in flags:

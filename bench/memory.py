@@ -29,11 +29,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import finish, machine, parse_args  # noqa: E402
 from bench.prompts import chat_prompts  # noqa: E402
+from specpage.core.kv_layout import KvShape  # noqa: E402
+from specpage.core.request import SamplingParams  # noqa: E402
 from specpage.engine import Engine, EngineConfig  # noqa: E402
-from specpage.kv_layout import KvShape  # noqa: E402
 from specpage.llm import LLM, chat_prompt  # noqa: E402
 from specpage.models.fetch import ensure_model  # noqa: E402
-from specpage.request import SamplingParams  # noqa: E402
 
 BLOCK = 16
 

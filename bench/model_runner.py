@@ -38,7 +38,7 @@ from bench.common import (  # noqa: E402
     rotated,
     rounds,
 )
-from specpage.model_runner import ModelRunner, SeqSpan  # noqa: E402
+from specpage.executor.model_runner import ModelRunner, SeqSpan  # noqa: E402
 from specpage.models.fetch import ensure_model  # noqa: E402
 from specpage.models.loader import load_model  # noqa: E402
 

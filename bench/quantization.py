@@ -49,9 +49,10 @@ from bench.common import (  # noqa: E402
     rounds,
 )
 from bench.prompts import chat_prompts  # noqa: E402
+from specpage.core.request import SamplingParams  # noqa: E402
 from specpage.engine import EngineConfig  # noqa: E402
+from specpage.executor.model_runner import ModelRunner, SeqSpan  # noqa: E402
 from specpage.llm import LLM  # noqa: E402
-from specpage.model_runner import ModelRunner, SeqSpan  # noqa: E402
 from specpage.models import quant  # noqa: E402
 from specpage.models.decoder import PackedWeight, cpu_linear  # noqa: E402
 from specpage.models.loader import LoadedModel  # noqa: E402
@@ -60,7 +61,6 @@ from specpage.models.quant import (  # noqa: E402
     Int4Linear,
     Q8Head,
 )
-from specpage.request import SamplingParams  # noqa: E402
 
 BLOCK_SIZE = 16
 CONTEXT = 128  # tokens already in the KV cache of each decode step

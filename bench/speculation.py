@@ -37,10 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import compare, finish, machine, parse_args, rotated, rounds  # noqa: E402
 from bench.prompts import chat_prompts  # noqa: E402
 from bench.vllm_cpu import VllmPeer, modes, start_peers  # noqa: E402
+from specpage.core.request import SamplingParams  # noqa: E402
 from specpage.engine import EngineConfig  # noqa: E402
 from specpage.llm import LLM, chat_prompt  # noqa: E402
 from specpage.models.fetch import ensure_model  # noqa: E402
-from specpage.request import SamplingParams  # noqa: E402
 
 
 def useless_draft(draft: Path, out: Path) -> Path:

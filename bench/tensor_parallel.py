@@ -22,10 +22,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import Spread, finish, machine, parse_args, rounds  # noqa: E402
+from specpage.core.request import SamplingParams  # noqa: E402
 from specpage.engine import Engine, EngineConfig  # noqa: E402
 from specpage.models.fetch import ensure_model  # noqa: E402
 from specpage.models.loader import load_model  # noqa: E402
-from specpage.request import SamplingParams  # noqa: E402
 
 SIZES = (1, 3)  # ranks; SmolLM2-135M's heads divide by 3, not by 2
 REQUESTS = 4

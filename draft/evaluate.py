@@ -18,12 +18,12 @@ from pathlib import Path
 import torch
 
 from bench.prompts import chat_prompts, mixed_prompts
+from specpage.core.request import SamplingParams
 from specpage.engine import EngineConfig
+from specpage.executor.model_runner import ModelRunner, SeqSpan
 from specpage.llm import LLM, chat_prompt
-from specpage.model_runner import ModelRunner, SeqSpan
 from specpage.models.decoder import LayerTap
 from specpage.models.loader import load_model
-from specpage.request import SamplingParams
 
 PROMPT_SETS = {"topics": chat_prompts, "mixed": mixed_prompts}
 

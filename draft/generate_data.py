@@ -22,10 +22,10 @@ from bench.prompts import TOPICS
 from draft.chat import Request, chat_requests, sentences
 from draft.prompts import CHAT_TEMPLATES, topic_words, training_prompts
 from draft.topics import curated_topics
+from specpage.core.request import SamplingParams
 from specpage.engine import EngineConfig
 from specpage.llm import LLM, chat_prompt, conversation_prompt
 from specpage.models.fetch import ensure_model
-from specpage.request import SamplingParams
 
 # The answers whose sentences the chat requests rewrite (the shards of the
 # other two kinds; the chat shard's own snapshot is not among them).

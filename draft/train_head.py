@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from draft.train import load_shard
-from specpage.model_runner import ModelRunner, SeqSpan
+from specpage.executor.model_runner import ModelRunner, SeqSpan
 from specpage.models.config import ARCHITECTURE
 from specpage.models.decoder import LayerTap
 from specpage.models.eagle3 import Eagle3Config, Eagle3Head, checkpoint_tensors

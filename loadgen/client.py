@@ -13,8 +13,8 @@ from loadgen.backend import RequestOptions, TargetError, TargetOptions, new_reco
 from loadgen.prompts import Conversation
 from loadgen.record import RequestRecord
 from loadgen.workload import RequestSpec
-from specpage.v1 import generation_pb2 as pb
-from specpage.v1 import generation_pb2_grpc as pb_grpc
+from specpage.serve.grpc_stubs import generation_pb2 as pb
+from specpage.serve.grpc_stubs import generation_pb2_grpc as pb_grpc
 
 SPEC_MODES = {"auto": pb.SPEC_AUTO, "off": pb.SPEC_OFF, "on": pb.SPEC_ON}
 HEALTH_SERVICE = "specpage.v1.Generation"

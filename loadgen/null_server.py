@@ -12,8 +12,8 @@ from typing import Any
 
 import grpc
 
-from specpage.v1 import generation_pb2 as pb
-from specpage.v1 import generation_pb2_grpc as pb_grpc
+from specpage.serve.grpc_stubs import generation_pb2 as pb
+from specpage.serve.grpc_stubs import generation_pb2_grpc as pb_grpc
 
 DEFAULT_MAX_TOKENS = 16  # the daemon's default, mirrored
 

@@ -27,9 +27,9 @@ from typing import Any
 import grpc
 
 from specpage.completion import Completion, Durations
-from specpage.request import Usage
-from specpage.v1 import generation_pb2 as pb
-from specpage.v1 import generation_pb2_grpc as pb_grpc
+from specpage.core.request import Usage
+from specpage.serve.grpc_stubs import generation_pb2 as pb
+from specpage.serve.grpc_stubs import generation_pb2_grpc as pb_grpc
 
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 SPEC = {"auto": pb.SPEC_AUTO, "off": pb.SPEC_OFF, "on": pb.SPEC_ON}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specpage.request import Timings, Usage
+from specpage.core.request import Timings, Usage
 
 
 @dataclass(frozen=True)

@@ -17,9 +17,9 @@ from typing import Any
 
 import msgspec
 
-from specpage.config_error import ConfigError
-from specpage.config_error import require as _require
-from specpage.engine_config import EngineConfig
+from specpage.core.config_error import ConfigError
+from specpage.core.config_error import require as _require
+from specpage.core.engine_config import EngineConfig
 from specpage.models.quant_names import Q8_REFUSED, QUANTIZATIONS
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")

@@ -11,12 +11,12 @@ from pathlib import Path
 from typing import Any
 
 from specpage.completion import Completion, Durations
+from specpage.core.request import SamplingParams, ValidationError
 from specpage.engine import Engine, EngineConfig, RequestOutput
 from specpage.models.config import ModelLoadError
 from specpage.models.fetch import ensure_model, known_models
 from specpage.models.loader import LoadedModel, draft_dtype, load_model
 from specpage.models.quant_names import check_tensor_parallel
-from specpage.request import SamplingParams, ValidationError
 
 
 def resolve_model(name_or_path: str | Path) -> Path:

@@ -14,8 +14,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from specpage.models.fetch import ensure_model
-from tests.daemon_util import Daemon
-from tests.models_util import tiny_checkpoint
+from tests.support.checkpoints import tiny_checkpoint
+from tests.support.daemon import Daemon
 
 VOCAB = 49152  # SmolLM2's, whose tokenizer the tiny model shares
 MAX_TOKENS = 5

@@ -20,7 +20,7 @@ from specpage.config import (
     load_config,
     read_bearer_token,
 )
-from specpage.engine_config import EngineConfig
+from specpage.core.engine_config import EngineConfig
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "systemd" / "specpage.toml.example"
 

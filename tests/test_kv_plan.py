@@ -9,9 +9,9 @@ import pytest
 
 from specpage.cli import main
 from specpage.config import ModelSection
-from specpage.models import cpu
+from specpage.kernels.cpu import features as cpu
 from specpage.models.loader import load_model
-from tests.models_util import tiny_checkpoint
+from tests.support.checkpoints import tiny_checkpoint
 
 
 def plan(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, int]:

@@ -24,7 +24,7 @@ from specpage.attention.reference import (
 # of the reference's padded copies: measured on SmolLM2-135M q4 and its
 # 4-layer draft (bf16, 2 threads, context 200), forwards of 16, 32 and 64
 # positions took 0.6-0.9x as long through it as through the reference's
-# gather and scaled_dot_product_attention (tests/test_cpu_attention.py checks
+# gather and scaled_dot_product_attention (tests/attention/test_cpu_attention.py checks
 # its outputs against the reference at these lengths). Longer prefill
 # chunks stay on the reference, whose attention skips the masked half.
 NATIVE_SPAN = 64

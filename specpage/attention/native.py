@@ -1,12 +1,12 @@
 """The native CPU paged-attention kernel's contract
-(specpage/kernels/cpu/paged_attention.cpp, built by specpage.kernels.native):
+(specpage/kernels/cpu/paged_attention.cpp, built by specpage.kernels.cpu.native):
 the head sizes it is built for and its pure-torch reference."""
 
 from __future__ import annotations
 
 import torch
 
-from specpage.kernels.native import DISABLE_ENV, native_kernels
+from specpage.kernels.cpu.native import DISABLE_ENV, native_kernels
 
 __all__ = ["DISABLE_ENV", "NATIVE_HEAD_DIMS", "native_kernels", "paged_attention_ref"]
 

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 import torch
 
 from specpage.attention.backend import AttentionMetadata, Span, lay_out_spans
-from specpage.kernels.block_copy import copy_blocks
-from specpage.kernels.kv_write import write_kv
-from specpage.kernels.paged_decode import paged_decode
-from specpage.kernels.paged_prefill import paged_prefill
+from specpage.kernels.triton.block_copy import copy_blocks
+from specpage.kernels.triton.kv_write import write_kv
+from specpage.kernels.triton.paged_decode import paged_decode
+from specpage.kernels.triton.paged_prefill import paged_prefill
 
 
 @dataclass(frozen=True)

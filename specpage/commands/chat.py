@@ -198,9 +198,9 @@ def _error_message(body: bytes) -> str:
 
 
 def _local(args: argparse.Namespace) -> LocalChat:
+    from specpage.core.request import SamplingParams
     from specpage.engine import EngineConfig
     from specpage.llm import LLM
-    from specpage.request import SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     params.validate()

@@ -7,10 +7,10 @@ import asyncio
 import sys
 from typing import Any
 
+from specpage.core.request import SamplingParams
 from specpage.engine import EngineConfig
 from specpage.llm import LLM, chat_prompt
 from specpage.models.quant_names import QUANTIZATIONS
-from specpage.request import SamplingParams
 
 
 def add_parser(sub: Any, name: str) -> None:

@@ -7,8 +7,8 @@ from typing import Any
 
 import msgspec
 
-from specpage import kv_layout
-from specpage.kv_layout import KvShape
+from specpage.core import kv_layout
+from specpage.core.kv_layout import KvShape
 
 
 def add_parser(sub: Any, name: str) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 import uvloop
 
 from specpage.config import load_config, parse_override
-from specpage.logging_setup import configure_logging
+from specpage.serve.logging_setup import configure_logging
 
 # flag -> dotted config key
 SHORTCUTS = {"host": "server.host", "port": "server.port", "http_port": "server.http_port",
@@ -51,7 +51,9 @@ def run(args: argparse.Namespace) -> int:
             overrides[key] = getattr(args, flag)
     config = load_config(args.config, overrides=overrides)
     configure_logging(config.server.log_level)
-    from specpage.daemon import serve  # imports torch and the models: after the config is good
+    from specpage.serve.daemon import (
+        serve,  # imports torch and the models: after the config is good
+    )
 
     logging.getLogger("specpage").info("starting", extra={"config": str(args.config or "")})
     return uvloop.run(serve(config)) if hasattr(uvloop, "run") else asyncio.run(serve(config))

@@ -16,10 +16,14 @@ from typing import Any, NamedTuple
 
 import msgspec
 
-from specpage.block_pool import BlockPool
 from specpage.core import ledger
+from specpage.core.block_pool import BlockPool
+from specpage.core.engine_config import EngineConfig
 from specpage.core.model_free import Method, ModelFreeProposer, Speculation
 from specpage.core.outputs import OutputProcessor, RequestOutput
+from specpage.core.policy import SpecPolicy
+from specpage.core.request import FinishReason, Request, Sequence, Usage, ValidationError
+from specpage.core.scheduler import ScheduledSeq, Scheduler, StepPlan
 from specpage.core.step import (
     NOTHING,
     DraftKind,
@@ -28,10 +32,6 @@ from specpage.core.step import (
     StepBatch,
     StepResult,
 )
-from specpage.engine_config import EngineConfig
-from specpage.request import FinishReason, Request, Sequence, Usage, ValidationError
-from specpage.scheduler import ScheduledSeq, Scheduler, StepPlan
-from specpage.spec.policy import SpecPolicy
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ import time
 from collections.abc import Sequence as Seq
 from typing import Any
 
-from specpage.engine_config import EngineConfig
-from specpage.request import Request, SamplingParams, ValidationError, validate_prompt
+from specpage.core.engine_config import EngineConfig
+from specpage.core.request import Request, SamplingParams, ValidationError, validate_prompt
 
 
 class Intake:

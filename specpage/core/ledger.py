@@ -48,9 +48,9 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence as Seq
 
-from specpage.block_pool import BlockPool
+from specpage.core.block_pool import BlockPool
+from specpage.core.request import Sequence
 from specpage.core.step import DraftKind, SeqResult
-from specpage.request import Sequence
 
 
 def admit(pool: BlockPool, seq: Sequence) -> int:

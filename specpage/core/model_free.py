@@ -19,10 +19,10 @@ from __future__ import annotations
 import enum
 from typing import NamedTuple
 
+from specpage.core.engine_config import EngineConfig
 from specpage.core.ngram import Continuation, NgramCounts
+from specpage.core.request import FinishReason, Sequence
 from specpage.core.suffix_cache import SuffixCache
-from specpage.engine_config import EngineConfig
-from specpage.request import FinishReason, Sequence
 
 
 class Method(enum.StrEnum):

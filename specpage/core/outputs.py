@@ -16,8 +16,8 @@ from typing import Any
 import msgspec
 
 from specpage.core import ledger
-from specpage.detokenizer import IncrementalDetokenizer
-from specpage.request import FinishReason, Request, Sequence, Timings, Usage
+from specpage.core.detokenizer import IncrementalDetokenizer
+from specpage.core.request import FinishReason, Request, Sequence, Timings, Usage
 
 
 class RequestOutput(msgspec.Struct):

@@ -12,7 +12,7 @@ import enum
 
 import msgspec
 
-from specpage.request import GREEDY_BELOW
+from specpage.core.request import GREEDY_BELOW
 
 
 class DraftKind(enum.StrEnum):

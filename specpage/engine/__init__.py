@@ -4,7 +4,7 @@
 runs them off the event loop and is all that the front ends use.
 """
 
+from specpage.core.engine_config import EngineConfig
 from specpage.engine.engine import Engine, EngineStats, RequestOutput
-from specpage.engine_config import EngineConfig
 
 __all__ = ["Engine", "EngineConfig", "EngineStats", "RequestOutput"]

@@ -30,9 +30,9 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
+from specpage.core.request import Request, SamplingParams, Timings, Usage, ValidationError
 from specpage.engine import Engine, EngineStats, RequestOutput
 from specpage.engine.submission import Preparer, Prompt, RequestOptions
-from specpage.request import Request, SamplingParams, Timings, Usage, ValidationError
 
 log = logging.getLogger("specpage.engine")
 # Requests tokenized at once, off the event loop, by threads of their own. Fast

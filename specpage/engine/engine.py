@@ -14,14 +14,17 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import Any
 
-from specpage.block_pool import BlockPool
+from specpage.core.block_pool import BlockPool
+from specpage.core.engine_config import EngineConfig
 from specpage.core.engine_core import EngineCore, EngineStats
 from specpage.core.intake import Intake
 from specpage.core.outputs import RequestOutput
+from specpage.core.policy import SpecPolicy
+from specpage.core.request import Request, SamplingParams
+from specpage.core.scheduler import Scheduler
 from specpage.core.step import DraftKind
-from specpage.engine.executor import Executor
-from specpage.engine.tp_executor import TensorParallelExecutor
-from specpage.engine_config import EngineConfig
+from specpage.executor.executor import Executor
+from specpage.executor.tensor_parallel import TensorParallelExecutor
 from specpage.models.eagle3 import LoadedHead
 from specpage.models.loader import (
     LoadedModel,
@@ -30,10 +33,7 @@ from specpage.models.loader import (
     check_head_compatible,
     draft_vocabulary,
 )
-from specpage.request import Request, SamplingParams
-from specpage.scheduler import Scheduler
-from specpage.spec.calibrate import fit_segments
-from specpage.spec.policy import SpecPolicy
+from specpage.speculation.calibrate import fit_segments
 
 __all__ = ["Engine", "EngineConfig", "EngineStats", "RequestOutput"]
 

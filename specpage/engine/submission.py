@@ -16,8 +16,8 @@ from typing import Any
 import msgspec
 from jinja2 import TemplateError
 
+from specpage.core.request import Request, SamplingParams, ValidationError
 from specpage.engine.engine import Engine
-from specpage.request import Request, SamplingParams, ValidationError
 
 # A text prompt of more bytes than max_prompt_tokens x this cannot fit and is
 # refused before it is tokenized. SmolLM2's longest token is 81 bytes; common

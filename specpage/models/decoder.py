@@ -12,8 +12,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from specpage.attention.backend import AttentionBackend, AttentionMetadata
-from specpage.kernels.native import loaded_kernels
-from specpage.models import cpu, fused, native_stack
+from specpage.kernels.cpu import features as cpu
+from specpage.kernels.cpu.native import loaded_kernels
+from specpage.models import fused, native_stack
 from specpage.models.config import ModelConfig
 from specpage.models.rope import cos_sin, inverse_frequencies
 

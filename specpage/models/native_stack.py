@@ -7,7 +7,7 @@ same order as DecoderLayer.forward, from C++: through the modules, each of a
 step's ~270 calls on SmolLM2-135M's 30 layers costs its module's dispatch,
 checks and a Python call (13.1 against 10.7 ms of a batch-1 step for a loop of
 direct Python calls; the native loop saves those calls too). The logits and
-the KV written are identical either way (tests/test_native_stack.py).
+the KV written are identical either way (tests/models/test_native_stack.py).
 
 A linear layer takes part through `direct_product(rows)`: the kernel and its
 weight operands where one call computes x @ W.T for x of that many bf16
@@ -24,7 +24,7 @@ import torch
 
 from specpage.attention.backend import AttentionBackend, AttentionMetadata, lay_out_spans
 from specpage.attention.cpu import NATIVE_SPAN, CpuAttention
-from specpage.kernels.native import loaded_kernels
+from specpage.kernels.cpu.native import loaded_kernels
 from specpage.models.fused import LANES
 
 Product = tuple[Callable[..., torch.Tensor], tuple[torch.Tensor, ...]]
@@ -139,7 +139,7 @@ class NativeStep:
     process), a batch-1 decode step 0.97x the module path's (0.87-0.99,
     10th-90th percentile; ~0.16 ms), 5 sequences 0.97x; bf16 weights and 32
     sequences level. The logits and the KV written are the module path's
-    (tests/test_native_stack.py).
+    (tests/models/test_native_stack.py).
 
     Made by ModelRunner for a DecoderModel on the CPU attention kernel; a
     forward it does not take (a span longer than the attention kernel's,

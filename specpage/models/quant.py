@@ -54,7 +54,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from specpage.models import cpu
+from specpage.kernels.cpu import features as cpu
 from specpage.models.decoder import (
     PackedWeight,
     bf16_kernels,

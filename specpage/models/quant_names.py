@@ -25,7 +25,7 @@ class QuantizationError(ModelLoadError, ValueError):
 
 
 def check_tensor_parallel(applied: str, world: int) -> None:
-    """Tensor parallelism shards dense weights (specpage.parallel): a
+    """Tensor parallelism shards dense weights (specpage.executor.parallel): a
     quantized target is refused there, by name, rather than failing deep in
     the sharding."""
     if world > 1 and applied != "none":

@@ -1,0 +1,81 @@
+"""Incremental detokenization: text deltas that never split a UTF-8
+character and hold back text that may be the start of a stop string.
+
+Stop strings are matched by an automaton fed only each step's new text
+(stop_matcher.py), so a step costs the same with one stop string or many.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from specpage.core.stop_matcher import StopMatcher, automaton_for
+
+PROMPT_CONTEXT = 4  # prompt tokens decoded before the output, for spacing
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Any, prompt_ids: Sequence[int], stop: Sequence[str]) -> None:
+        self.tokenizer = tokenizer
+        self.context = list(prompt_ids[-PROMPT_CONTEXT:])
+        # A prompt that ends inside a character decodes to a trailing U+FFFD
+        # that the first output bytes may complete: compare without it.
+        self.context_text = self._decode(self.context).rstrip("\ufffd")
+        self.matcher = StopMatcher(automaton_for(tuple(stop))) if stop else None
+        self.output_ids: list[int] = []
+        self.text = ""  # all output text so far (cut at a stop string)
+        self.emitted = 0  # characters of text already released
+        self.stopped = False
+        self.used = 0  # tokens of the last add() that are output (see add)
+
+    def add(self, token_ids: Sequence[int]) -> str:
+        """Take new output tokens; return the text now safe to release. When a
+        stop string completes, `used` is how many of these tokens it took: the
+        output ends with the token that completes it, as it would one token
+        per step."""
+        self.used = 0
+        if self.stopped:
+            return ""
+        base = len(self.output_ids)
+        self.output_ids.extend(token_ids)
+        self.used = len(token_ids)
+        complete = self._complete_text()
+        self.text = complete
+        if self.matcher is None:
+            return self._release(len(complete))
+        scan = self.matcher.scan(complete)
+        if scan.hit is None:
+            self.matcher.move(scan)
+            # no stop string ends the text, so the held tail is a proper prefix of one
+            return self._release(len(complete) - self.matcher.held)
+        for n in range(1, len(token_ids) + 1):  # the first token that completes one
+            self.output_ids[base:] = token_ids[:n]
+            complete = self._complete_text()
+            hit = self.matcher.scan(complete).hit
+            if hit is not None:
+                break
+        self.used = n
+        self.text = complete[:hit]
+        self.stopped = True
+        return self._release(len(self.text))
+
+    def _complete_text(self) -> str:
+        full = self._decode(self.context + self.output_ids)
+        # a trailing partial character waits for its bytes
+        return full[len(self.context_text) :].rstrip("\ufffd")
+
+    def flush(self) -> str:
+        """At the end: release whatever was held back for a stop string."""
+        return self._release(len(self.text))
+
+    def _release(self, upto: int) -> str:
+        if upto <= self.emitted:
+            return ""
+        delta = self.text[self.emitted : upto]
+        self.emitted = upto
+        return delta
+
+    def _decode(self, ids: list[int]) -> str:
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+

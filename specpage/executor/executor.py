@@ -1,0 +1,98 @@
+"""The executor: the models' side of the step's value boundary.
+
+It owns the model runners (their KV tensors), the draft proposer and the
+verifier, and turns a `StepBatch` into a `StepResult`. It never sees a
+`Sequence` or the pool: what it needs arrives as plain values, and what it
+measured (forward costs) goes back in the result.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from specpage.core.engine_config import EngineConfig
+from specpage.core.step import StepBatch, StepResult
+from specpage.executor.head_runner import HeadRunner
+from specpage.executor.model_runner import ModelRunner
+from specpage.models.eagle3 import LoadedHead
+from specpage.models.loader import LoadedModel
+from specpage.speculation import cost_cache
+from specpage.speculation.calibrate import Plan, calibration_sizes, measure
+from specpage.speculation.head_proposer import HeadProposer
+from specpage.speculation.proposer import DraftProposer, Proposal
+from specpage.speculation.verifier import Verifier
+
+log = logging.getLogger("specpage.engine")
+
+
+class Executor:
+    def __init__(self, target: LoadedModel, draft: LoadedModel | LoadedHead | None,
+                 config: EngineConfig, target_runner: ModelRunner | None = None) -> None:
+        # target_runner: one built already (tensor parallelism: rank 0's shard)
+        self.target = target_runner or ModelRunner(target, config.num_blocks, config.block_size)
+        self.runners: list[ModelRunner | HeadRunner] = [self.target]
+        self.draft: ModelRunner | HeadRunner | None = None
+        self.proposer: DraftProposer | HeadProposer | None = None
+        feature_layers: tuple[int, ...] = ()
+        if isinstance(draft, LoadedHead):
+            # the head reads the target's hidden states and embedding
+            self.draft = HeadRunner(draft, target.model.embed_tokens, config.num_blocks,
+                                    config.block_size)
+            self.proposer = HeadProposer(self.draft)
+            feature_layers = draft.config.layers_of(target.config.num_layers)
+        elif draft is not None:
+            self.draft = ModelRunner(draft, config.num_blocks, config.block_size)
+            self.proposer = DraftProposer(self.draft)
+        if self.draft is not None:
+            self.runners.append(self.draft)
+        self.verifier = Verifier(self.target, feature_layers)
+        self._identities = (target.identity, draft.identity if draft else b"")
+
+    def execute(self, batch: StepBatch) -> StepResult:
+        start = time.perf_counter()
+        for runner in self.runners:
+            runner.copy_blocks(batch.copies)
+        if self.proposer is None or not batch.seqs:
+            proposal = Proposal.none(len(batch.seqs))
+        else:
+            proposal = self.proposer.propose(batch.seqs)
+        proposal = proposal.with_core(batch.seqs)
+        verdict = self.verifier.verify(batch.seqs, proposal)
+        results, costs = verdict.results, proposal.costs
+        if self.proposer is not None and batch.seqs:
+            results, absorbed = self.proposer.absorb(batch.seqs, proposal, verdict)
+            costs = costs + absorbed
+        return StepResult(results, verdict.cost, costs, time.perf_counter() - start)
+
+    def on_fault(self, handler: Callable[[str], None]) -> None:
+        """Call handler(reason) from another thread if the executor fails
+        beyond recovery; in one process a failure is a step's exception."""
+
+    def close(self) -> None:
+        """Give back what the executor started (tensor parallelism: its ranks)."""
+
+    def measure_costs(self, config: EngineConfig,
+                      max_context: int) -> cost_cache.CachedCosts:
+        """Both models' forward costs over the sizes a step can verify, for
+        the speculation policy (spec/calibrate.py), or what an earlier start
+        measured on this machine (spec/cost_cache.py); the target's alone
+        without a draft (model-free proposals cost only its positions)."""
+        c, start = config, time.perf_counter()
+        k = max(c.spec_k if self.draft is not None else 0, c.model_free_k)
+        sizes = calibration_sizes(min(c.max_step_tokens, c.max_num_seqs * (k + 1)))
+        plan = Plan.make(sizes, c.max_num_seqs, c.num_blocks, max_context)
+        path = cost_cache.cache_path(self._identities, plan, self.target.dtype, c.block_size)
+        costs, source = cost_cache.load(path), "read from " + str(path)
+        if costs is None:
+            source = "measured"
+            runners = [(self.target, True)] + ([(self.draft, False)] if self.draft else [])
+            measured = measure(runners, plan)
+            costs = cost_cache.CachedCosts(*(m.points() for m in measured),
+                                           *([[]] if self.draft is None else []))
+            if all(len(m) == len(sizes) for m in measured):
+                cost_cache.store(path, costs)
+        log.info("speculation costs %s (%d and %d sizes) in %.1f s", source,
+                 len(costs.target), len(costs.draft), time.perf_counter() - start)
+        return costs

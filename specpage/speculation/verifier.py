@@ -1,0 +1,157 @@
+"""The target: one forward over every scheduled span (prefill chunks, and
+the newest tokens followed by their proposals), then acceptance.
+
+It reports what it accepted and sampled; what of it is committed is the
+core's decision (core/ledger.py).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from specpage.core.step import NOTHING, SeqResult, SeqWork
+from specpage.executor.model_runner import ModelRunner, SeqSpan
+from specpage.models.decoder import LayerTap
+from specpage.speculation.acceptance import accept
+from specpage.speculation.proposer import Proposal
+from specpage.speculation.sampler import Purpose, sample, uniform
+from specpage.speculation.sampling_rows import row_probabilities
+from specpage.speculation.verdict import Verdict
+
+
+class Verifier:
+    def __init__(self, runner: ModelRunner, feature_layers: tuple[int, ...] = ()) -> None:
+        self.runner = runner
+        self.feature_layers = feature_layers  # the target layers a draft head reads
+
+    def verify(self, batch: list[SeqWork], proposal: Proposal) -> Verdict:
+        """Per sequence what it sampled, the forward's cost when it decoded
+        only (None when it carried prefill), and the features a head reads."""
+        if not batch:
+            return Verdict([], None, None)
+        spans = []
+        for w, drafted in zip(batch, proposal.tokens, strict=True):
+            logits_wanted = len(drafted) + 1 if w.sample else 0
+            spans.append(SeqSpan(w.tokens + drafted, w.start, w.block_table, logits_wanted))
+        # the head's features, unless it keeps nothing for any of them
+        heads = bool(self.feature_layers) and any(w.draft_on for w in batch)
+        tap = LayerTap(self.feature_layers) if heads else None
+        start = time.perf_counter()
+        logits = self.runner.forward(spans, tap)  # [sum of (k + 1) over sampling rows, vocab]
+        seconds = time.perf_counter() - start
+        # [positions of every span, layers * hidden]
+        features = torch.cat(tap.states, dim=-1) if tap is not None else None
+        decoding = all(w.sample and len(w.tokens) <= 2 for w in batch)
+        cost = (sum(len(s.token_ids) for s in spans), seconds) if decoding else None
+        results = [NOTHING] * len(batch)
+        rows = [i for i, w in enumerate(batch) if w.sample]
+        if rows:
+            self._accept(batch, proposal, rows, logits, results)
+        return Verdict(results, cost, features)
+
+    def _accept(
+        self,
+        batch: list[SeqWork],
+        proposal: Proposal,
+        rows: list[int],
+        logits: torch.Tensor,
+        results: list[SeqResult],
+    ) -> None:
+        works = [batch[i] for i in rows]
+        ks = [len(proposal.tokens[i]) for i in rows]
+        offsets = [0]
+        for k in ks:
+            offsets.append(offsets[-1] + k + 1)  # logit rows of each sequence
+        greedy = [r for r, w in enumerate(works) if w.sampling.greedy]
+        sampled = [r for r, w in enumerate(works) if not w.sampling.greedy]
+        num_accepted, next_token = [0] * len(rows), [0] * len(rows)
+        for group, decide in ((greedy, self._greedy), (sampled, self._sampled)):
+            if group:
+                decided = decide([rows[r] for r in group], [works[r] for r in group],
+                                 [ks[r] for r in group], [offsets[r] for r in group],
+                                 proposal, logits)
+                for r, (a, token) in zip(group, decided, strict=True):
+                    num_accepted[r], next_token[r] = a, token
+        log_probs = None
+        if any(w.sampling.logprobs for w in works):
+            log_probs = torch.log_softmax(logits, dim=-1)
+        for r, (i, w, k) in enumerate(zip(rows, works, ks, strict=True)):
+            a = num_accepted[r]
+            new_tokens = proposal.tokens[i][:a] + [next_token[r]]
+            chosen = []
+            if log_probs is not None and w.sampling.logprobs:
+                chosen = [float(log_probs[offsets[r] + j, t]) for j, t in enumerate(new_tokens)]
+            forks = self._fork_tokens(w, logits[offsets[r]]) if w.num_forks else []
+            fork_logprobs = [float(log_probs[offsets[r], t]) for t in forks] if chosen else []
+            results[i] = SeqResult(
+                tokens=new_tokens,
+                num_proposed=k,
+                num_accepted=a,
+                logprobs=chosen,
+                fork_tokens=forks,
+                fork_logprobs=fork_logprobs,
+            )
+
+    @staticmethod
+    def _greedy(rows: list[int], works: list[SeqWork], ks: list[int], offsets: list[int],
+                proposal: Proposal, logits: torch.Tensor) -> list[tuple[int, int]]:
+        """Accept while the draft token equals the target's argmax."""
+        argmax = logits.argmax(-1).tolist()  # [logit rows]
+        decided = []
+        for i, k, base in zip(rows, ks, offsets, strict=True):
+            a = 0
+            while a < k and proposal.tokens[i][a] == argmax[base + a]:
+                a += 1
+            decided.append((a, argmax[base + a]))
+        return decided
+
+    @staticmethod
+    def _sampled(rows: list[int], works: list[SeqWork], ks: list[int], offsets: list[int],
+                 proposal: Proposal, logits: torch.Tensor) -> list[tuple[int, int]]:
+        """Lossless rejection sampling over the rows' padded distributions."""
+        k_max = max(ks)
+        vocab = logits.shape[-1]
+        index = torch.tensor([base + j for base, k in zip(offsets, ks, strict=True)
+                              for j in range(k + 1)])
+        row_params = [w.sampling for w, k in zip(works, ks, strict=True) for _ in range(k + 1)]
+        target = row_probabilities(logits[index], row_params)
+        target_padded = torch.zeros(len(rows), k_max + 1, vocab)
+        draft_padded = torch.ones(len(rows), k_max, vocab)
+        draft_tokens = torch.zeros(len(rows), k_max, dtype=torch.int64)
+        start = 0
+        for r, (i, k) in enumerate(zip(rows, ks, strict=True)):
+            target_padded[r, : k + 1] = target[start : start + k + 1]
+            start += k + 1
+            if k:
+                draft_tokens[r, :k] = torch.tensor(proposal.tokens[i])
+                probs = proposal.probs[i]
+                if probs is None:  # proposed with certainty: q is one-hot
+                    draft_padded[r, :k] = 0.0
+                    draft_padded[r, torch.arange(k), draft_tokens[r, :k]] = 1.0
+                else:
+                    draft_padded[r, :k] = probs
+        u_accept = torch.tensor(
+            [[uniform(w.sampling.seed, w.end + j, Purpose.ACCEPT) for j in range(k_max)]
+             for w in works], dtype=torch.float64,
+        ).view(len(rows), k_max)  # fmt: skip
+        u_next = torch.tensor(
+            [[uniform(w.sampling.seed, w.end + a, Purpose.RESIDUAL if a < k else Purpose.SAMPLE)
+              for a in range(k_max + 1)] for w, k in zip(works, ks, strict=True)],
+            dtype=torch.float64,
+        )  # fmt: skip
+        result = accept(draft_tokens, draft_padded, target_padded, torch.tensor(ks), u_accept,
+                        u_next)
+        return list(zip(result.num_accepted, result.next_token, strict=True))
+
+    @staticmethod
+    def _fork_tokens(work: SeqWork, logits: torch.Tensor) -> list[int]:
+        """First tokens of samples 1..n-1, drawn as each would draw its own."""
+        probs = row_probabilities(logits[None], [work.sampling])[0]
+        draws = torch.tensor(
+            [uniform(work.sampling.seed + i, work.end, Purpose.SAMPLE)
+             for i in range(1, work.num_forks + 1)],
+            dtype=torch.float64,
+        )
+        return sample(probs.expand(work.num_forks, -1), draws).tolist()

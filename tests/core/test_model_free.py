@@ -1,0 +1,155 @@
+"""Proposers that need no model, in the torch-free core: the incremental
+n-gram counts against a brute-force reference, the work they do per step,
+the suffix cache's bound and its isolation by cache salt, and nothing left
+of a sequence once it ends."""
+
+from collections import Counter
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specpage.core.engine_config import EngineConfig
+from specpage.core.model_free import Method, ModelFreeProposer
+from specpage.core.ngram import SHRINK, NgramCounts
+from specpage.core.request import FinishReason, Request, SamplingParams, Sequence
+from specpage.core.suffix_cache import SuffixCache
+
+texts = st.lists(st.integers(0, 5), max_size=60)
+
+
+def brute_force_next(tokens, context, n_min, n_max):
+    """The likeliest follower of the longest n-gram ending context that
+    occurs in tokens (ties: the latest to reach the highest count),
+    rescanning everything."""
+    for n in range(min(n_max, len(context)), n_min - 1, -1):
+        gram = tuple(context[len(context) - n :])
+        followers, best = Counter(), None
+        for p in range(n, len(tokens)):
+            if tuple(tokens[p - n : p]) == gram:
+                followers[tokens[p]] += 1
+                if best is None or followers[tokens[p]] >= followers[best]:
+                    best = tokens[p]
+        if followers:
+            return best, followers[best] / (sum(followers.values()) + SHRINK), n
+    return None
+
+
+@settings(max_examples=200, deadline=None)
+@given(texts, st.lists(st.integers(1, 7), max_size=10), st.integers(1, 3), st.integers(0, 2))
+def test_counts_added_piece_by_piece_equal_a_rescan(tokens, cuts, n_min, extra):
+    n_max = n_min + extra
+    counts, start = NgramCounts(n_min, n_max), 0
+    for cut in cuts:  # the context grows as a sequence's does, a step at a time
+        end = min(len(tokens), start + cut)
+        counts.add(tokens[:end], start)
+        start = end
+    counts.add(tokens, start)
+    whole = NgramCounts(n_min, n_max)
+    whole.add(tokens, 0)
+    assert counts.tables == whole.tables
+    assert counts.num_entries == sum(len(f.counts) for t in whole.tables for f in t.values())
+    for end in range(len(tokens) + 1):
+        context = tokens[:end]
+        assert counts.next_token(context) == brute_force_next(tokens, context, n_min, n_max)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(texts, max_size=6), st.integers(0, 5))
+def test_removing_a_text_takes_out_exactly_its_counts(many, which):
+    counts = NgramCounts(2, 4)
+    for text in many:
+        counts.add(text, 0)
+    if many:
+        gone = many.pop(which % len(many))
+        counts.remove(gone)
+    rest = NgramCounts(2, 4)
+    for text in many:
+        rest.add(text, 0)
+    assert counts.tables == rest.tables and counts.num_entries == rest.num_entries
+
+
+def test_work_per_step_does_not_grow_with_the_context():
+    """Each new token costs one count per n-gram length, however long the
+    context already is: counted operations, not time."""
+    proposer = ModelFreeProposer(EngineConfig(spec_ngram_min=2, spec_ngram_max=4))
+    for context in (10, 2000):
+        seq = sequence(list(range(context)))
+        proposer.propose(seq)  # the prompt, once
+        before = proposer.num_counted
+        for step in range(20):
+            seq.token_ids.extend([step % 7, 1, 2])  # a step's accepted tokens
+            proposer.propose(seq)
+        assert proposer.num_counted - before == 20 * 3 * 3
+
+
+def test_prompt_lookup_proposes_what_followed_the_longest_match():
+    proposer = ModelFreeProposer(EngineConfig(spec_methods="ngram", spec_model_free_k=4))
+    seq = sequence([9, 1, 2, 3, 4, 5, 6, 8, 2, 3, 4, 7, 0, 3, 4])
+    found = proposer.propose(seq)
+    # "3 4" is followed by 5 and by 7; "0 3 4" never occurred, so the 3-gram
+    # decides nothing and the counts tie: the latest, 7
+    assert found is not None and found.method is Method.NGRAM
+    assert found.tokens[0] == 7
+    assert found.chance[0] == 1 / (2 + SHRINK)
+    assert all(a >= b for a, b in zip(found.chance, found.chance[1:], strict=False))
+
+
+def test_a_sequence_leaves_nothing_behind_but_its_text():
+    proposer = ModelFreeProposer(EngineConfig())
+    seqs = [sequence([1, 2, 3, 1, 2, 3, 1, 2], seq_id=i) for i in range(3)]
+    for seq in seqs:
+        proposer.propose(seq)
+    assert len(proposer.contexts) == 3
+    proposer.end(seqs[0], FinishReason.LENGTH)
+    proposer.end(seqs[1], FinishReason.ABORT)
+    proposer.end(seqs[2], FinishReason.ERROR)  # a failed request's text is not kept
+    assert proposer.contexts == {}
+    assert len(proposer.suffix.texts) == 2
+
+
+def test_a_request_can_keep_its_text_out_of_the_suffix_cache():
+    proposer = ModelFreeProposer(EngineConfig())
+    seq = sequence([1, 2, 3, 1, 2, 3])
+    seq.request.cache_text = False
+    proposer.end(seq, FinishReason.STOP)
+    assert proposer.suffix.num_tokens == 0
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([b"", b"a", b"b"]), texts), max_size=30),
+       st.integers(4, 80))
+def test_the_suffix_cache_evicts_whole_texts_within_its_bound(adds, bound):
+    cache = SuffixCache(bound, 2, 3)
+    for salt, text in adds:
+        cache.add(salt, text)
+        cache.check_integrity()
+        assert cache.num_tokens <= bound
+
+
+def test_no_salt_is_proposed_another_salts_text():
+    proposer = ModelFreeProposer(EngineConfig(spec_methods="suffix"))
+    secret = [5, 6, 7, 8, 9, 10, 11, 12]
+    writer = sequence(secret, salt=b"tenant-a")
+    proposer.end(writer, FinishReason.STOP)
+    for salt in (b"tenant-b", b""):
+        assert proposer.propose(sequence([5, 6, 7], salt=salt)) is None
+    found = proposer.propose(sequence([5, 6, 7], salt=b"tenant-a"))
+    assert found is not None and found.method is Method.SUFFIX and found.tokens[0] == 8
+
+
+def test_a_seeded_sample_is_proposed_from_its_own_context_only():
+    """Its tokens depend on its proposals, which must not depend on other requests."""
+    proposer = ModelFreeProposer(EngineConfig())
+    proposer.end(sequence([5, 6, 7, 8, 9]), FinishReason.STOP)
+    seeded = sequence([5, 6, 7], params=SamplingParams(temperature=1.0, seed=3))
+    assert proposer.propose(seeded) is None
+    greedy = sequence([5, 6, 7], params=SamplingParams(temperature=0.0, seed=3))
+    assert proposer.propose(greedy) is not None
+
+
+def sequence(tokens, seq_id=0, salt=b"", params=None):
+    params = params or SamplingParams(max_tokens=64, temperature=0.0)
+    request = Request(f"r{seq_id}", tuple(tokens), params, cache_salt=salt)
+    seq = Sequence(seq_id, request, 0, list(tokens))
+    request.sequences.append(seq)
+    return seq

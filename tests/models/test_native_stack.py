@@ -1,0 +1,321 @@
+"""The decoder's layers in one native call (specpage/models/native_stack.py,
+kernels/cpu/decoder_stack.cpp) give exactly what the module path gives:
+the same logits, the same K/V in the cache and the same tapped hidden
+states, for decode and verify steps in bf16 and q4 (on the native products
+and on oneDNN's); and forwards it does not
+take (a prefill chunk, fp32) run the module path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from specpage.attention.cpu import NATIVE_SPAN
+from specpage.executor.model_runner import ModelRunner, SeqSpan
+from specpage.models import native_stack, quant
+from specpage.models.decoder import DecoderModel, LayerTap, bf16_kernels
+from specpage.models.loader import load_model
+from specpage.models.quant import DENSE_FROM_ROWS, INT8X_DENSE_FROM_ROWS, keeps_dense_copy
+from tests.support.checkpoints import tiny_checkpoint
+
+pytestmark = pytest.mark.skipif(bf16_kernels() is None,
+                                reason="no AVX-512 BF16 kernel in this build")
+
+BLOCK = 16
+# Widths the kernels take: hidden and intermediate whole vectors, products
+# whole blocks of 16 outputs by 64 inputs, head_dim 64.
+SHAPE = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+             num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("stack")
+    tiny_checkpoint(folder, seed=3, **SHAPE)
+    return folder
+
+
+# q4 with x taken to int8 at the products where the CPU can (the default),
+# and q4 on the bf16 products
+QUANTIZATIONS = [None, "q4", "q4 bf16 products"]
+
+
+def prefilled(checkpoint: Path, quantization: str | None, prompts: int) -> ModelRunner:
+    int8x = quant.INT8X_PRODUCTS
+    quant.INT8X_PRODUCTS = quantization != "q4 bf16 products"
+    try:
+        loaded = load_model(checkpoint, "bf16",
+                            quantization=quantization and quantization.split()[0])
+    finally:
+        quant.INT8X_PRODUCTS = int8x
+    runner = ModelRunner(loaded, 8 * prompts + 8, BLOCK)
+    with torch.inference_mode():
+        runner.forward([SeqSpan([(11 * s + 3 * j) % 500 + 1 for j in range(40)], 0,
+                                table(s), 1) for s in range(prompts)])
+    return runner
+
+
+def table(seq: int) -> list[int]:
+    return list(range(8 * seq, 8 * seq + 8))
+
+
+def both_ways(runner: ModelRunner, spans: list[SeqSpan], monkeypatch: pytest.MonkeyPatch,
+              layers: tuple[int, ...] = ()) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(logits, the cache after, tapped states) by the direct loop and by the modules,
+    each from the same cache."""
+    before = runner.kv_cache.clone()
+    results = []
+    for enabled in (True, False):
+        monkeypatch.setattr(native_stack, "ENABLED", enabled)
+        runner.kv_cache.copy_(before)
+        tap = LayerTap(layers)
+        logits = runner.forward(spans, tap)
+        results.append((logits, runner.kv_cache.clone(), torch.stack(tap.states)
+                        if tap.states else torch.empty(0)))
+    direct, modules = results
+    return list(direct), list(modules)
+
+
+@pytest.mark.parametrize("quantization", QUANTIZATIONS)
+@pytest.mark.parametrize("shape", ["decode 1", "decode 3", "verify 5", "verify 2 + decode 2",
+                                   "decode 20", "decode 66"])
+def test_the_direct_loop_gives_the_modules_logits_and_kv(
+        checkpoint: Path, quantization: str | None, shape: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    prompts = int(shape.split()[-1]) if shape.startswith("decode") else 3
+    runner = prefilled(checkpoint, quantization, max(prompts, 3))
+    spans = {
+        "decode 1": [SeqSpan([7], 40, table(0))],
+        "decode 3": [SeqSpan([7 + s], 40, table(s)) for s in range(3)],
+        "verify 5": [SeqSpan([9, 8, 7, 6, 5], 40, table(1), 5)],
+        "verify 2 + decode 2": [SeqSpan([9, 8], 40, table(0), 2), SeqSpan([5], 40, table(1)),
+                                SeqSpan([4], 40, table(2))],
+        "decode 20": [SeqSpan([7 + s], 40, table(s)) for s in range(20)],  # the panel kernel
+        "decode 66": [SeqSpan([7 + s], 40, table(s)) for s in range(66)],  # oneDNN
+    }[shape]
+    rows = sum(len(s.token_ids) for s in spans)
+    plan = runner.model.stack_plan(rows)
+    assert plan is not None  # the native call applies to these rows
+    expected = {1: native_stack.GEMV, 3: native_stack.GEMV, 5: native_stack.GEMV,
+                4: native_stack.GEMV, 20: native_stack.PANELS, 66: native_stack.ONEDNN}[rows]
+    if quantization is None or (quantization == "q4 bf16 products" and rows >= DENSE_FROM_ROWS):
+        assert plan.kinds[0] == expected
+    elif quantization == "q4" and quant.int8x_kernels():
+        dense = keeps_dense_copy(int8x=True) and rows >= INT8X_DENSE_FROM_ROWS
+        assert plan.kinds[0] == (expected if dense else native_stack.INT8X)  # no dense copy
+    (logits, cache, _), (ref_logits, ref_cache, _) = both_ways(runner, spans, monkeypatch)
+    assert torch.equal(logits, ref_logits)
+    assert torch.equal(cache, ref_cache)
+    assert not torch.equal(cache, runner.kv_cache.new_zeros(()).expand_as(cache))
+
+
+@pytest.mark.parametrize("quantization", QUANTIZATIONS)
+def test_two_threads_reading_ahead_change_nothing(
+        checkpoint: Path, quantization: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a second thread the norms, rotary embedding and SiLU of a step of
+    few rows run while it reads the next products' weights ahead, and each
+    int4 product reads on into the next: the same logits and KV."""
+    runner = prefilled(checkpoint, quantization, 3)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for spans in ([SeqSpan([7], 40, table(0))], [SeqSpan([9, 8, 7, 6, 5], 40, table(1), 5)]):
+            (logits, cache, _), (ref_logits, ref_cache, _) = both_ways(runner, spans, monkeypatch)
+            assert torch.equal(logits, ref_logits)
+            assert torch.equal(cache, ref_cache)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_q4_rows_take_the_int4_kernel_below_the_dense_copy(checkpoint: Path) -> None:
+    """The native call chooses each product's kernel as Int4Linear.forward
+    does: on the bf16 products, int4 below DENSE_FROM_ROWS rows and the
+    dense copy from there; on int8x products, int8x at every row count where
+    the layers keep no dense copy, else below INT8X_DENSE_FROM_ROWS."""
+    bf16 = load_model(checkpoint, "bf16").model
+    dense = bf16.stack_plan(DENSE_FROM_ROWS)
+    assert dense is not None
+    model = prefilled(checkpoint, "q4 bf16 products", 1).model
+    few, many = model.stack_plan(DENSE_FROM_ROWS - 1), model.stack_plan(DENSE_FROM_ROWS)
+    assert few is not None and many is not None
+    assert few.kinds[0] == native_stack.INT4  # qkv of layer 0
+    assert many.kinds[0] == dense.kinds[0] != native_stack.INT4
+    if quant.int8x_kernels():
+        model = prefilled(checkpoint, "q4", 1).model
+        for rows in (1, DENSE_FROM_ROWS, INT8X_DENSE_FROM_ROWS, 200):
+            plan = model.stack_plan(rows)
+            assert plan is not None
+            if keeps_dense_copy(int8x=True) and rows >= INT8X_DENSE_FROM_ROWS:
+                assert plan.kinds[0] == bf16.stack_plan(rows).kinds[0]
+            else:
+                assert set(plan.kinds) == {native_stack.INT8X}
+
+
+def test_the_tap_sees_the_same_states(checkpoint: Path,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    runner = prefilled(checkpoint, None, 1)
+    spans = [SeqSpan([9, 8, 7], 40, table(0), 3)]
+    (_, _, states), (_, _, ref_states) = both_ways(runner, spans, monkeypatch, (0, 2, 2))
+    assert states.shape == (3, 3, SHAPE["hidden_size"])
+    assert torch.equal(states, ref_states)
+
+
+def test_forwards_the_loop_does_not_take_run_the_modules(
+        checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefill chunk longer than the attention kernel's spans and an fp32
+    model leave the loop before it does anything."""
+    taken = []
+    run_layers = native_stack.run_layers
+    monkeypatch.setattr(native_stack, "run_layers",
+                        lambda *a: taken.append(result := run_layers(*a)) or result)
+    runner = prefilled(checkpoint, None, 2)
+    runner.native_step = None  # which takes what it can before the module path
+    runner.forward([SeqSpan(list(range(1, NATIVE_SPAN + 2)), 40, table(0))])
+    assert taken[-1] is None
+    runner.forward([SeqSpan([5], 40 + NATIVE_SPAN + 1, table(0))])
+    assert taken[-1] is not None
+    fp32 = ModelRunner(load_model(checkpoint, "fp32"), 32, BLOCK)
+    fp32.forward([SeqSpan([5], 0, table(0))])
+    assert taken[-1] is None
+
+
+def test_the_native_call_refuses_operands_that_do_not_fit(checkpoint: Path) -> None:
+    """A plan whose lists disagree with the layers is refused by name, with
+    nothing written."""
+    runner = prefilled(checkpoint, None, 1)
+    plan = runner.model.stack_plan(1)
+    assert plan is not None
+    kernels = bf16_kernels()
+    x = torch.zeros(1, SHAPE["hidden_size"], dtype=torch.bfloat16)
+    cos = sin = torch.zeros(1, 64, dtype=torch.bfloat16)
+    index = torch.zeros(1, dtype=torch.int64)
+
+    def call(**changes: object) -> None:
+        args = dict(caches=list(runner.layer_caches), norms=plan.norms, kinds=plan.kinds,
+                    outs=plan.outs, operands=plan.operands, taps=[]) | changes
+        kernels.decoder_stack(x, cos, sin, args["caches"], index, index[None], torch.tensor(
+            [0, 1]), torch.ones(1, dtype=torch.int64), args["norms"], args["kinds"],
+            args["outs"], args["operands"], 2, 1, 1e-5, 0.125, args["taps"])
+
+    before = runner.kv_cache.clone()
+    with pytest.raises(RuntimeError, match="norms and .* products"):
+        call(kinds=plan.kinds[:-1], outs=plan.outs[:-1])
+    with pytest.raises(RuntimeError, match="operands left over"):
+        call(operands=plan.operands + plan.operands[:1])
+    with pytest.raises(RuntimeError, match="unknown product kind 7"):
+        call(kinds=[7] + plan.kinds[1:])
+    with pytest.raises(RuntimeError, match="taps must name layers"):
+        call(taps=[2, 0])
+    assert torch.equal(runner.kv_cache, before)
+
+
+def step_and_loop(runner: ModelRunner, spans: list[SeqSpan], layers: tuple[int, ...] = ()
+                  ) -> list[tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]]:
+    """(logits, the cache after, tapped states) by NativeStep and by the
+    module path with the native layer loop, each from the same cache."""
+    assert runner.native_step is not None
+    step, before = runner.native_step, runner.kv_cache.clone()
+    results = []
+    for native_step in (step, None):
+        runner.native_step = native_step
+        runner.kv_cache.copy_(before)
+        tap = LayerTap(layers)
+        logits = runner.forward(spans, tap)
+        results.append((logits, runner.kv_cache.clone(), tap.states))
+    runner.native_step = step
+    return results
+
+
+@pytest.mark.parametrize("quantization", QUANTIZATIONS)
+@pytest.mark.parametrize("shape", ["decode 1", "decode 3", "verify 5", "verify 3, 1 logit",
+                                   "verify 2 + decode 2, some logits", "decode 20",
+                                   "catch-up 30 + decode 1"])
+def test_the_step_from_spans_gives_the_layer_loops_logits_kv_and_taps(
+        checkpoint: Path, quantization: str | None, shape: str) -> None:
+    runner = prefilled(checkpoint, quantization, 20)
+    spans = {
+        "decode 1": [SeqSpan([7], 40, table(0))],
+        "decode 3": [SeqSpan([7 + s], 40 + s, table(s)) for s in range(3)],
+        "verify 5": [SeqSpan([9, 8, 7, 6, 5], 40, table(1), 5)],
+        "verify 3, 1 logit": [SeqSpan([9, 8, 7], 40, table(2), 1)],
+        "verify 2 + decode 2, some logits": [
+            SeqSpan([9, 8], 40, table(0), 1), SeqSpan([5], 40, table(1)),
+            SeqSpan([4, 3, 2], 40, table(2), 2)],
+        "decode 20": [SeqSpan([7 + s], 40, table(s)) for s in range(20)],
+        "catch-up 30 + decode 1": [SeqSpan(list(range(3, 33)), 40, table(0)),
+                                   SeqSpan([5], 40, table(1))],
+    }[shape]
+    step, loop = step_and_loop(runner, spans, (0, 2, 2))
+    assert torch.equal(step[0], loop[0])
+    assert step[0].shape == (sum(s.num_logits for s in spans), SHAPE["vocab_size"])
+    assert torch.equal(step[1], loop[1])
+    assert len(step[2]) == len(loop[2]) == 3
+    assert all(torch.equal(a, b) for a, b in zip(step[2], loop[2], strict=True))
+
+
+def test_the_step_leaves_forwards_it_does_not_take_to_the_modules(checkpoint: Path) -> None:
+    """A prefill chunk longer than the attention kernel's spans and an fp32
+    model: NativeStep does nothing and the module path computes them."""
+    runner = prefilled(checkpoint, None, 1)
+    assert runner.native_step is not None
+    longer = list(range(1, NATIVE_SPAN + 2))  # than the attention kernel's spans
+    assert runner.native_step([SeqSpan(longer, 40, table(0))], None) is None
+    fp32 = ModelRunner(load_model(checkpoint, "fp32"), 32, BLOCK)
+    assert fp32.native_step is not None
+    assert fp32.native_step([SeqSpan([5], 0, table(0))], None) is None
+
+
+@pytest.mark.parametrize("quantization", QUANTIZATIONS)
+def test_a_draft_vocabulary_is_projected_as_the_modules_do(checkpoint: Path,
+                                                           quantization: str | None) -> None:
+    """A draft scoring only its vocabulary's rows (-inf elsewhere): the
+    step's logits are the module path's, catching up and proposing."""
+    runner = prefilled(checkpoint, quantization, 2)
+    runner.model.restrict_output_vocab(torch.arange(0, SHAPE["vocab_size"], 2))
+    for spans in ([SeqSpan([5], 40, table(0))],
+                  [SeqSpan(list(range(3, 20)), 40, table(0)), SeqSpan([5], 40, table(1))]):
+        with torch.inference_mode():
+            assert runner.native_step is not None and runner.native_step(spans, None) is not None
+        step, loop = step_and_loop(runner, spans)
+        assert torch.equal(step[0], loop[0]) and torch.equal(step[1], loop[1])
+        assert bool(torch.isinf(step[0][:, 1::2]).all()) and bool(step[0][:, ::2].isfinite().all())
+
+
+@pytest.mark.skipif(not quant.int8x_kernels(), reason="no AVX-512 VNNI on this CPU")
+def test_the_step_projects_on_a_q8_head_as_the_modules_do(checkpoint: Path) -> None:
+    """With the vocabulary projection on Q8_0 blocks (as a q4 load of
+    SmolLM2's GGUF has it), the step from spans gives the module path's
+    logits bit for bit, up to Q8_HEAD_MAX_ROWS rows and past them."""
+    runner = prefilled(checkpoint, "q4", 10)
+    groups = runner.model.embed_tokens.weight.detach().float().view(SHAPE["vocab_size"], -1, 32)
+    d = (groups.abs().amax(-1) / 127).half()
+    q = torch.round(groups / d.float()[..., None]).clamp(-127, 127).to(torch.int8)
+    runner.model.q8_head = quant.Q8Head(q.view(SHAPE["vocab_size"], -1), d)
+    for spans in ([SeqSpan([7], 40, table(0))], [SeqSpan([9, 8, 7, 6, 5], 40, table(1), 5)],
+                  [SeqSpan([7 + s], 40, table(s)) for s in range(10)]):
+        step, loop = step_and_loop(runner, spans)
+        assert torch.equal(step[0], loop[0])
+        assert torch.equal(step[1], loop[1])
+
+
+def test_a_model_with_a_forward_of_its_own_takes_the_module_path(checkpoint: Path) -> None:
+    """A DecoderModel subclass that overrides forward (a tensor-parallel
+    shard gathers its ranks' logits there) gets no NativeStep: its forward
+    runs."""
+    loaded = load_model(checkpoint, "bf16")
+    seen = []
+
+    class Wrapped(DecoderModel):
+        def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+            seen.append(True)
+            return super().forward(*args, **kwargs)
+
+    loaded.model.__class__ = Wrapped
+    runner = ModelRunner(loaded, 8, BLOCK)
+    assert runner.native_step is None
+    runner.forward([SeqSpan([5, 6, 7], 0, table(0))])
+    runner.forward([SeqSpan([8], 3, table(0))])
+    assert seen == [True, True]

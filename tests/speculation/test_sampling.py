@@ -1,0 +1,166 @@
+"""Speculative sampling keeps the target's distribution.
+
+On an 8-token vocabulary the exact joint distribution of sampled tokens is
+computable from the target's logits. Thousands of seeded requests sample
+with and without a (deliberately different) draft; both empirical
+distributions must fit the exact target one by a chi-square test at
+significance 0.001, while the draft's own distribution must be rejected, so
+the test can tell them apart.
+"""
+
+import itertools
+import json
+from collections import Counter
+
+import pytest
+import torch
+from scipy.stats import chisquare
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from specpage.core.request import SamplingParams
+from specpage.engine import Engine, EngineConfig
+from specpage.models.loader import load_model
+from specpage.speculation.sampler import probabilities
+
+VOCAB = 8
+PROMPT = [1, 2, 3]
+RUNS = 4000
+ALPHA = 1e-3
+
+
+def peaked_model(folder, seed):
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                         max_position_embeddings=64, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40)  # peaked, distinct distributions
+    model.save_pretrained(folder)
+    return model
+
+
+def exact_joint(model, params, prompt=PROMPT):
+    """P(x2, x3) of the 2nd and 3rd sampled tokens, over the 1st."""
+    def dist(prefix):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + list(prefix)])).logits[0, -1:]
+        return probabilities(logits, torch.tensor([params.temperature]),
+                             torch.tensor([params.top_k]), torch.tensor([params.top_p]))[0]
+    joint = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
+    p1 = dist(())
+    for x1 in range(VOCAB):
+        p2 = dist((x1,))
+        for x2 in range(VOCAB):
+            joint[x2] += p1[x1] * p2[x2] * dist((x1, x2)).double()
+    return joint.flatten()
+
+
+def sampled_joint(target, draft, params, proposed=None, prompt=PROMPT, methods=""):
+    """Counts of (x2, x3) over RUNS seeded requests; `proposed` collects
+    every token the draft proposed; methods: the model-free proposers on."""
+    engine = Engine(target, draft, None, EngineConfig(
+        block_size=4, num_blocks=2048, max_num_seqs=256, max_step_tokens=2048,
+        spec_k=2, adaptive_k=False, spec_methods=methods))
+    if proposed is not None:
+        propose = engine.executor.proposer.propose
+        engine.executor.proposer.propose = lambda scheduled: record(propose(scheduled), proposed)
+    for seed in range(RUNS):
+        engine.add_request(str(seed), prompt, SamplingParams(
+            max_tokens=4, temperature=params.temperature, top_k=params.top_k,
+            top_p=params.top_p, seed=seed, ignore_eos=True))
+    outputs = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).extend(out.token_ids)
+    counts = Counter(tokens[1] * VOCAB + tokens[2] for tokens in outputs.values())
+    return torch.tensor([counts[i] for i in range(VOCAB * VOCAB)], dtype=torch.float64), engine
+
+
+def record(proposal, proposed):
+    proposed.extend(token for tokens in proposal.tokens for token in tokens)
+    return proposal
+
+
+def chi_square_p(observed, expected_probs):
+    expected = expected_probs / expected_probs.sum() * observed.sum()
+    big = expected >= 5  # pool the sparse cells so the test is valid
+    obs = torch.cat([observed[big], observed[~big].sum().view(1)])
+    exp = torch.cat([expected[big], expected[~big].sum().view(1)])
+    if exp[-1] < 5:
+        obs, exp = obs[:-1], exp[:-1] * (obs[:-1].sum() / exp[:-1].sum())
+    return chisquare(obs.numpy(), exp.numpy()).pvalue
+
+
+PARAMS = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=5, top_p=0.9)]
+
+
+@pytest.mark.parametrize("params", PARAMS, ids=["plain", "top-k-top-p"])
+def test_model_free_proposals_preserve_the_target_distribution(tmp_path, params):
+    """Prompt lookup proposes with no distribution (q one-hot): accepted with
+    probability p(x), else the next token is drawn from p without x."""
+    # after any first token v, the context's own n-grams propose 2, v + 1, 2, ...
+    prompt = [t for v in range(VOCAB) for t in (2, v)] + [2]
+    target_hf = peaked_model(tmp_path / "t", seed=0)
+    target = load_model(tmp_path / "t")
+    exact = exact_joint(target_hf, params, prompt)
+
+    speculative, engine = sampled_joint(target, None, params, prompt=prompt, methods="ngram")
+    counts = engine.stats().by_method["ngram"]
+    assert counts.drafted > RUNS and counts.accepted < counts.drafted
+    if params.top_k == 0:  # top-k and top-p may leave the proposed token no mass
+        assert counts.accepted > 0
+    assert chi_square_p(speculative, exact) > ALPHA
+
+
+@pytest.mark.parametrize("params", PARAMS, ids=["plain", "top-k-top-p"])
+def test_speculative_sampling_preserves_the_target_distribution(tmp_path, params):
+    target_hf = peaked_model(tmp_path / "t", seed=0)
+    draft_hf = peaked_model(tmp_path / "d", seed=1)
+    target, draft = load_model(tmp_path / "t"), load_model(tmp_path / "d")
+    exact = exact_joint(target_hf, params)
+    draft_exact = exact_joint(draft_hf, params)
+    assert 0.5 * (exact - draft_exact).abs().sum() > 0.2  # the draft really differs
+
+    speculative, engine = sampled_joint(target, draft, params)
+    plain, _ = sampled_joint(target, None, params)
+    stats = engine.stats()
+    assert stats.drafted_tokens > RUNS and 0 < stats.accepted_tokens < stats.drafted_tokens
+
+    assert chi_square_p(speculative, exact) > ALPHA
+    assert chi_square_p(plain, exact) > ALPHA
+    assert chi_square_p(speculative, draft_exact) < ALPHA  # the test has power
+
+
+def test_seeded_draws_are_uniform_and_independent():
+    from specpage.speculation.sampler import Purpose, uniform
+
+    draws = torch.tensor([uniform(s, p, Purpose.ACCEPT)
+                          for s, p in itertools.product(range(100), range(100))])
+    assert abs(float(draws.mean()) - 0.5) < 0.01
+    counts = torch.histc(draws, bins=20, min=0, max=1)
+    assert chisquare(counts.numpy()).pvalue > ALPHA
+    assert uniform(1, 2, Purpose.ACCEPT) != uniform(1, 2, Purpose.RESIDUAL)
+
+
+def test_a_draft_restricted_to_part_of_the_vocabulary_keeps_the_distribution(tmp_path):
+    """draft_vocab.json limits what the draft proposes (logit -inf, probability
+    0 elsewhere); the tokens it can never propose still come out of the
+    target at their exact rates, through the residual distribution."""
+    params = SamplingParams(temperature=1.0)
+    target_hf = peaked_model(tmp_path / "t", seed=0)
+    peaked_model(tmp_path / "d", seed=1)
+    allowed = [0, 2, 3, 5]
+    (tmp_path / "d" / "draft_vocab.json").write_text(json.dumps({"token_ids": allowed}))
+    target, draft = load_model(tmp_path / "t"), load_model(tmp_path / "d")
+    exact = exact_joint(target_hf, params)
+    proposed = []
+    speculative, engine = sampled_joint(target, draft, params, proposed)
+    stats = engine.stats()
+    assert stats.drafted_tokens > RUNS and 0 < stats.accepted_tokens < stats.drafted_tokens
+    assert set(proposed) <= set(allowed)
+    assert chi_square_p(speculative, exact) > ALPHA
+    # tokens outside the draft's vocabulary are sampled all the same
+    outside = [x2 * VOCAB + x3 for x2 in range(VOCAB) for x3 in range(VOCAB)
+               if x2 not in allowed or x3 not in allowed]
+    assert speculative[outside].sum() > 0.1 * RUNS

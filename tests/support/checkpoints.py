@@ -1,0 +1,103 @@
+"""Tiny random checkpoints made with transformers, for exactness tests."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from specpage.core.block_pool import BlockPool
+from specpage.executor.model_runner import SeqSpan
+from specpage.models.fetch import ensure_model
+
+FAMILIES = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+}
+
+
+def tiny_checkpoint(
+    folder: Path, family: str = "llama", seed: int = 0, shard: bool = False, **overrides
+):
+    """Save a random tiny model; returns the HF model (eval, fp32)."""
+    config_cls, model_cls = FAMILIES[family]
+    options = dict(
+        vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        tie_word_embeddings=False, rms_norm_eps=1e-5,
+    )
+    options.update(overrides)
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**options)).eval()
+    # Random init leaves biases at zero; give them values so they are tested.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0, 0.1)
+    model.save_pretrained(folder, **({"max_shard_size": "60KB"} if shard else {}))
+    return model
+
+
+SMOLLM2_VOCAB = 49152  # the vocabulary of SmolLM2's tokenizer
+
+
+def tokenizer_pair(folder: Path) -> None:
+    """Tiny target and draft with SmolLM2's tokenizer and chat template, where
+    Daemon looks for its models (it keeps a pair it finds)."""
+    smollm2 = ensure_model("smollm2-135m")
+    for name, seed, layers in (("target", 0, 2), ("draft", 1, 1)):
+        tiny_checkpoint(folder / name, seed=seed, num_hidden_layers=layers,
+                        vocab_size=SMOLLM2_VOCAB)
+        for file in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+            shutil.copy(smollm2 / file, folder / name / file)
+
+
+def greedy_through_pool(runner, prompts, max_new, chunk, block_size):
+    """Continuous-batching-style greedy decode: chunked prefill, then one
+    token per sequence per forward, all through one BlockPool."""
+    pool = BlockPool(64, block_size)
+    outputs = {i: [] for i in range(len(prompts))}
+    pending = {}  # seq -> next token to feed (its KV is not written yet)
+    for i, prompt in enumerate(prompts):
+        pool.allocate_prompt(i, prompt)
+    prefill_pos = dict.fromkeys(range(len(prompts)), 0)
+    while len(pending) < len(prompts):
+        spans, owners = [], []
+        for i, prompt in enumerate(prompts):
+            start = prefill_pos[i]
+            if start < len(prompt):
+                piece = prompt[start : start + chunk]
+                last = start + len(piece) == len(prompt)
+                spans.append(SeqSpan(piece, start, pool.block_table(i), int(last)))
+                owners.append((i, piece, last))
+        logits = runner.forward(spans)
+        row = 0
+        for i, piece, last in owners:
+            pool.commit(i, piece)
+            prefill_pos[i] += len(piece)
+            if last:
+                pending[i] = int(logits[row].argmax())
+                outputs[i].append(pending[i])
+                row += 1
+    for _ in range(max_new - 1):
+        spans = []
+        for i in range(len(prompts)):
+            pool.reserve(i, 1)
+            spans.append(SeqSpan([pending[i]], pool.num_committed(i), pool.block_table(i), 1))
+        next_tokens = runner.forward(spans).argmax(-1).tolist()
+        for i, token in enumerate(next_tokens):
+            pool.commit(i, [pending[i]])
+            pending[i] = token
+            outputs[i].append(token)
+    pool.check_integrity()
+    return [outputs[i] for i in range(len(prompts))]
