@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from specpage.attention.backend import AttentionMetadata, Span, SpanLayout, lay_out_spans
+from specpage.core.arith import cdiv
 
 
 @dataclass(frozen=True)
@@ -150,7 +151,7 @@ def _padded_group(
     num_seqs = len(members)
     max_query, max_context = int(query_lens.max()), int(context_lens.max())
     positions = torch.arange(max_context)
-    context_blocks = -(-max_context // block_size)
+    context_blocks = cdiv(max_context, block_size)
     # padding entries read block 0, masked below
     gather_blocks = layout.block_tables[index, :context_blocks].reshape(-1)
     query_pos = starts[:, None] + torch.arange(max_query)[None, :]  # [num_seqs, max_query]

@@ -29,6 +29,8 @@ from typing import NamedTuple
 
 import msgspec
 
+from specpage.core.arith import cdiv
+
 SeqId = Hashable
 BlockKey = bytes
 Copy = tuple[int, int]  # (src block, dst block)
@@ -155,7 +157,7 @@ class BlockPool:
     def stats(self) -> PoolStats:
         free, cached = len(self._free), len(self._evictable)
         tentative = sum(
-            len(s.block_table) - -(-s.num_committed // self.block_size) for s in self._seqs.values()
+            len(s.block_table) - cdiv(s.num_committed, self.block_size) for s in self._seqs.values()
         )
         return PoolStats(self.num_blocks, free, cached, self.num_blocks - free - cached, tentative)
 
@@ -194,7 +196,7 @@ class BlockPool:
             hits.append(entry.block)
             keys.append(key)
             parent = key
-        num_new = -(-len(token_ids) // size) - len(hits)
+        num_new = cdiv(len(token_ids), size) - len(hits)
         available = self.num_available_blocks - sum(1 for b in hits if b in self._evictable)
         if num_new > available:
             raise OutOfBlocksError(num_new - available, num_new, available)
@@ -234,7 +236,7 @@ class BlockPool:
             self._refcount[src] -= 1  # still referenced by another table
             table[-1] = dst
             copies.append((src, dst))
-        for _ in range(-(-(end + n) // size) - len(table)):
+        for _ in range(cdiv(end + n, size) - len(table)):
             table.append(self._allocate())
         seq.num_tentative += n
         return copies
@@ -297,7 +299,7 @@ class BlockPool:
             assert seq.num_committed >= 0 and seq.num_tentative >= 0, seq_id
             end = seq.num_committed + seq.num_tentative
             # tentative slots only at the tail: the table ends where they end
-            assert len(seq.block_table) == -(-end // size), (seq_id, seq.block_table, end)
+            assert len(seq.block_table) == cdiv(end, size), (seq_id, seq.block_table, end)
             assert len(seq.token_ids) == seq.num_committed, seq_id
             assert len(seq.keys) == seq.num_committed // size, seq_id
             parent: BlockKey | None = None
@@ -345,7 +347,7 @@ class BlockPool:
             return 0
         size = self.block_size
         end = seq.num_committed + seq.num_tentative
-        needed = -(-(end + n) // size) - len(seq.block_table)
+        needed = cdiv(end + n, size) - len(seq.block_table)
         if end % size and self._refcount[seq.block_table[-1]] > 1:
             needed += 1  # copy-on-write of the shared tail block
         return needed
@@ -371,7 +373,7 @@ class BlockPool:
                 self._evictable[block] = None
 
     def _rollback(self, seq: _Sequence) -> None:
-        keep = -(-seq.num_committed // self.block_size)
+        keep = cdiv(seq.num_committed, self.block_size)
         table = seq.block_table
         while len(table) > keep:
             self._release(table.pop())

@@ -10,6 +10,7 @@ import time
 from collections.abc import Sequence as Seq
 from typing import Any
 
+from specpage.core.arith import cdiv
 from specpage.core.engine_config import EngineConfig
 from specpage.core.request import Request, SamplingParams, ValidationError, validate_prompt
 
@@ -66,7 +67,7 @@ class Intake:
 
     def _check_fits(self, prompt_len: int, params: SamplingParams) -> None:
         positions = prompt_len + params.max_tokens + self.k_max + 1
-        blocks = -(-positions // self.config.block_size) * params.n
+        blocks = cdiv(positions, self.config.block_size) * params.n
         if blocks > self.config.num_blocks:
             raise ValidationError(
                 "max_tokens",

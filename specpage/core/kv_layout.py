@@ -18,6 +18,8 @@ from pathlib import Path
 
 import msgspec
 
+from specpage.core.arith import cdiv
+
 DTYPE_BYTES = {
     "float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2,
     "float8": 1, "fp8": 1, "int8": 1,
@@ -86,7 +88,7 @@ def paging(lengths: Sequence[int], block_size: int) -> Paging:
     _check_lengths(lengths)
     if block_size < 1:
         raise ValueError(f"block size must be >= 1, got {block_size}")
-    blocks = sum(-(-n // block_size) for n in lengths)
+    blocks = sum(cdiv(n, block_size) for n in lengths)
     allocated = blocks * block_size
     valid = sum(lengths)
     return Paging(

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from specpage.core import ledger
+from specpage.core.arith import cdiv
 from specpage.core.block_pool import BlockPool, Copy
 from specpage.core.engine_config import EngineConfig
 from specpage.core.model_free import NO_SPECULATION, Speculation
@@ -43,7 +44,6 @@ class ScheduledSeq(NamedTuple):
 class StepPlan(NamedTuple):
     scheduled: list[ScheduledSeq]
     copies: list[Copy]  # copy-on-write (src, dst) blocks, to copy in both models
-    preempted: list[Sequence]
     dropped: list[Sequence]  # aborted or past the deadline, already freed
 
 
@@ -118,7 +118,7 @@ class Scheduler:
             i += 1
         if not preempted:
             self._admit(scheduled, budget, batch, now)
-        return StepPlan(scheduled, copies, preempted, dropped)
+        return StepPlan(scheduled, copies, dropped)
 
     # ------------------------------------------------------------------ helpers
 
@@ -189,7 +189,7 @@ class Scheduler:
             # The watermark keeps room for running sequences to grow; with
             # none running, any request that passed validation may start.
             reserve = keep_free if self.running else 0
-            if -(-seq.num_tokens // size) > pool.num_available_blocks - reserve:
+            if cdiv(seq.num_tokens, size) > pool.num_available_blocks - reserve:
                 break
             cached = ledger.admit(pool, seq)
             num_new, spec = self._span(seq, budget, batch)

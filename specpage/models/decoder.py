@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specpage.attention.backend import AttentionBackend, AttentionMetadata
+from specpage.core.arith import cdiv
 from specpage.kernels.cpu import features as cpu
 from specpage.kernels.cpu.native import loaded_kernels
 from specpage.models import fused, native_stack
@@ -51,7 +52,7 @@ def padded_rows(rows: int) -> int:
     if 9 <= rows <= 16:
         return 16
     if rows > 16:
-        return -(-rows // 8) * 8
+        return cdiv(rows, 8) * 8
     return rows
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from specpage.core.arith import cdiv
 from specpage.models.config import ModelConfig, ModelLoadError
 from specpage.models.quant_names import QuantizationError
 
@@ -227,7 +228,7 @@ def read_header(data: np.ndarray) -> tuple[str, dict[str, TensorInfo]]:
         pos += 4 + 8 * dims + 12
         infos.append((name, gguf.GGMLQuantizationType(type_id).name, tuple(shape), offset))
     alignment = int(meta.get("general.alignment") or DEFAULT_ALIGNMENT)  # type: ignore[call-overload]
-    start = -(-pos // alignment) * alignment
+    start = cdiv(pos, alignment) * alignment
     tensors = {name: TensorInfo(type_name, shape, start + offset)
                for name, type_name, shape, offset in infos}
     return str(meta.get("general.architecture", "")), tensors

@@ -27,6 +27,8 @@ from functools import cache
 import torch
 from torch import nn
 
+from specpage.core.arith import cdiv
+
 HUGE_PAGE = 2 << 20  # bytes, x86-64 and arm64 with 4 KB base pages
 MADV_HUGEPAGE = 14  # linux/mman.h
 ALIGN = 64  # bytes between packed tensors: a cache line
@@ -85,7 +87,7 @@ def pack(model: nn.Module) -> None:
             for tensor in group.values():
                 if tensor is not None and tensor.device.type == "cpu":
                     tensors.setdefault(id(tensor), tensor)
-    sizes = {key: -(-t.numel() * t.element_size() // ALIGN) * ALIGN for key, t in tensors.items()}
+    sizes = {key: cdiv(t.numel() * t.element_size(), ALIGN) * ALIGN for key, t in tensors.items()}
     total = sum(sizes.values())
     if _madvise() is None or total < HUGE_PAGE:
         return
