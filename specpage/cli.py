@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import grpc
 
+from specpage import __version__
 from specpage.commands import chat, config, generate, info, kv_plan, models, serve
 from specpage.models.config import ModelLoadError
 
@@ -19,6 +20,7 @@ COMMANDS = {
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specpage", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"specpage {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, module in COMMANDS.items():
         module.add_parser(sub, name)

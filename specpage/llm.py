@@ -11,31 +11,11 @@ from pathlib import Path
 from typing import Any
 
 from specpage.completion import Completion, Durations
-from specpage.core.request import SamplingParams, ValidationError
-from specpage.engine import Engine, EngineConfig, RequestOutput
-from specpage.models.config import ModelLoadError
-from specpage.models.fetch import ensure_model, known_models
-from specpage.models.loader import LoadedModel, draft_dtype, load_model
-from specpage.models.quant_names import check_tensor_parallel
-
-
-def resolve_model(name_or_path: str | Path) -> Path:
-    """A known model name (fetched into the cache once) or a path."""
-    if str(name_or_path) in known_models():
-        return ensure_model(str(name_or_path))
-    path = Path(name_or_path)
-    if not path.exists():
-        raise ModelLoadError(f"{name_or_path}: no such file or folder, and not a known model "
-                             f"name (known: {', '.join(known_models())})")
-    return path
-
-
-def load_tokenizer(folder: Path) -> Any:
-    if not (folder / "tokenizer.json").is_file() and not (folder / "tokenizer.model").is_file():
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(folder)
+from specpage.core.chat_template import alternating_turns, chat_token_ids
+from specpage.core.request import SamplingParams
+from specpage.engine import EngineConfig, RequestOutput
+from specpage.engine.builder import ModelChoice, build_engine
+from specpage.models.loader import LoadedModel
 
 
 def chat_prompt(tokenizer: Any, text: str) -> list[int]:
@@ -46,11 +26,7 @@ def chat_prompt(tokenizer: Any, text: str) -> list[int]:
 def conversation_prompt(tokenizer: Any, turns: Sequence[str]) -> list[int]:
     """The model's chat template around alternating user and assistant
     turns (the user's first), ready for the assistant's next."""
-    messages = [{"role": "user" if n % 2 == 0 else "assistant", "content": text}
-                for n, text in enumerate(turns)]
-    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                            return_dict=True)
-    return list(encoded["input_ids"])
+    return chat_token_ids(tokenizer, alternating_turns(turns))
 
 
 class LLM:
@@ -65,14 +41,11 @@ class LLM:
     ) -> None:
         """quantization: of both models' linears (models/quant_names:
         none, q4, q4-g64, q4-g128, auto); None: none, the exact path."""
-        target_path = resolve_model(model)
-        self.target: LoadedModel = load_model(target_path, dtype, device, quantization)
-        check_tensor_parallel(self.target.quantization,
-                              (config or EngineConfig()).tensor_parallel_size)
-        self.draft = (load_model(resolve_model(draft), draft_dtype(dtype, self.target), device,
-                                 quantization) if draft else None)
-        self.tokenizer = load_tokenizer(self.target.folder)
-        self.engine = Engine(self.target, self.draft, self.tokenizer, config)
+        self.engine, models = build_engine(
+            ModelChoice(model, draft, dtype, device, quantization), config)
+        self.target: LoadedModel = models.target
+        self.draft = models.draft
+        self.tokenizer = models.tokenizer
         self._ids = itertools.count()
 
     def generate(
@@ -116,9 +89,7 @@ class LLM:
     def _prompt(self, prompt: str | Sequence[int], chat: bool) -> str | Sequence[int]:
         if not chat or not isinstance(prompt, str):
             return prompt
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise ValidationError("chat", "the model has no chat template")
-        return chat_prompt(self.tokenizer, prompt)
+        return chat_token_ids(self.tokenizer, alternating_turns([prompt]), "chat")
 
     @staticmethod
     def _record(completion: Completion, out: RequestOutput) -> None:

@@ -18,6 +18,8 @@ from typing import Any, Protocol
 
 import httpx
 
+from specpage.core.chat_template import chat_token_ids
+
 PROMPT = "> "
 EXIT_COMMANDS = ("/exit", "/quit")
 RESET_COMMAND = "/reset"
@@ -118,10 +120,7 @@ class LocalChat:
         self._ids = 0
 
     def _token_ids(self, messages: list[Message]) -> list[int]:
-        encoded = self.llm.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, return_dict=True
-        )
-        return list(encoded["input_ids"])
+        return chat_token_ids(self.llm.tokenizer, messages)
 
     def rendered(self, messages: list[Message]) -> str:
         return str(self.llm.tokenizer.decode(self._token_ids(messages)))

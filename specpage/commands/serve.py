@@ -31,7 +31,8 @@ def add_parser(sub: Any, name: str) -> None:
     parser.add_argument("--port", help="gRPC port (default 50051; 0: any free port)")
     parser.add_argument("--http-port", help="OpenAI-compatible HTTP API port (default off; "
                         "0: any free port)")
-    parser.add_argument("--target", help="target model: HF folder, .gguf or a known name")
+    parser.add_argument("--model", "--target", dest="target", metavar="MODEL",
+                        help="target model: HF folder, .gguf or a known name")
     parser.add_argument("--draft", help="draft model (empty: no speculation)")
     parser.add_argument("--spec-k", help="largest k (0: no speculation)")
     parser.add_argument("--spec-methods", help="proposers that need no model, comma-separated: "

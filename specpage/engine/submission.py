@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-from jinja2 import TemplateError
 
+from specpage.core.chat_template import chat_token_ids
 from specpage.core.request import Request, SamplingParams, ValidationError
 from specpage.engine.engine import Engine
 
@@ -114,7 +114,7 @@ class Preparer:
         if isinstance(prompt, ChatPrompt):
             size = sum(len(str(m.get("content", "")).encode()) for m in prompt.messages)
             self._check_bytes(size, field)
-            return self._chat_template(prompt.messages, options.chat_field)
+            return chat_token_ids(self.engine.tokenizer, prompt.messages, options.chat_field)
         self._check_bytes(len(prompt.text.encode()), field)
         return prompt.text
 
@@ -122,14 +122,3 @@ class Preparer:
         if size > self.max_prompt_bytes:
             raise ValidationError(field, f"{size} bytes exceed the limit of "
                                   f"{self.max_prompt_bytes} ({self.max_prompt_tokens} tokens)")
-
-    def _chat_template(self, messages: Sequence[Mapping[str, Any]], field: str) -> list[int]:
-        tokenizer = self.engine.tokenizer
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-            raise ValidationError(field, "the model has no chat template")
-        try:
-            encoded = tokenizer.apply_chat_template(
-                [dict(m) for m in messages], add_generation_prompt=True, return_dict=True)
-        except TemplateError as error:  # e.g. a template that wants roles to alternate
-            raise ValidationError(field, f"the chat template refused it: {error}") from None
-        return list(encoded["input_ids"])

@@ -26,18 +26,17 @@ import logging
 import signal
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
-import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from specpage import __version__
 from specpage.config import Config, ConfigError, read_bearer_token
-from specpage.engine import Engine, EngineStats, RequestOutput
+from specpage.engine import Engine, EngineStats, RequestOutput, builder
 from specpage.engine.async_engine import AsyncEngine, step_thread
-from specpage.llm import load_tokenizer, resolve_model
+from specpage.engine.builder import ModelChoice
 from specpage.models.config import ModelLoadError
-from specpage.models.loader import LoadedModel, draft_dtype, load_model
-from specpage.models.quant_names import check_tensor_parallel
 from specpage.serve import systemd
 from specpage.serve.frontend import Frontend
 from specpage.serve.grpc_server import BearerTokenInterceptor, GenerationService
@@ -50,7 +49,7 @@ from specpage.serve.startup import StartupError, check_port_free, tls_credential
 
 log = logging.getLogger("specpage.serve.daemon")
 SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name
-VERSION = "0.1.0"
+VERSION = __version__
 EXIT_STARTUP_FAILED = 1
 EXIT_ENGINE_FAILED = 2  # the engine could not go on (a tensor-parallel rank died)
 # What a start-up failure may raise that its message explains; anything else is a bug
@@ -60,29 +59,14 @@ STARTUP_ERRORS = (StartupError, ModelLoadError, ConfigError)
 
 def build_engine(config: Config) -> Engine:
     """Load both models (slow: minutes for big ones) and build the engine."""
-    m, e = config.model, config.engine
-    systemd.status(f"loading target {m.target}")
-    log.info("loading target", extra={"model": m.target})
-    target = load_named(m.target, m.dtype, m.device, m.quantization)
-    check_tensor_parallel(target.quantization, e.tensor_parallel_size)
-    draft = None
-    if m.draft:
-        systemd.status(f"loading draft {m.draft}")
-        log.info("loading draft", extra={"model": m.draft})
-        draft = load_named(m.draft, draft_dtype(m.dtype, target), m.device, m.quantization)
-    return Engine(target, draft, load_tokenizer(target.folder), e)
+    m = config.model
 
+    def loading(role: str, name: str | Path) -> None:
+        systemd.status(f"loading {role} {name}")
+        log.info(f"loading {role}", extra={"model": str(name)})
 
-def load_named(name: str, dtype: str | torch.dtype | None, device: str,
-               quantization: str = "none") -> LoadedModel:
-    """A model by name or path; a file it cannot read (a packaged model
-    missing, no permission) is a start-up failure that names the file."""
-    try:
-        return load_model(resolve_model(name), dtype, device, quantization)
-    except OSError as error:
-        file = f" {error.filename}" if error.filename else ""
-        raise StartupError(f"model {name}: cannot read{file}: "
-                           f"{error.strerror or error}") from None
+    choice = ModelChoice(m.target, m.draft or None, m.dtype, m.device, m.quantization)
+    return builder.build_engine(choice, config.engine, loading)[0]
 
 
 def server_info(config: Config, engine: AsyncEngine) -> pb.ServerInfo:

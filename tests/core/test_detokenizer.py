@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specpage.core.detokenizer import PROMPT_CONTEXT, IncrementalDetokenizer
-from specpage.llm import load_tokenizer
+from specpage.engine.builder import load_tokenizer
 from specpage.models.fetch import ensure_model
 
 

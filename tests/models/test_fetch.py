@@ -437,7 +437,7 @@ HEAD_FILES = ("config.json", "model.safetensors")
 
 
 def test_the_draft_resolves_by_name_in_a_checkout(monkeypatch: pytest.MonkeyPatch) -> None:
-    from specpage.llm import resolve_model
+    from specpage.engine.builder import resolve_model
 
     monkeypatch.setitem(fetch.MODELS, "smollm2-135m", no_download)
     folder = resolve_model("smollm2-draft")
@@ -507,7 +507,7 @@ def test_an_installed_wheel_resolves_and_loads_the_draft_by_name(
     # Away from the checkout, so `specpage` is the installed copy: no link to models/.
     program = (
         "import json, specpage\n"
-        "from specpage.llm import resolve_model\n"
+        "from specpage.engine.builder import resolve_model\n"
         "from specpage.models.loader import load_model\n"
         "folder = resolve_model('smollm2-draft')\n"
         "model = load_model(folder)\n"

@@ -18,8 +18,8 @@ from transformers import AutoTokenizer
 from specpage.client import Client
 from specpage.core.request import SamplingParams
 from specpage.engine import Engine, EngineConfig
+from specpage.engine.builder import load_tokenizer
 from specpage.engine.submission import ChatPrompt, Preparer, RequestOptions
-from specpage.llm import load_tokenizer
 from specpage.models.loader import load_model
 from tests.support.checkpoints import tokenizer_pair
 from tests.support.daemon import Daemon, http_daemon

@@ -26,8 +26,8 @@ from specpage.engine.async_engine import (
     Final,
     RequestStream,
 )
+from specpage.engine.builder import load_tokenizer
 from specpage.engine.submission import ChatPrompt, Prompt, RequestOptions, TextPrompt, TokenPrompt
-from specpage.llm import load_tokenizer
 from specpage.models.loader import load_model
 from tests.support.checkpoints import tiny_checkpoint, tokenizer_pair
 from tests.support.inprocess import serving_engine

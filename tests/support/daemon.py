@@ -37,11 +37,12 @@ def tiny_pair(folder: Path) -> tuple[Path, Path]:
 class Daemon:
     """`python -m specpage serve` in a subprocess; stopped with SIGTERM.
     http=True serves the OpenAI-compatible API too, at http_url. gate=True
-    puts a StepGate (open until a test closes it) before every engine step."""
+    puts a StepGate (open until a test closes it) before every engine step.
+    without_triton=True runs it where triton cannot be imported."""
 
     def __init__(self, folder: Path, engine: str = "", server: str = "",
                  env: dict[str, str] | None = None, http: bool = False,
-                 gate: bool = False) -> None:
+                 gate: bool = False, without_triton: bool = False) -> None:
         target, draft = tiny_pair(folder / "models")
         self.port = free_port()
         self.http_port = free_port() if http else None
@@ -65,11 +66,14 @@ class Daemon:
             self.gate = StepGate(folder / f"gate-{self.port}")
             environment[GATE_ENV] = str(self.gate.folder)
             command = "tests.support.step_gate"  # `specpage serve` behind the gate
+        if without_triton:
+            assert not gate, "one wrapper at a time"
+            command = "tests.support.no_triton"
         self._log_file = self.log.open("w")
         self.process = subprocess.Popen(
             [sys.executable, "-m", command, "serve", "--config", str(self.config)],
             stdout=self._log_file, stderr=subprocess.STDOUT, env=environment,
-            cwd=REPO if gate else None,  # where `tests` imports from
+            cwd=REPO if command.startswith("tests.") else None,  # where `tests` imports from
         )
         self.address = f"127.0.0.1:{self.port}"
 
