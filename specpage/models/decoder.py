@@ -300,7 +300,7 @@ class DecoderModel(nn.Module):
         # native_stack.stack_plan by row count, made on first use; cleared
         # when the model's tensors are replaced (.to() and the like).
         self._stack_plans: dict[int, native_stack.StackPlan | None] = {}
-        # (the inv_freq it was made from, cos, sin): DecoderModel._rope
+        # (the inv_freq it was made from, cos, sin): DecoderModel.rope_rows
         self._rope_table: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         # A draft may propose from part of the vocabulary only: its projection
         # then reads only those rows (see restrict_output_vocab).
@@ -322,7 +322,7 @@ class DecoderModel(nn.Module):
     ) -> torch.Tensor:
         """Logits [num_logits, vocab] in fp32 for the tokens in logits_index."""
         x = self.embed_tokens(input_ids)
-        rope = self._rope(positions, x.dtype)
+        rope = self.rope_rows(positions, x.dtype)
         # The stream after the last layer's attention, and that layer's MLP
         # branch, not yet added (None without layers).
         ran = native_stack.run_layers(self, x, rope, caches, meta, backend, tap)
@@ -361,8 +361,8 @@ class DecoderModel(nn.Module):
         full = logits.new_full((logits.shape[0], self.config.vocab_size), float("-inf"))
         return full.index_copy_(1, self.output_vocab, logits)
 
-    def _rope(self, positions: torch.Tensor, dtype: torch.dtype, need: int | None = None
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope_rows(self, positions: torch.Tensor, dtype: torch.dtype, need: int | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin for these positions, rows of a table made for the first
         positions once (grown by doubling) instead of ~7 small ops per
         forward. Each row is what cos_sin computes for its position alone.
@@ -378,6 +378,21 @@ class DecoderModel(nn.Module):
                                torch.arange(size, device=self.inv_freq.device), dtype)
             table = self._rope_table = (self.inv_freq, cos, sin)
         return table[1].index_select(0, positions), table[2].index_select(0, positions)
+
+    @property
+    def stack_plans(self) -> dict[int, native_stack.StackPlan | None]:
+        """The native stack plans made so far, by row count. A new dict
+        whenever the model's tensors are replaced (.to() and the like), so
+        its identity tells a caller that caches the tensors when to look
+        them up again."""
+        return self._stack_plans
+
+    @property
+    def quantized_head(self) -> nn.Module | None:
+        """The Q8_0 vocabulary projection (models/quant.py Q8Head), or None.
+        Read from _modules directly: a property is found on the class, not
+        through nn.Module.__getattr__, which is slow on a cold cache."""
+        return self._modules.get("q8_head")
 
     def stack_plan(self, rows: int) -> native_stack.StackPlan | None:
         """The layers' native call for `rows` rows (models/native_stack.py)."""

@@ -174,8 +174,9 @@ class NativeStep:
         stack plans when they change): each is an nn.Module attribute
         lookup, slow on a cold cache."""
         model = self.model
-        if self._plans is not model._stack_plans:
-            self._plans = model._stack_plans
+        plans = model.stack_plans
+        if self._plans is not plans:
+            self._plans = plans
             self._bound = (model.embed_tokens.weight, model.norm.weight)
         return self._bound
 
@@ -201,13 +202,13 @@ class NativeStep:
             values.extend(range(rows - s.num_logits, rows))
         ids, positions, logits_index = torch.tensor(values, dtype=torch.int64).split(
             [tokens, tokens, len(values) - 2 * tokens])
-        rope = model._rope(positions, weight.dtype, max(s.end for s in spans))
+        rope = model.rope_rows(positions, weight.dtype, max(s.end for s in spans))
         x, branch = _call_stack(model.config, plan, torch.embedding(weight, ids), rope,
                                 self.caches, layout.slot_mapping, layout.block_tables,
                                 layout.query_start, layout.context_lens, tap)
         if logits_index.shape[0] != tokens:  # else every row, in order
             x, branch = x[logits_index], branch[logits_index]
-        head = model._modules.get("q8_head")  # as model.q8_head, without Module.__getattr__
+        head = model.quantized_head
         if (head is None or not head.int8x or model.output_vocab is not None
                 or not head.takes(x)):  # (x: the normed rows' shape)
             return model.logits(x, branch)  # type: ignore[no-any-return]
