@@ -40,11 +40,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import compare, finish, machine, median_seconds, parse_args, rotated, rounds  # noqa: E402
 from bench.vllm_cpu import cpu_has_bf16  # noqa: E402
-from specpage.models import fused  # noqa: E402
-from specpage.models.decoder import DecoderModel, cpu_linear  # noqa: E402
+from specpage.layers import fused  # noqa: E402
+from specpage.layers.products import cpu_linear  # noqa: E402
+from specpage.layers.rope import apply_rope, cos_sin  # noqa: E402
+from specpage.models.decoder import DecoderModel  # noqa: E402
 from specpage.models.fetch import ensure_model  # noqa: E402
 from specpage.models.loader import load_model  # noqa: E402
-from specpage.models.rope import apply_rope, cos_sin  # noqa: E402
 
 CALLS = 5  # calls per round; a round's figure is their median
 

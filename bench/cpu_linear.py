@@ -32,7 +32,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import finish, machine  # noqa: E402
-from specpage.models.decoder import bf16_kernels, few_rows_linear  # noqa: E402
+from specpage.layers.products import bf16_kernels, few_rows_linear  # noqa: E402
 
 # SmolLM2-135M: (out, in) of each layer's products, 30 layers, vocabulary 49,152.
 LAYER_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))

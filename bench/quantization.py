@@ -52,15 +52,15 @@ from bench.prompts import chat_prompts  # noqa: E402
 from specpage.core.request import SamplingParams  # noqa: E402
 from specpage.engine import EngineConfig  # noqa: E402
 from specpage.executor.model_runner import ModelRunner, SeqSpan  # noqa: E402
-from specpage.llm import LLM  # noqa: E402
-from specpage.models import quant  # noqa: E402
-from specpage.models.decoder import PackedWeight, cpu_linear  # noqa: E402
-from specpage.models.loader import LoadedModel  # noqa: E402
-from specpage.models.quant import (  # noqa: E402
+from specpage.layers import quant  # noqa: E402
+from specpage.layers.products import PackedWeight, cpu_linear  # noqa: E402
+from specpage.layers.quant import (  # noqa: E402
     Q8_GROUP,
     Int4Linear,
     Q8Head,
 )
+from specpage.llm import LLM  # noqa: E402
+from specpage.models.loader import LoadedModel  # noqa: E402
 
 BLOCK_SIZE = 16
 CONTEXT = 128  # tokens already in the KV cache of each decode step
@@ -259,7 +259,7 @@ def linears_alone(quick: bool) -> dict[str, Any]:
     that keeps one, its dense bf16 copy on oneDNN: the measurements behind
     refusing q8, behind quant.DENSE_FROM_ROWS and behind int8x layers
     keeping no dense copy."""
-    from specpage.models.quant import quantize_rtn
+    from specpage.models.quant_load import quantize_rtn
 
     layers = []
     for _ in range(LAYERS_TIMED):
@@ -282,7 +282,7 @@ def linears_alone(quick: bool) -> dict[str, Any]:
 
 def _linear_systems(layers: list[list[tuple[Any, ...]]], inputs: dict[int, torch.Tensor]
                     ) -> dict[str, Callable[[None], float]]:
-    from specpage.models.decoder import few_rows_linear
+    from specpage.layers.products import few_rows_linear
 
     def fp32() -> None:
         for layer in layers:
@@ -382,8 +382,8 @@ def scale_rounding(fp32: LoadedModel) -> dict[str, float]:
     """The kernel's weights, (q − 8)·bf16(d) + bf16(m + 8d), against the
     GGUF's d·q + m (which the fp32 path loads bit for bit): max and mean
     |difference|, and the max relative to each weight's group's largest."""
+    from specpage.layers.quant import KERNEL_DTYPE, Q_OFFSET
     from specpage.models.gguf_blocks import GGUFWeights
-    from specpage.models.quant import KERNEL_DTYPE, Q_OFFSET
     from specpage.models.quant_load import PROJECTIONS, gguf_source
 
     gguf = gguf_source(fp32.folder, fp32.folder)

@@ -38,13 +38,13 @@ from safetensors.torch import load_file, save_file
 
 from draft.train import load_shard
 from specpage.executor.model_runner import ModelRunner, SeqSpan
+from specpage.layers.fused import rms_norm_ref
+from specpage.layers.rope import apply_rope, cos_sin
 from specpage.models.config import ARCHITECTURE
 from specpage.models.decoder import LayerTap
 from specpage.models.eagle3 import Eagle3Config, Eagle3Head, checkpoint_tensors
 from specpage.models.fetch import ensure_model
-from specpage.models.fused import rms_norm_ref
 from specpage.models.loader import auto_dtype, load_model
-from specpage.models.rope import apply_rope, cos_sin
 
 BLOCK = 16
 MAX_LEN = 384  # positions per example; the answers are at most 192 tokens

@@ -19,7 +19,7 @@ from specpage.kernels.cpu import hugepages
 from specpage.kernels.cpu.native import native_kernels
 from specpage.models.decoder import DecoderModel, LayerTap
 from specpage.models.loader import LoadedModel
-from specpage.models.native_stack import NativeStep
+from specpage.models.native_step import NativeStep
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from specpage.layers.rope_config import RopeConfig
+
 # architecture name in config.json -> family; Mistral and SmolLM are Llamas.
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -20,16 +22,6 @@ ROPE_TYPES = ("default", "linear", "llama3")
 
 class ModelLoadError(Exception):
     """A checkpoint that cannot be loaded; the message names the file or field."""
-
-
-@dataclass(frozen=True)
-class RopeConfig:
-    theta: float
-    rope_type: str = "default"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position: int = 8192
 
 
 @dataclass(frozen=True)

@@ -4,234 +4,18 @@ interface. Q/K/V and gate/up projections are fused into one matmul each."""
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specpage.attention.backend import AttentionBackend, AttentionMetadata
-from specpage.core.arith import cdiv
-from specpage.kernels.cpu import features as cpu
-from specpage.kernels.cpu.native import loaded_kernels
-from specpage.models import fused, native_stack
+from specpage.layers import fused, native_stack
+from specpage.layers.linear import Linear
+from specpage.layers.norm import RMSNorm
+from specpage.layers.products import PackedWeight, cpu_linear
+from specpage.layers.rope import cos_sin, inverse_frequencies
 from specpage.models.config import ModelConfig
-from specpage.models.rope import cos_sin, inverse_frequencies
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fused.rms_norm(x, self.weight, self.eps)
-
-    def after_add(self, x: torch.Tensor,
-                  residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + residual, that sum normed)."""
-        return fused.add_rms_norm(x, residual, self.weight, self.eps)
-
-
-# On CPU, BLAS is slow for a few rows against a large weight: F.linear packs
-# the weight as if for a big product, and the speed of W @ x.T depends on the
-# row count. Measured on 2 AVX2 cores with the weights streamed from memory
-# (SmolLM2-135M's layers, ms for all 30): 1 row 27.5, 2: 20.0, 3: 25.8, 4: 20.0,
-# 8: 37.0, 12: 54.4, 16: 39.3, 24: 55.4, 31: 107, 32: 57.8. So a few rows are
-# padded with zero rows to the nearest fast count; one row against the
-# vocabulary projection is faster still as x @ W.T held contiguous
-# (DecoderModel._transposed_head).
-FEW_ROWS = 32
-
-
-def padded_rows(rows: int) -> int:
-    if rows in (1, 3):
-        return rows + 1
-    if 9 <= rows <= 16:
-        return 16
-    if rows > 16:
-        return cdiv(rows, 8) * 8
-    return rows
-
-
-def few_rows_linear(x: torch.Tensor, weight: torch.Tensor,
-                    bias: torch.Tensor | None = None) -> torch.Tensor:
-    if x.device.type != "cpu" or x.shape[0] > FEW_ROWS:
-        return F.linear(x, weight, bias)
-    rows = x.shape[0]
-    padded = padded_rows(rows)
-    if padded != rows:
-        x = torch.cat([x, x.new_zeros(padded - rows, x.shape[1])])
-    y = (weight @ x.contiguous().T).T[:rows]  # x.T transposed, as BLAS is fast at
-    return y if bias is None else y + bias
-
-
-# With AVX-512, oneDNN with the weight reordered once into its blocked layout
-# (torch.ops.mkldnn._linear_pointwise) beats both MKL ways from 3 rows in fp32
-# and at every row count in bf16. bench/cpu_linear.py on 2 AVX-512 BF16 cores,
-# ms for SmolLM2-135M's 30 layers (least of passes, median of rounds; the
-# machine was shared, so these are indications, repeated where they disagreed):
-#   fp32  rows  1: W@x.T padded 15-40, oneDNN 23-105    2: 15 / 23
-#         rows  3: 21 / 19    4: 70 / 33    16: 89 / 56    32: 134-171 / 80-95
-#   bf16  rows  1: F.linear 17.7, W@x.T 18.0, oneDNN 13.3    4: 18.9 / 22.9 / 12.2
-#         rows 32: 35.0 / 30.7 / 24.5
-# and for the vocabulary projection (49,152 x 576), fp32: 1 row x @ W.T 5.4,
-# oneDNN 4.9-14; 2 rows W@x.T 3.1, oneDNN 5.6; 3 rows 11.5 / 8.1; 32: 62 / 31;
-# bf16: oneDNN fastest at every count (1 row 2.5 against 3.9 for F.linear).
-# Products of fewer rows (and every product without AVX-512, where the AVX2
-# measurements above hold) take few_rows_linear. Prefill's many rows gain too.
-ONEDNN_FROM_ROWS = {torch.float32: 3, torch.bfloat16: 1}
-
-
-def uses_onednn(weight: torch.Tensor, rows: int) -> bool:
-    """Whether a CPU product of `rows` rows by this weight runs on oneDNN."""
-    first = ONEDNN_FROM_ROWS.get(weight.dtype)
-    return first is not None and rows >= first and _onednn_usable(weight.dtype)
-
-
-@functools.cache
-def _onednn_usable(dtype: torch.dtype) -> bool:
-    if not (cpu.has_avx512() and torch.backends.mkldnn.is_available()):  # type: ignore[no-untyped-call]
-        return False
-    return dtype != torch.bfloat16 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-
-
-class PackedWeight:
-    """A weight reordered once into a product's own layout (oneDNN's blocked
-    one, the native panel kernel's), each remade when the weight it came from
-    changes (another dtype, device or storage). One more copy of the weight in
-    memory per layout used: the plain one stays for anything that reads
-    `.weight`."""
-
-    def __init__(self) -> None:
-        # layout -> (the weight's storage and dtype it was made from, the copy)
-        self._made: dict[str, tuple[tuple[int, torch.dtype], torch.Tensor]] = {}
-
-    def of(self, weight: torch.Tensor) -> torch.Tensor:
-        """oneDNN's layout, for torch.ops.mkldnn._linear_pointwise."""
-        return self._remade("onednn", weight, lambda w: torch.ops.mkldnn._reorder_linear_weight(
-            w, FEW_ROWS))
-
-    def panels(self, weight: torch.Tensor) -> torch.Tensor:
-        """The native panel layout (kernels/cpu/bf16_panels.cpp)."""
-        return self._remade("panels", weight,
-                            lambda w: bf16_kernels().bf16_panels(w))  # type: ignore[union-attr]
-
-    def _remade(self, layout: str, weight: torch.Tensor,
-                make: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        source = (weight.data_ptr(), weight.dtype)
-        made = self._made.get(layout)
-        if made is None or made[0] != source:
-            with torch.no_grad():
-                made = (source, make(weight.detach()))
-            self._made[layout] = made
-        return made[1]
-
-
-# Where the CPU has AVX-512 BF16, bf16 products of a few rows run on native
-# kernels: up to GEMV_MAX_ROWS on kernels/cpu/bf16_gemv.cpp, which reads each
-# weight row once, front to back, prefetching ahead (bound by reading the
-# weight); up to PANELS_MAX_ROWS on kernels/cpu/bf16_panels.cpp, with the
-# weight packed once more into panels of outputs (bound by the multiplies).
-# oneDNN's prepacked product takes more rows. SmolLM2-135M's 30 layers of
-# products, ms (bench/cpu_linear.py and a like comparison of the two native
-# kernels, 2 AVX-512 BF16 cores): few-row / panels / oneDNN
-#   rows  1: 6.3 / - / 10.9    5: 6.8 / - / 10.3    8: 8.6 / 7.1 / 12.2
-#   rows 12: 11.2 / 8.7 / 13.6   16: 14.5 / 10.4 / 20.1   24: - / 14.9 / 21.4
-#   rows 32: - / 18.5 / 24.9   48: - / 25.6 / 33.7   64: - / 33.0 / 40.5
-# and the vocabulary projection 1 row 0.96 / - / 1.30, 16: 3.8 / 2.6 / 3.7,
-# 64: - / 9.1 / 10.3.
-GEMV_MAX_ROWS = 8
-PANELS_MAX_ROWS = 64
-
-
-def uses_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether this CPU product runs on the native few-row kernel."""
-    return (x.dtype == torch.bfloat16 and not torch.is_grad_enabled()
-            and gemv_takes(weight, x.shape[0]))
-
-
-def gemv_takes(weight: torch.Tensor, rows: int) -> bool:
-    """Whether the native few-row kernel takes bf16 x of `rows` rows by this
-    weight (it has no autograd: callers check that too)."""
-    return (rows <= GEMV_MAX_ROWS and weight.dtype == torch.bfloat16
-            and weight.device.type == "cpu" and weight.shape[0] % 16 == 0
-            and weight.shape[1] % 32 == 0 and weight.is_contiguous()
-            and bf16_kernels() is not None)
-
-
-def panels_take(weight: torch.Tensor, rows: int) -> bool:
-    """Whether the native panel kernel takes bf16 x of `rows` rows by this
-    weight (rows the few-row kernel does not take; no autograd)."""
-    return (GEMV_MAX_ROWS < rows <= PANELS_MAX_ROWS and weight.dtype == torch.bfloat16
-            and weight.device.type == "cpu" and weight.shape[0] % 16 == 0
-            and weight.shape[1] % 2 == 0 and weight.is_contiguous()
-            and bf16_kernels() is not None)
-
-
-@functools.cache
-def bf16_kernels() -> object | None:
-    """The native kernels where this build has AVX-512 BF16 (bf16_gemv,
-    bf16_panels, and int4_gemv for models/quant.py); None elsewhere."""
-    kernels = loaded_kernels()
-    return kernels if kernels is not None and kernels.has_bf16_gemv() else None
-
-
-def native_product(weight: torch.Tensor, packed: PackedWeight,
-                   rows: int) -> native_stack.Product | None:
-    """The native kernel call, with its weight operands, for bf16 x of `rows`
-    rows by this weight (no bias); None where no native kernel takes it."""
-    if gemv_takes(weight, rows):
-        return bf16_kernels().bf16_gemv.default, (weight,)  # type: ignore[union-attr]
-    if panels_take(weight, rows):
-        return (bf16_kernels().bf16_panels_product.default,  # type: ignore[union-attr]
-                (packed.panels(weight), weight.shape[0]))
-    return None
-
-
-def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-               packed: PackedWeight) -> torch.Tensor:
-    """x [rows, in] @ weight.T [+ bias] the fastest way this CPU has for the rows."""
-    if x.device.type == "cpu" and x.dtype == torch.bfloat16 and not torch.is_grad_enabled():
-        call = native_product(weight, packed, x.shape[0])
-        if call is not None:
-            kernel, operands = call
-            y = kernel(x.contiguous(), *operands)
-            return y if bias is None else y + bias
-    if x.device.type == "cpu" and uses_onednn(weight, x.shape[0]):
-        y = torch.ops.mkldnn._linear_pointwise(
-            x.contiguous(), packed.of(weight), bias, "none", [], "")
-        return y
-    return few_rows_linear(x, weight, bias)
-
-
-def direct_bf16_product(weight: torch.Tensor, packed: PackedWeight,
-                        rows: int) -> native_stack.Product | None:
-    """The one kernel call cpu_linear makes for bf16 x of `rows` rows by this
-    weight (no bias), with its weight operands; None where it makes another."""
-    call = native_product(weight, packed, rows)
-    if call is None and weight.dtype == torch.bfloat16 and uses_onednn(weight, rows):
-        call = (torch.ops.mkldnn._linear_pointwise.default,
-                (packed.of(weight), None, "none", [], ""))
-    return call
-
-
-class Linear(nn.Linear):
-    """nn.Linear (same parameters) with the CPU's fastest product for the rows."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
-        super().__init__(in_features, out_features, bias=bias)
-        self.packed = PackedWeight()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return cpu_linear(x, self.weight, self.bias, self.packed)
-
-    def direct_product(self, rows: int) -> native_stack.Product | None:
-        """The kernel call for x of `rows` bf16 rows (models/native_stack.py)."""
-        return None if self.bias is not None else direct_bf16_product(self.weight, self.packed,
-                                                                      rows)
 
 
 class DecoderLayer(nn.Module):
@@ -295,7 +79,7 @@ class DecoderModel(nn.Module):
         self._head_t: torch.Tensor | None = None
         self._head_packed = PackedWeight()
         # The vocabulary projection of a few rows on the head's own Q8_0
-        # blocks (models/quant.py Q8Head), set by a q4 load from a GGUF.
+        # blocks (layers/quant.py Q8Head), set by a q4 load from a GGUF.
         self.q8_head: nn.Module | None = None
         # native_stack.stack_plan by row count, made on first use; cleared
         # when the model's tensors are replaced (.to() and the like).
@@ -389,13 +173,13 @@ class DecoderModel(nn.Module):
 
     @property
     def quantized_head(self) -> nn.Module | None:
-        """The Q8_0 vocabulary projection (models/quant.py Q8Head), or None.
+        """The Q8_0 vocabulary projection (layers/quant.py Q8Head), or None.
         Read from _modules directly: a property is found on the class, not
         through nn.Module.__getattr__, which is slow on a cold cache."""
         return self._modules.get("q8_head")
 
     def stack_plan(self, rows: int) -> native_stack.StackPlan | None:
-        """The layers' native call for `rows` rows (models/native_stack.py)."""
+        """The layers' native call for `rows` rows (layers/native_stack.py)."""
         if rows not in self._stack_plans:
             self._stack_plans[rows] = native_stack.stack_plan(self.layers, rows)
         return self._stack_plans[rows]
@@ -444,7 +228,8 @@ class DecoderModel(nn.Module):
 
     def _transposed_head(self, head: torch.Tensor) -> torch.Tensor:
         """The vocabulary projection as [hidden, vocab], made once (one more
-        copy of it in memory, for a 2-3x faster single-row product on CPU)."""
+        copy of it in memory, for a faster single-row product on CPU: see
+        docs/BENCHMARKS.md, "CPU products: BLAS by row count")."""
         if self._head_t is None or self._head_t.dtype != head.dtype:
             self._head_t = head.detach().T.contiguous()
         return self._head_t

@@ -31,10 +31,11 @@ import torch
 from torch import nn
 
 from specpage.attention.backend import AttentionBackend, AttentionMetadata
-from specpage.models import fused
+from specpage.layers import fused
+from specpage.layers.linear import Linear
+from specpage.layers.norm import RMSNorm
+from specpage.layers.rope import cos_sin, inverse_frequencies
 from specpage.models.config import ModelConfig, ModelLoadError
-from specpage.models.decoder import Linear, RMSNorm
-from specpage.models.rope import cos_sin, inverse_frequencies
 
 NUM_FEATURE_LAYERS = 3  # low, middle and high: what fc reads
 
@@ -120,7 +121,7 @@ class Eagle3Head(nn.Module):
         normed = self.hidden_norm(hidden)
         residual = normed if self.config.norm_before_residual else hidden
         x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
-        # the target layers' fused kernels (models/fused.py), where they build
+        # the target layers' fused kernels (layers/fused.py), where they build
         q, k, v = fused.rope_qk(self.qkv_proj(x), *rope, self.num_heads, self.num_kv_heads)
         backend.write_kv(cache, k, v, meta)
         if outputs is not None:

@@ -5,7 +5,7 @@ values ``q`` with a scale ``d`` and (Q4_1) a minimum ``m``.
 
 These are read without ever going through fp32 weights, so a model loaded
 from a Q4_0/Q4_1 GGUF runs the file's own 4-bit values (see
-specpage.models.quant). Rows are in the order of the HF checkpoint the fp32
+specpage.layers.quant). Rows are in the order of the HF checkpoint the fp32
 path loads: llama.cpp stores a Llama's q/k rows permuted for its rope, and
 transformers un-permutes them on conversion; we permute the same rows, which
 moves whole blocks and changes no value.
@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from specpage.core.arith import cdiv
+from specpage.layers.quant import Int4Blocks
 from specpage.models.config import ModelConfig, ModelLoadError
 from specpage.models.quant_names import QuantizationError
 
@@ -40,32 +41,6 @@ GGUF_PARTS = {
 # GGUF architectures whose q/k rows llama.cpp permuted (transformers'
 # TENSOR_PROCESSORS maps these to its LlamaTensorProcessor)
 PERMUTED_QK = ("llama",)
-
-
-@dataclass(frozen=True)
-class Int4Blocks:
-    """One weight of ``rows × cols`` in groups of ``group`` inputs:
-    w[r, c] = scale[r, c // group] · q[r, c] + offset[r, c // group]."""
-
-    q: torch.Tensor  # [rows, cols] uint8, values 0..15
-    scale: torch.Tensor  # [rows, cols // group] float32 (exact: float16 values)
-    offset: torch.Tensor  # [rows, cols // group] float32
-    group: int
-
-    def dequantize(self) -> torch.Tensor:
-        """The fp32 weight, computed as GGML computes it (d·q + m, or d·(q−8))."""
-        rows, cols = self.q.shape
-        q = self.q.view(rows, cols // self.group, self.group).float()
-        return (self.scale[..., None] * q + self.offset[..., None]).view(rows, cols)
-
-    @staticmethod
-    def cat(parts: list[Int4Blocks]) -> Int4Blocks:
-        assert len({p.group for p in parts}) == 1
-        return Int4Blocks(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
-                          torch.cat([p.offset for p in parts]), parts[0].group)
-
-    def take_rows(self, order: torch.Tensor) -> Int4Blocks:
-        return Int4Blocks(self.q[order], self.scale[order], self.offset[order], self.group)
 
 
 def decode_blocks(raw: np.ndarray, type_name: str, name: str) -> Int4Blocks:

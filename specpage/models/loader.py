@@ -14,11 +14,11 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from specpage.kernels.cpu import hugepages
+from specpage.layers.rope import inverse_frequencies
 from specpage.models.config import ModelConfig, ModelLoadError, is_head_folder
 from specpage.models.decoder import DecoderModel
 from specpage.models.eagle3 import LoadedHead, load_head
 from specpage.models.quant_names import Quantization
-from specpage.models.rope import inverse_frequencies
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}

@@ -14,17 +14,15 @@ after loading (an EAGLE-3 head's too, with its fc and its LM head over the
 draft vocabulary, by q4 only: a head is no GGUF, so auto leaves it); norms,
 the embedding and the KV cache stay in the activation dtype (bf16 for a
 quantized model unless a dtype is asked for). The tied embedding / LM head
-stays dense in that dtype: measured on the vocabulary
-projection alone (bench/quantization.py, head_alone), bf16 was ~3x faster
-than fp32 on 32 rows in every run, and on one row between 0.5x and 1.5x
-fp32's speed as the shared machine's load changed; torch's int8 kernel (one
-scale per row, which would re-quantize the GGUF's Q8_0 blocks) was at best
-~2x faster on one row and ~3x slower than bf16 on 32. Where the head is a
+stays dense in that dtype: on the vocabulary projection alone that was
+measured the better choice than fp32 or torch's int8 kernel (one scale per
+row, which would re-quantize the GGUF's Q8_0 blocks; docs/BENCHMARKS.md,
+"Quantized linears: the vocabulary projection"). Where the head is a
 GGUF's Q8_0 blocks (the default file's), q4 also gives the model a Q8Head
-(models/quant.py): those blocks, exact, for up to 8 rows, where it read in
-about half the dense bf16 head's time (head_alone); more rows take the dense
-head. A model computing in bf16 takes each product's input to int8 per group
-of 32 where the CPU has AVX-512 VNNI (quant.INT8X_PRODUCTS, as llama.cpp
+(layers/quant.py): those blocks, exact, for up to 8 rows, where it was
+measured faster than the dense bf16 head (the same section); more rows take
+the dense head. A model computing in bf16 takes each product's input to int8 per group
+of 32 where the CPU has AVX-512 VNNI (layers.quant.INT8X_PRODUCTS, as llama.cpp
 does); one computing in a chosen fp32 keeps them bf16.
 """
 
@@ -41,8 +39,16 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 import torch
 from safetensors.torch import load_file, save_file
 
-from specpage.models.gguf_blocks import FORMATS, GGUF_PARTS, GGUFWeights, Int4Blocks
-from specpage.models.quant import Int4Linear, Q8Head, check_shape, quantize_rtn
+from specpage.layers.quant import (
+    GROUP_SIZES,
+    KERNEL_DTYPE,
+    OUT_MULTIPLE,
+    Q_OFFSET,
+    Int4Blocks,
+    Int4Linear,
+    Q8Head,
+)
+from specpage.models.gguf_blocks import FORMATS, GGUF_PARTS, GGUFWeights
 from specpage.models.quant_names import Quantization, QuantizationError
 
 if TYPE_CHECKING:
@@ -68,8 +74,9 @@ log = logging.getLogger(__name__)
 
 GGUF_GROUP = 32  # inputs per Q4_0/Q4_1 block
 # The activation dtype of a quantized model on CPU when none is asked for:
-# measured (bench/quantization.py) faster than casting each product's input
-# from fp32, at batch 1 and 32, with perplexity within 1% of fp32.
+# faster than casting each product's input from fp32, at about fp32's
+# perplexity (docs/BENCHMARKS.md, "quantization": q4 against q4 with fp32
+# activations).
 QUANTIZED_DTYPE = torch.bfloat16
 FLOAT_TYPES = frozenset({"F32", "F16", "BF16"})  # GGUF linears q4 may quantize itself
 CACHE_VERSION = 1  # bump when the cached layout changes
@@ -154,7 +161,7 @@ def _applied(loaded: H, applied: str, dtype_chosen: bool) -> H:
     if model.norm.weight.dtype == QUANTIZED_DTYPE:
         applied += ", bf16 activations"
     if any(isinstance(m, Int4Linear) and m.int8x for m in model.modules()):
-        applied += ", int8 product inputs"  # x to int8 per 32 at each product (quant.py)
+        applied += ", int8 product inputs"  # x to int8 per 32 at each product (layers/quant.py)
     log.info("quantized %s: %s", loaded.folder, applied)
     identity = hashlib.sha256(loaded.identity + applied.encode()).digest()
     return dataclasses.replace(loaded, identity=identity, quantization=applied)
@@ -218,6 +225,35 @@ def _rtn_cached(loaded: Loaded, group: int) -> dict[str, Int4Blocks]:
               for i, layer in enumerate(loaded.model.layers) for name in PROJECTIONS}
     _write_blocks(path, blocks)
     return blocks
+
+
+def check_shape(name: str, in_features: int, group: int, out_features: int) -> None:
+    if group not in GROUP_SIZES:
+        raise QuantizationError(f"{name}: q4 group size {group} unsupported; "
+                                f"use one of {', '.join(map(str, GROUP_SIZES))}")
+    if in_features % group:
+        raise QuantizationError(f"{name}: q4 needs in_features a multiple of the group size "
+                                f"{group}; this weight has {in_features} inputs")
+    if out_features % OUT_MULTIPLE:
+        raise QuantizationError(f"{name}: q4 needs out_features a multiple of {OUT_MULTIPLE}; "
+                                f"this weight has {out_features} outputs")
+
+
+def quantize_rtn(weight: torch.Tensor, group: int = 32, name: str = "weight") -> Int4Blocks:
+    """Round-to-nearest asymmetric group-wise int4, as gpt-fast does: per
+    group, the 16 levels span [min, max]. The scale and zero are rounded to
+    the kernel's bf16 first and q chosen against the rounded values, so the
+    kernel computes exactly what was chosen."""
+    rows, cols = weight.shape
+    check_shape(name, cols, group, rows)
+    w = weight.detach().float().view(rows, cols // group, group)
+    low, high = w.amin(-1), w.amax(-1)
+    levels = 2**4 - 1
+    scale = ((high - low) / levels).clamp(min=1e-8).to(KERNEL_DTYPE).float()
+    zero = (low + Q_OFFSET * scale).to(KERNEL_DTYPE).float()
+    offset = zero - Q_OFFSET * scale  # the value q = 0 stands for
+    q = ((w - offset[..., None]) / scale[..., None]).round().clamp(0, levels)
+    return Int4Blocks(q.to(torch.uint8).view(rows, cols), scale, offset, group)
 
 
 def _write_blocks(path: Path, blocks: dict[str, Int4Blocks]) -> None:

@@ -8,7 +8,7 @@ import torch
 
 from specpage.core.block_pool import BlockPool
 from specpage.executor.model_runner import ModelRunner, SeqSpan
-from specpage.models.decoder import few_rows_linear, padded_rows
+from specpage.layers.products import few_rows_linear, padded_rows
 from specpage.models.loader import load_model
 from tests.support.checkpoints import greedy_through_pool, tiny_checkpoint
 

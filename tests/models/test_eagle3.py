@@ -15,10 +15,10 @@ from specpage.core.model_free import Speculation
 from specpage.core.request import SamplingParams
 from specpage.engine import Engine, EngineConfig
 from specpage.kernels.cpu.native import native_kernels
-from specpage.models import quant
+from specpage.layers import quant
+from specpage.layers.quant import Int4Linear
 from specpage.models.eagle3 import LoadedHead
 from specpage.models.loader import ModelLoadError, draft_dtype, load_model
-from specpage.models.quant import Int4Linear
 from specpage.models.quant_names import QuantizationError
 from tests.engine.test_engine import drain, hf_greedy, prompts, sampled
 from tests.support.checkpoints import tiny_checkpoint

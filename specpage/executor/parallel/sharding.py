@@ -21,6 +21,7 @@ import torch
 from specpage.core.config_error import ConfigError
 from specpage.executor.parallel.comm import Collectives
 from specpage.executor.parallel.layers import ShardedDecoderModel
+from specpage.layers.rope import inverse_frequencies
 from specpage.models.config import ModelConfig
 from specpage.models.loader import (
     LoadedModel,
@@ -30,7 +31,6 @@ from specpage.models.loader import (
     resolve_dtype,
     weight_files,
 )
-from specpage.models.rope import inverse_frequencies
 
 State = dict[str, torch.Tensor]
 

@@ -1,6 +1,7 @@
 """What this machine's CPU offers, read once from /proc/cpuinfo: the choice
 of dtype and of the way each product runs depends on it (bf16 products are
-fast with AVX-512 BF16 or AMX and ~150x slower without)."""
+fast with AVX-512 BF16 or AMX and far slower without: docs/BENCHMARKS.md,
+"CPU products")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The decoder's layers in one native call (specpage/models/native_stack.py,
+"""The decoder's layers in one native call (specpage/layers/native_stack.py,
 kernels/cpu/decoder_stack.cpp) give exactly what the module path gives:
 the same logits, the same K/V in the cache and the same tapped hidden
 states, for decode and verify steps in bf16 and q4 (on the native products
@@ -8,17 +8,17 @@ take (a prefill chunk, fp32) run the module path."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
 from specpage.attention.cpu import NATIVE_SPAN
 from specpage.executor.model_runner import ModelRunner, SeqSpan
-from specpage.models import native_stack, quant
-from specpage.models.decoder import DecoderModel, LayerTap, bf16_kernels
+from specpage.layers import native_stack, quant
+from specpage.layers.products import bf16_kernels
+from specpage.layers.quant import DENSE_FROM_ROWS, INT8X_DENSE_FROM_ROWS, keeps_dense_copy
+from specpage.models.decoder import LayerTap
 from specpage.models.loader import load_model
-from specpage.models.quant import DENSE_FROM_ROWS, INT8X_DENSE_FROM_ROWS, keeps_dense_copy
 from tests.support.checkpoints import tiny_checkpoint
 
 pytestmark = pytest.mark.skipif(bf16_kernels() is None,
@@ -210,112 +210,3 @@ def test_the_native_call_refuses_operands_that_do_not_fit(checkpoint: Path) -> N
     with pytest.raises(RuntimeError, match="taps must name layers"):
         call(taps=[2, 0])
     assert torch.equal(runner.kv_cache, before)
-
-
-def step_and_loop(runner: ModelRunner, spans: list[SeqSpan], layers: tuple[int, ...] = ()
-                  ) -> list[tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]]:
-    """(logits, the cache after, tapped states) by NativeStep and by the
-    module path with the native layer loop, each from the same cache."""
-    assert runner.native_step is not None
-    step, before = runner.native_step, runner.kv_cache.clone()
-    results = []
-    for native_step in (step, None):
-        runner.native_step = native_step
-        runner.kv_cache.copy_(before)
-        tap = LayerTap(layers)
-        logits = runner.forward(spans, tap)
-        results.append((logits, runner.kv_cache.clone(), tap.states))
-    runner.native_step = step
-    return results
-
-
-@pytest.mark.parametrize("quantization", QUANTIZATIONS)
-@pytest.mark.parametrize("shape", ["decode 1", "decode 3", "verify 5", "verify 3, 1 logit",
-                                   "verify 2 + decode 2, some logits", "decode 20",
-                                   "catch-up 30 + decode 1"])
-def test_the_step_from_spans_gives_the_layer_loops_logits_kv_and_taps(
-        checkpoint: Path, quantization: str | None, shape: str) -> None:
-    runner = prefilled(checkpoint, quantization, 20)
-    spans = {
-        "decode 1": [SeqSpan([7], 40, table(0))],
-        "decode 3": [SeqSpan([7 + s], 40 + s, table(s)) for s in range(3)],
-        "verify 5": [SeqSpan([9, 8, 7, 6, 5], 40, table(1), 5)],
-        "verify 3, 1 logit": [SeqSpan([9, 8, 7], 40, table(2), 1)],
-        "verify 2 + decode 2, some logits": [
-            SeqSpan([9, 8], 40, table(0), 1), SeqSpan([5], 40, table(1)),
-            SeqSpan([4, 3, 2], 40, table(2), 2)],
-        "decode 20": [SeqSpan([7 + s], 40, table(s)) for s in range(20)],
-        "catch-up 30 + decode 1": [SeqSpan(list(range(3, 33)), 40, table(0)),
-                                   SeqSpan([5], 40, table(1))],
-    }[shape]
-    step, loop = step_and_loop(runner, spans, (0, 2, 2))
-    assert torch.equal(step[0], loop[0])
-    assert step[0].shape == (sum(s.num_logits for s in spans), SHAPE["vocab_size"])
-    assert torch.equal(step[1], loop[1])
-    assert len(step[2]) == len(loop[2]) == 3
-    assert all(torch.equal(a, b) for a, b in zip(step[2], loop[2], strict=True))
-
-
-def test_the_step_leaves_forwards_it_does_not_take_to_the_modules(checkpoint: Path) -> None:
-    """A prefill chunk longer than the attention kernel's spans and an fp32
-    model: NativeStep does nothing and the module path computes them."""
-    runner = prefilled(checkpoint, None, 1)
-    assert runner.native_step is not None
-    longer = list(range(1, NATIVE_SPAN + 2))  # than the attention kernel's spans
-    assert runner.native_step([SeqSpan(longer, 40, table(0))], None) is None
-    fp32 = ModelRunner(load_model(checkpoint, "fp32"), 32, BLOCK)
-    assert fp32.native_step is not None
-    assert fp32.native_step([SeqSpan([5], 0, table(0))], None) is None
-
-
-@pytest.mark.parametrize("quantization", QUANTIZATIONS)
-def test_a_draft_vocabulary_is_projected_as_the_modules_do(checkpoint: Path,
-                                                           quantization: str | None) -> None:
-    """A draft scoring only its vocabulary's rows (-inf elsewhere): the
-    step's logits are the module path's, catching up and proposing."""
-    runner = prefilled(checkpoint, quantization, 2)
-    runner.model.restrict_output_vocab(torch.arange(0, SHAPE["vocab_size"], 2))
-    for spans in ([SeqSpan([5], 40, table(0))],
-                  [SeqSpan(list(range(3, 20)), 40, table(0)), SeqSpan([5], 40, table(1))]):
-        with torch.inference_mode():
-            assert runner.native_step is not None and runner.native_step(spans, None) is not None
-        step, loop = step_and_loop(runner, spans)
-        assert torch.equal(step[0], loop[0]) and torch.equal(step[1], loop[1])
-        assert bool(torch.isinf(step[0][:, 1::2]).all()) and bool(step[0][:, ::2].isfinite().all())
-
-
-@pytest.mark.skipif(not quant.int8x_kernels(), reason="no AVX-512 VNNI on this CPU")
-def test_the_step_projects_on_a_q8_head_as_the_modules_do(checkpoint: Path) -> None:
-    """With the vocabulary projection on Q8_0 blocks (as a q4 load of
-    SmolLM2's GGUF has it), the step from spans gives the module path's
-    logits bit for bit, up to Q8_HEAD_MAX_ROWS rows and past them."""
-    runner = prefilled(checkpoint, "q4", 10)
-    groups = runner.model.embed_tokens.weight.detach().float().view(SHAPE["vocab_size"], -1, 32)
-    d = (groups.abs().amax(-1) / 127).half()
-    q = torch.round(groups / d.float()[..., None]).clamp(-127, 127).to(torch.int8)
-    runner.model.q8_head = quant.Q8Head(q.view(SHAPE["vocab_size"], -1), d)
-    for spans in ([SeqSpan([7], 40, table(0))], [SeqSpan([9, 8, 7, 6, 5], 40, table(1), 5)],
-                  [SeqSpan([7 + s], 40, table(s)) for s in range(10)]):
-        step, loop = step_and_loop(runner, spans)
-        assert torch.equal(step[0], loop[0])
-        assert torch.equal(step[1], loop[1])
-
-
-def test_a_model_with_a_forward_of_its_own_takes_the_module_path(checkpoint: Path) -> None:
-    """A DecoderModel subclass that overrides forward (a tensor-parallel
-    shard gathers its ranks' logits there) gets no NativeStep: its forward
-    runs."""
-    loaded = load_model(checkpoint, "bf16")
-    seen = []
-
-    class Wrapped(DecoderModel):
-        def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-            seen.append(True)
-            return super().forward(*args, **kwargs)
-
-    loaded.model.__class__ = Wrapped
-    runner = ModelRunner(loaded, 8, BLOCK)
-    assert runner.native_step is None
-    runner.forward([SeqSpan([5, 6, 7], 0, table(0))])
-    runner.forward([SeqSpan([8], 3, table(0))])
-    assert seen == [True, True]

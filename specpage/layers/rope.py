@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from specpage.models.config import RopeConfig
+from specpage.layers.rope_config import RopeConfig
 
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:

@@ -1,6 +1,7 @@
-"""The decoder's CPU products: whichever way a row count takes (padded
-W @ x.T or oneDNN's prepacked weight), the result is F.linear's, and a
-prepacked weight follows its module's weight through a dtype change."""
+"""The CPU products (specpage/layers/products.py): whichever way a row count
+takes (padded W @ x.T, oneDNN's prepacked weight, the native kernels), the
+result is F.linear's, and a prepacked weight follows its module's weight
+through a dtype change."""
 
 import re
 import subprocess
@@ -10,15 +11,15 @@ import torch
 
 from specpage.kernels.cpu import features as cpu
 from specpage.kernels.cpu.native import native_kernels
-from specpage.models.decoder import (
+from specpage.layers.linear import Linear
+from specpage.layers.products import (
     GEMV_MAX_ROWS,
     PANELS_MAX_ROWS,
-    Linear,
     PackedWeight,
     bf16_kernels,
     cpu_linear,
+    native_product,
     panels_take,
-    uses_gemv,
     uses_onednn,
 )
 
@@ -69,9 +70,12 @@ def test_few_bf16_rows_on_the_native_kernel_give_f_linear(rows, out, inputs):
     torch.manual_seed(rows + out)
     x = torch.randn(rows, inputs).bfloat16()
     weight, bias = (torch.randn(out, inputs) * 0.05).bfloat16(), torch.randn(out).bfloat16()
+    packed = PackedWeight()
+    gemv_op = bf16_kernels().bf16_gemv.default  # type: ignore[union-attr]
     with torch.inference_mode():
-        assert uses_gemv(x, weight) == (rows <= GEMV_MAX_ROWS)
-        ours = cpu_linear(x, weight, bias, PackedWeight())
+        call = native_product(weight, packed, rows)  # what cpu_linear runs for bf16 x
+        assert call is not None and (call[0] == gemv_op) == (rows <= GEMV_MAX_ROWS)
+        ours = cpu_linear(x, weight, bias, packed)
     ref = torch.nn.functional.linear(x.float(), weight.float()) + bias.float()
     assert ours.shape == (rows, out) and ours.dtype == torch.bfloat16
     assert float((ours.float() - ref).abs().max()) <= float(ref.abs().max()) * 2**-7
@@ -89,8 +93,10 @@ def test_a_few_dozen_bf16_rows_on_the_panel_kernel_give_f_linear(rows, out, inpu
     x = torch.randn(rows, inputs).bfloat16()
     weight, bias = (torch.randn(out, inputs) * 0.05).bfloat16(), torch.randn(out).bfloat16()
     packed = PackedWeight()
+    panels_op = bf16_kernels().bf16_panels_product.default  # type: ignore[union-attr]
     with torch.inference_mode():
-        assert not uses_gemv(x, weight) and panels_take(weight, rows)
+        call = native_product(weight, packed, rows)  # what cpu_linear runs for bf16 x
+        assert call is not None and call[0] == panels_op and panels_take(weight, rows)
         ours = cpu_linear(x, weight, bias, packed)
         panels = packed.panels(weight)
         assert packed.panels(weight) is panels
@@ -116,7 +122,8 @@ def test_the_native_product_refuses_what_it_cannot_take_by_name():
     with pytest.raises(RuntimeError, match=r"packed must be bf16_panels of an \[208, 96\]"):
         kernels.bf16_panels_product(torch.zeros(20, 96, dtype=torch.bfloat16),
                                     torch.zeros(208 * 95, dtype=torch.bfloat16), 208)
-    assert not uses_gemv(x, torch.zeros(208, 96))  # an fp32 weight stays on oneDNN/BLAS
+    # an fp32 weight stays on oneDNN/BLAS
+    assert native_product(torch.zeros(208, 96), PackedWeight(), x.shape[0]) is None
     tiles = torch.zeros(13, 3, 384, dtype=torch.uint8)  # 208 outputs x 96 inputs
     with pytest.raises(RuntimeError, match="in a multiple of 32"):
         kernels.int4_gemv(torch.zeros(1, 100, dtype=torch.bfloat16), tiles)
@@ -153,7 +160,7 @@ def test_the_int4_products_ask_for_their_weights_ahead(kernel):
     """GCC once deleted every prefetch of these products (a function of
     prefetches alone looked to it like one without effects), and nothing
     but their speed showed it: their built loops must hold prefetches."""
-    from specpage.models import quant
+    from specpage.layers import quant
 
     built = bf16_kernels() is not None if kernel == "int4_gemv" else quant.int8x_kernels()
     if not built:

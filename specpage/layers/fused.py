@@ -7,7 +7,7 @@ torch ops below run, which are also what the kernels are tested against.
 The kernels round to the dtype where the torch ops do, so bf16 results are
 the torch ops' but for the last bit of an fp32 sum or exp; fp32 results
 differ from them only in the order of the sum of squares and in exp's last
-bits (tests/models/test_fused_ops.py bounds both).
+bits (tests/layers/test_fused.py bounds both).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from specpage.kernels.cpu.native import loaded_kernels
-from specpage.models.rope import apply_rope
+from specpage.layers.rope import apply_rope
 
 LANES = 16  # the kernels' vector width: widths must be multiples of it
 FUSED_DTYPES = (torch.float32, torch.bfloat16)
@@ -32,7 +32,7 @@ def _native(x: torch.Tensor, width: int) -> object | None:
 
 def _unit_columns(x: torch.Tensor) -> torch.Tensor:
     """x, copied where its columns are not adjacent (a few-row product's
-    output can be a transposed view, see decoder.few_rows_linear)."""
+    output can be a transposed view, see products.few_rows_linear)."""
     return x if x.stride(-1) == 1 else x.contiguous()
 
 

@@ -1,5 +1,6 @@
-"""Weight-only int4 linears: a GGUF's own Q4_0/Q4_1 blocks, round-to-nearest
-from float weights, and the settings that choose them."""
+"""Quantizing a loaded model (specpage/models/quant_load.py): a GGUF's own
+Q4_0/Q4_1 blocks, round-to-nearest from float weights, the Q8_0 vocabulary
+projection, and the settings that choose them."""
 
 from __future__ import annotations
 
@@ -12,20 +13,20 @@ import torch
 from specpage.config import ConfigError, ModelSection
 from specpage.core.request import SamplingParams
 from specpage.engine import EngineConfig
-from specpage.llm import LLM
-from specpage.models import quant
-from specpage.models.decoder import bf16_kernels
-from specpage.models.gguf_blocks import GGUF_PARTS, GGUFWeights, Int4Blocks
-from specpage.models.loader import LoadedModel, load_model
-from specpage.models.quant import (
+from specpage.layers import quant
+from specpage.layers.products import bf16_kernels
+from specpage.layers.quant import (
     DENSE_FROM_ROWS,
     INT8X_DENSE_FROM_ROWS,
     Int4Linear,
     keeps_dense_copy,
-    quantize_rtn,
 )
-from specpage.models.quant_load import PROJECTIONS
+from specpage.llm import LLM
+from specpage.models.gguf_blocks import GGUF_PARTS, GGUFWeights
+from specpage.models.loader import LoadedModel, load_model
+from specpage.models.quant_load import PROJECTIONS, quantize_rtn
 from specpage.models.quant_names import QuantizationError
+from tests.layers.test_quant import both_products, int8_x, native
 from tests.models.test_fetch import _byte_level_alphabet
 from tests.support.checkpoints import tiny_checkpoint
 
@@ -33,19 +34,6 @@ HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 64, 128, 2, 4, 2
 # what a q4 model's quantization string ends with where the int4 products
 # take x to int8 (a CPU with AVX-512 VNNI)
 INT8X = ", int8 product inputs" if quant.int8x_kernels() else ""
-native = pytest.mark.skipif(bf16_kernels() is None, reason="no native int4 kernel on this CPU")
-both_products = pytest.mark.parametrize(
-    "int8x", [False, pytest.param(True, marks=pytest.mark.skipif(
-        not quant.int8x_kernels(), reason="no AVX-512 VNNI on this CPU"))])
-
-
-def int8_x(x: torch.Tensor) -> torch.Tensor:
-    """x as int8x_gemv takes it: per row and group of 32, d q with
-    d = max |x| / 127 and q = round(x / d), to nearest even; fp32."""
-    groups = x.float().view(x.shape[0], -1, 32)
-    amax = groups.abs().amax(-1, keepdim=True)
-    inverse = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
-    return (torch.round(groups * inverse) * (amax / 127)).view(x.shape)
 
 
 def write_gguf(path: Path, linear_type: str, seed: int = 0, vocab_multiple: int = 1) -> Path:
@@ -169,77 +157,6 @@ def test_one_int4_linear_matches_the_fp32_linear_within_bf16(ggufs: dict[str, Pa
         # few parts in 256 of the output's size.
         error = (actual - expected).abs().max() / expected.abs().max()
         assert error < 2**-6, (name, float(error))
-
-
-@native
-@both_products
-def test_the_native_kernel_computes_the_blocks_products_for_every_row_count(
-        int8x: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The kernel's tiles (quant.int4_stream, or int8x_stream where x is
-    taken to int8) against the blocks' dense weights: every row count it
-    takes, an odd number of groups, and outputs spanning several tiles, so
-    that a misplaced nibble, scale or bias shows; and a row's result is the
-    same bits alone or among others."""
-    monkeypatch.setattr(quant, "INT8X_PRODUCTS", int8x)
-    torch.manual_seed(3)
-    outputs, inputs = 48, 96
-    q = torch.randint(0, 16, (outputs, inputs), dtype=torch.uint8)
-    # scales and offsets fp16 cannot hold (fp32 in the tiles), and a GGUF's (fp16)
-    scale, offset = torch.rand(outputs, 3) * 0.02, torch.randn(outputs, 3) * 0.1
-    for tile_bytes in (384, 320):
-        if tile_bytes == 320:
-            scale, offset = scale.half().float(), offset.half().float()
-        check_native_products(Int4Blocks(q, scale, offset, 32), tile_bytes)
-
-
-def check_native_products(blocks: Int4Blocks, tile_bytes: int) -> None:
-    outputs, inputs = blocks.q.shape
-    weights = blocks.dequantize()
-    module = Int4Linear(blocks)
-    assert module.native and module.int8x == quant.INT8X_PRODUCTS
-    assert module.tiles.shape == (3, 3, tile_bytes)
-    op = bf16_kernels().int8x_gemv if module.int8x else bf16_kernels().int4_gemv  # type: ignore[union-attr]
-    stream = quant.int8x_stream if module.int8x else quant.int4_stream
-    for rows in (*range(1, 9), 13, 24):  # past 8 rows: further passes over a block
-        x = torch.randn(rows, inputs).bfloat16()
-        # the products of x as the kernel takes it (int8x: to int8 per 32), to
-        # within the bf16 output's rounding
-        expected = (int8_x(x) if module.int8x else x.float()) @ weights.T
-        actual = module.int4_product(x).float()
-        error = (actual - expected).abs().max() / expected.abs().max()
-        assert error < 2**-7, (rows, float(error))
-        if module.int8x:  # and x's own products within int8's rounding of x
-            exact = x.float() @ weights.T
-            assert (actual - exact).abs().max() / exact.abs().max() < 2**-5
-        # each row's sums run in the same order whatever the row count
-        alone = torch.cat([module.int4_product(x[r : r + 1]) for r in range(rows)])
-        assert torch.equal(actual, alone.float()), rows
-        # reading on into a next product's tiles (decoder_stack's) changes no bit
-        chained = op(x, module.tiles, module.tiles[:1])
-        assert torch.equal(chained, module.int4_product(x)), rows
-    with pytest.raises(RuntimeError, match=r"next must be contiguous uint8 .* next product's"):
-        op(x, module.tiles, module.tiles[..., :128])
-    if tile_bytes == 320:  # fp16 scales and offsets: the same bits as fp32 ones
-        as_fp32 = stream(blocks, half=False)
-        assert as_fp32.shape == (3, 3, 384)
-        assert torch.equal(op(x, as_fp32), module.int4_product(x))
-    else:
-        with pytest.raises(QuantizationError, match="float16 holds exactly"):
-            stream(blocks, half=True)
-
-
-@native
-@pytest.mark.skipif(not quant.int8x_kernels(), reason="no AVX-512 VNNI on this CPU")
-def test_int8x_takes_a_group_that_is_not_finite_to_nan() -> None:
-    """A group of x holding an infinity or NaN gives NaN outputs, as a bf16
-    product would, and leaves the other rows alone."""
-    blocks = Int4Blocks(torch.randint(0, 16, (16, 64), dtype=torch.uint8),
-                        torch.full((16, 2), 0.01), torch.full((16, 2), -0.08), 32)
-    tiles = quant.int8x_stream(blocks)
-    x = torch.randn(3, 64).bfloat16()
-    x[0, 5], x[1, 40] = float("inf"), float("nan")
-    y = bf16_kernels().int8x_gemv(x, tiles)  # type: ignore[union-attr]
-    assert bool(y[:2].isnan().all()) and bool(y[2].isfinite().all())
 
 
 def test_a_ggufs_q8_0_blocks_are_read_as_the_fp32_weights_hold_them(

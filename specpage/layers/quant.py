@@ -11,31 +11,25 @@ The kernel's convention, checked against a dense reference:
 so GGUF blocks map onto it exactly as scale = d, zero = m + 8d (Q4_1) or
 zero = 0 (Q4_0): the file's own 4-bit values, not re-quantized.
 
-The kernel is fast only with bf16 activations (measured on this AVX-512 host:
-a 3072×576 product on one row took ~20 ms with fp32 or fp16 inputs against
-~1.5 ms with bf16), so an fp32 model's input is cast to bf16 for the product
-and the result cast back: the rest of the model, KV included, stays in the
-activation dtype. Its scale and zero are bf16 (it requires the activation
-dtype), which rounds GGML's float16 d and m to 8 significant bits; the
-native kernel keeps them exact.
+The kernel is fast only with bf16 activations (docs/BENCHMARKS.md,
+"Quantized linears"), so an fp32 model's input is cast to bf16 for the
+product and the result cast back: the rest of the model, KV included, stays
+in the activation dtype. Its scale and zero are bf16 (it requires the
+activation dtype), which rounds GGML's float16 d and m to 8 significant
+bits; the native kernel keeps them exact.
 
 Where the CPU also has AVX-512 VNNI, each product takes its bf16 x to
 int8 per row and group of 32 (d = max |x| / 127, as llama.cpp's Q8 blocks
 do) and sums the weights' levels times those integers exactly in int32
 (int8x_gemv, vpdpbusd: 64 products an instruction, twice vdpbf16ps's, and
 no conversion of the levels to floats). The weights stay exact; x loses
-what 8 bits per group lose: on SmolLM2-135M's held-out text, perplexity
-moved from the bf16 products' by about +0.6% (fp32's +0.3%)
-(bench/quantization.py). That kernel is faster than the bf16 one at
-every row count and, measured on SmolLM2-135M's 30 layers of products
-(2 cores, ms, int8x / dense bf16 on oneDNN), faster than the dense bf16
-weights too on a CPU without AMX: 1 row 3.4 / 16.1, 8: 5.1 / 15.3,
-32: 18.9 / 27.7, 128: 53.8 / 74.3, 512: 246 / 275; so there its layers keep
-no dense copy. With AMX, oneDNN's bf16 products of many rows run on its
-tiles and pass it: 24 rows 11.1 / 14.2, 32: 13.0 / 14.7, 40: 16.3 / 15.0,
-48: 17.5 / 14.8, 64: 23.9 / 16.4, 128: 44.2 / 25.0; there its layers keep
-a dense copy for INT8X_DENSE_FROM_ROWS rows or more (a prefill chunk, or a
-verify step of many streams), 212 MB more for SmolLM2-135M.
+what 8 bits per group lose (its cost in perplexity is measured by
+bench/quantization.py). That kernel was measured faster than the bf16 one
+at every row count and, on a CPU without AMX, faster than the dense bf16
+weights too, so there its layers keep no dense copy. With AMX, oneDNN's
+bf16 products of many rows run on its tiles and pass it; there its layers
+keep a dense copy for INT8X_DENSE_FROM_ROWS rows or more (a prefill chunk,
+or a verify step of many streams), 212 MB more for SmolLM2-135M.
 
 The bf16 kernel reads 4 bits a weight, so it wins while a product is
 bound by reading the weights (a few rows); with more rows its unpacking
@@ -49,22 +43,48 @@ memory more (212 MB for SmolLM2-135M's projections).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from specpage.kernels.cpu import features as cpu
-from specpage.models.decoder import (
+from specpage.layers.products import (
     PackedWeight,
+    Product,
     bf16_kernels,
     cpu_linear,
     direct_bf16_product,
     uses_onednn,
 )
-from specpage.models.gguf_blocks import Int4Blocks
-from specpage.models.native_stack import Product
-from specpage.models.quant_names import QuantizationError
+
+
+@dataclass(frozen=True)
+class Int4Blocks:
+    """One weight of ``rows × cols`` in groups of ``group`` inputs:
+    w[r, c] = scale[r, c // group] · q[r, c] + offset[r, c // group]."""
+
+    q: torch.Tensor  # [rows, cols] uint8, values 0..15
+    scale: torch.Tensor  # [rows, cols // group] float32 (exact: float16 values)
+    offset: torch.Tensor  # [rows, cols // group] float32
+    group: int
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 weight, computed as GGML computes it (d·q + m, or d·(q−8))."""
+        rows, cols = self.q.shape
+        q = self.q.view(rows, cols // self.group, self.group).float()
+        return (self.scale[..., None] * q + self.offset[..., None]).view(rows, cols)
+
+    @staticmethod
+    def cat(parts: list[Int4Blocks]) -> Int4Blocks:
+        assert len({p.group for p in parts}) == 1
+        return Int4Blocks(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
+                          torch.cat([p.offset for p in parts]), parts[0].group)
+
+    def take_rows(self, order: torch.Tensor) -> Int4Blocks:
+        return Int4Blocks(self.q[order], self.scale[order], self.offset[order], self.group)
+
 
 GROUP_SIZES = (32, 64, 128)
 KERNEL_DTYPE = torch.bfloat16  # the only activation dtype the CPU kernel is fast at
@@ -72,15 +92,10 @@ KERNEL_DTYPE = torch.bfloat16  # the only activation dtype the CPU kernel is fas
 # it beyond validation, and gpt-fast/torchao pass 1 on CPU.
 INNER_K_TILES = 1
 Q_OFFSET = 8  # the kernel reads q − 8
-# The row count from which the dense bf16 copy is faster. SmolLM2-135M's 30
-# layers of products, 2 AVX-512 BF16 cores, ms, native int4 / dense bf16
-# (native kernels up to 64 rows, oneDNN above), two rounds: 1 row 4.5 / 19.8
-# and 4.4 / 19.6, 8: 9.3 / 18.9 and 9.0 / 20.4, 16: 16.1 / 23.6 and
-# 15.1 / 21.4, 20: 23.2 / 27.1 and 19.6 / 22.3, 24: 24.5 / 30.7 and
-# 23.0 / 23.9, 32: 32.5 / 33.4 and 30.6 / 30.5, 64: 60.9 / 49.2 and
-# 57.2 / 53.3.
+# The row count from which the dense bf16 copy was measured faster than the
+# int4 kernel (docs/BENCHMARKS.md, "Quantized linears: the dense copy").
 DENSE_FROM_ROWS = 24
-# The same for the int8x kernel, on a CPU with AMX (see above).
+# The same for the int8x kernel, on a CPU with AMX (the same section).
 INT8X_DENSE_FROM_ROWS = 40
 
 
@@ -100,18 +115,6 @@ def keeps_dense_copy(int8x: bool = False) -> bool:
 
 
 OUT_MULTIPLE = 16  # outputs both int4 kernels take in whole blocks of
-
-
-def check_shape(name: str, in_features: int, group: int, out_features: int) -> None:
-    if group not in GROUP_SIZES:
-        raise QuantizationError(f"{name}: q4 group size {group} unsupported; "
-                                f"use one of {', '.join(map(str, GROUP_SIZES))}")
-    if in_features % group:
-        raise QuantizationError(f"{name}: q4 needs in_features a multiple of the group size "
-                                f"{group}; this weight has {in_features} inputs")
-    if out_features % OUT_MULTIPLE:
-        raise QuantizationError(f"{name}: q4 needs out_features a multiple of {OUT_MULTIPLE}; "
-                                f"this weight has {out_features} outputs")
 
 
 # Whether products of int4 (and Q8Head's Q8_0) weights take x to int8 per
@@ -139,7 +142,7 @@ def native_int4(blocks: Int4Blocks) -> bool:
 
 class Int4Linear(nn.Module):
     """A linear layer with packed int4 weights (no ``.weight``); the same
-    call shape as decoder.Linear: x [rows, in_features] -> [rows, out_features].
+    call shape as layers.linear.Linear: x [rows, in_features] -> [rows, out_features].
 
     On a CPU with AVX-512 BF16 the native kernel runs it, with the blocks'
     own scale and offset, exact; elsewhere torch's int4 kernel, with them
@@ -190,7 +193,7 @@ class Int4Linear(nn.Module):
 
     def direct_product(self, rows: int) -> Product | None:
         """The kernel call for x of `rows` bf16 rows, as forward chooses it
-        (models/native_stack.py)."""
+        (layers/native_stack.py)."""
         if self.bias is not None:
             return None
         if self.dense is not None and rows >= dense_from_rows(self.int8x):
@@ -280,7 +283,7 @@ def _half_tiles(blocks: Int4Blocks, half: bool | None) -> bool:
     if half is None:
         return fp16_exact(blocks)
     if half and not fp16_exact(blocks):
-        raise QuantizationError("float16 tiles need scales and offsets float16 holds exactly")
+        raise ValueError("float16 tiles need scales and offsets float16 holds exactly")
     return half
 
 
@@ -312,7 +315,7 @@ def q8_stream(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     out_features, in_features = q.shape
     tiles, groups = out_features // 16, in_features // 32
     if not _fp16_values(d):
-        raise QuantizationError("Q8_0 scales must be float16 values")
+        raise ValueError("Q8_0 scales must be float16 values")
     levels = (q.to(torch.int16) + 128).to(torch.uint8).view(tiles, 16, groups, 8, 4)
     levels = levels.permute(0, 2, 3, 1, 4).reshape(tiles, groups, 16 * 32)
     return torch.cat([levels, _per_tile(d.float().half(), tiles, groups)], dim=2).contiguous()
@@ -389,20 +392,3 @@ def dequantize(blocks: Int4Blocks, exact: bool = False) -> torch.Tensor:
     q = blocks.q.float().view(rows, cols // blocks.group, blocks.group)
     w = (q - Q_OFFSET) * scale[..., None] + zero[..., None]
     return w.view(rows, cols).to(KERNEL_DTYPE).contiguous()
-
-
-def quantize_rtn(weight: torch.Tensor, group: int = 32, name: str = "weight") -> Int4Blocks:
-    """Round-to-nearest asymmetric group-wise int4, as gpt-fast does: per
-    group, the 16 levels span [min, max]. The scale and zero are rounded to
-    the kernel's bf16 first and q chosen against the rounded values, so the
-    kernel computes exactly what was chosen."""
-    rows, cols = weight.shape
-    check_shape(name, cols, group, rows)
-    w = weight.detach().float().view(rows, cols // group, group)
-    low, high = w.amin(-1), w.amax(-1)
-    levels = 2**4 - 1
-    scale = ((high - low) / levels).clamp(min=1e-8).to(KERNEL_DTYPE).float()
-    zero = (low + Q_OFFSET * scale).to(KERNEL_DTYPE).float()
-    offset = zero - Q_OFFSET * scale  # the value q = 0 stands for
-    q = ((w - offset[..., None]) / scale[..., None]).round().clamp(0, levels)
-    return Int4Blocks(q.to(torch.uint8).view(rows, cols), scale, offset, group)

@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from specpage.kernels.cpu.native import native_kernels
-from specpage.models import fused
-from specpage.models.config import RopeConfig
-from specpage.models.rope import apply_rope, cos_sin, inverse_frequencies
+from specpage.layers import fused
+from specpage.layers.rope import apply_rope, cos_sin, inverse_frequencies
+from specpage.layers.rope_config import RopeConfig
 
 pytestmark = pytest.mark.skipif(native_kernels() is None, reason="native kernels not built")
 

@@ -1,0 +1,126 @@
+"""A decoder's layers in one native call, for the forwards where every op
+of every layer has a kernel: decode and verify steps (every span on the CPU
+attention kernel) in bf16 on a CPU with AVX-512 BF16, products on the
+native kernels or oneDNN, no bias. The call
+(specpage/kernels/cpu/decoder_stack.cpp) makes the same kernel calls in the
+same order as DecoderLayer.forward, from C++: through the modules, each of a
+step's ~270 calls on SmolLM2-135M's 30 layers costs its module's dispatch,
+checks and a Python call, which the native loop saves (docs/BENCHMARKS.md,
+"Native layer stack"). The logits and the KV written are identical either
+way (tests/layers/test_native_stack.py).
+
+A linear layer takes part through `direct_product(rows)`: the kernel and its
+weight operands where one call computes x @ W.T for x of that many bf16
+rows and nothing is left to do (no bias, no cast), else None.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from specpage.attention.backend import AttentionBackend, AttentionMetadata
+from specpage.attention.cpu import CpuAttention
+from specpage.kernels.cpu.native import loaded_kernels
+from specpage.layers.fused import LANES
+
+ENABLED = True  # tests switch it off to compare with the module path
+
+
+# The product kinds decoder_stack.cpp reads, by the kernel a product calls.
+GEMV, PANELS, INT4, ONEDNN, INT8X = 0, 1, 2, 3, 4
+
+
+@dataclass(frozen=True)
+class StackPlan:
+    """decoder_stack's per-layer operands for one row count."""
+
+    norms: list[torch.Tensor]  # per layer: input norm, post-attention norm
+    kinds: list[int]  # per layer: qkv, o, gate_up, down
+    outs: list[int]  # output features per product (the panel kernel reads them)
+    operands: list[torch.Tensor]  # each product's, in order
+
+
+def run_layers(
+    model: Any,  # a DecoderModel: .layers, .config
+    x: torch.Tensor,  # [rows, hidden], the embedded tokens
+    rope: tuple[torch.Tensor, torch.Tensor],
+    caches: Sequence[torch.Tensor],
+    meta: AttentionMetadata,
+    backend: AttentionBackend,
+    tap: Any,  # LayerTap | None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(the stream after the last layer's attention, its MLP branch), as
+    DecoderModel's loop gives them; None, having done nothing, where some op
+    has no kernel."""
+    if not widths_fit(model.config):
+        return None
+    spans = _short_spans(x, meta, backend)
+    if spans is None or rope[0].dtype != x.dtype:
+        return None
+    plan = model.stack_plan(x.shape[0])
+    if plan is None:
+        return None
+    return call_stack(model.config, plan, x, rope, list(caches), meta.slot_mapping, *spans, tap)
+
+
+def widths_fit(c: Any) -> bool:
+    """Whether a config's widths are ones the fused kernels take (layers/fused.py)."""
+    return not (c.hidden_size % LANES or (c.head_dim // 2) % LANES or c.intermediate_size % LANES)
+
+
+def call_stack(c: Any, plan: StackPlan, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+               caches: list[torch.Tensor], slots: torch.Tensor, block_tables: torch.Tensor,
+               query_start: torch.Tensor, context_lens: torch.Tensor, tap: Any
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """decoder_stack on these operands; the tap sees the states it asked for."""
+    taps = sorted(set(tap.layers)) if tap is not None else []
+    x, branch, tapped = loaded_kernels().decoder_stack.default(
+        x, rope[0], rope[1], caches, slots, block_tables, query_start, context_lens,
+        plan.norms, plan.kinds, plan.outs, plan.operands, c.num_heads, c.num_kv_heads,
+        c.rms_norm_eps, c.head_dim**-0.5, taps)
+    for index, state in zip(taps, tapped, strict=True):
+        tap.see(index, state)
+    return x, branch
+
+
+def _short_spans(x: torch.Tensor, meta: AttentionMetadata, backend: AttentionBackend
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The attention kernel's operands, where the rest of this forward fits."""
+    if (not ENABLED or x.device.type != "cpu" or x.dtype != torch.bfloat16
+            or torch.is_grad_enabled() or not isinstance(backend, CpuAttention)):
+        return None
+    short = backend.all_short(meta)
+    if short is None:
+        return None
+    return short.block_tables, short.query_start, short.context_lens
+
+
+def stack_plan(layers: Sequence[Any], rows: int) -> StackPlan | None:
+    """decoder_stack's operands for x of `rows` rows; None where a layer has
+    an op without a kernel (or there are no layers)."""
+    kernels = loaded_kernels()
+    if kernels is None or not kernels.has_bf16_gemv() or not layers:
+        return None
+    kinds_by_kernel = {kernels.bf16_gemv.default: GEMV, kernels.bf16_panels_product.default: PANELS,
+                       kernels.int4_gemv.default: INT4, kernels.int8x_gemv.default: INT8X,
+                       torch.ops.mkldnn._linear_pointwise.default: ONEDNN}
+    plan = StackPlan([], [], [], [])
+    for layer in layers:
+        norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+        if any(n.dtype != torch.bfloat16 for n in norms):
+            return None
+        plan.norms.extend(norms)
+        for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
+            product = linear.direct_product(rows)
+            kind = None if product is None else kinds_by_kernel.get(product[0])
+            if product is None or kind is None:
+                return None
+            operands = product[1]
+            plan.kinds.append(kind)
+            plan.outs.append(operands[1] if kind == PANELS else 0)
+            plan.operands.extend(operands[:1] if kind in (PANELS, ONEDNN) else operands)
+    return plan

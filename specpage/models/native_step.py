@@ -1,0 +1,104 @@
+"""A decode or verify forward of a DecoderModel from its spans to its
+logits on the native kernels: its layers through layers/native_stack.py's
+one native call, the embedding, rotary rows and vocabulary projection
+around it as ops."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from specpage.attention.backend import AttentionBackend, lay_out_spans
+from specpage.attention.cpu import NATIVE_SPAN, CpuAttention
+from specpage.kernels.cpu.native import loaded_kernels
+from specpage.layers import native_stack
+from specpage.layers.native_stack import StackPlan, call_stack, widths_fit
+
+
+class NativeStep:
+    """A decode or verify forward on the native kernels from its spans to
+    its logits, with as little Python between the kernels as it can take:
+    the embedding, rotary rows, decoder_stack and the final norm called as
+    ops, and the vocabulary projection on Q8Head's kernel where the model
+    has one (else DecoderModel.logits). Each Python call on a step's path
+    costs far more on caches that other work has just filled than its few
+    microseconds in a loop (docs/BENCHMARKS.md, "Native layer stack"). The
+    logits and the KV written are the module path's
+    (tests/layers/test_native_stack.py).
+
+    Made by ModelRunner for a DecoderModel on the CPU attention kernel; a
+    forward it does not take (a span longer than the attention kernel's,
+    rows without a stack plan, grad mode) returns None, having done
+    nothing. A draft's reduced vocabulary is projected by
+    DecoderModel.logits, as on the module path."""
+
+    def __init__(self, model: Any, caches: list[torch.Tensor], block_size: int) -> None:
+        kernels = loaded_kernels()
+        assert kernels is not None, "NativeStep needs the native kernels"
+        self.model = model
+        self.caches = caches
+        self.block_size = block_size
+        self.final_eps = model.norm.eps
+        self.add_rms_norm = kernels.add_rms_norm.default
+        self.int8x_gemv = kernels.int8x_gemv.default
+        self.fits = widths_fit(model.config)
+        self._plans: dict[int, StackPlan | None] | None = None  # the model's, when bound
+        self._bound: tuple[torch.Tensor, torch.Tensor]
+
+    @classmethod
+    def of(cls, model: Any, backend: AttentionBackend, caches: list[torch.Tensor],
+           block_size: int) -> NativeStep | None:
+        """One for this model and backend, or None where none can run."""
+        if not isinstance(backend, CpuAttention) or loaded_kernels() is None:
+            return None
+        return cls(model, caches, block_size)
+
+    def _tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's embedding and final norm weight, looked up once for as
+        long as its tensors stay (DecoderModel._apply starts a new dict of
+        stack plans when they change): each is an nn.Module attribute
+        lookup, slow on a cold cache."""
+        model = self.model
+        plans = model.stack_plans
+        if self._plans is not plans:
+            self._plans = plans
+            self._bound = (model.embed_tokens.weight, model.norm.weight)
+        return self._bound
+
+    def __call__(self, spans: Sequence[Any], tap: Any) -> torch.Tensor | None:
+        model = self.model
+        weight, norm = self._tensors()
+        if (not native_stack.ENABLED or weight.dtype != torch.bfloat16 or not self.fits
+                or torch.is_grad_enabled()
+                or any(len(s.token_ids) > NATIVE_SPAN for s in spans)):
+            return None
+        tokens = sum(len(s.token_ids) for s in spans)
+        plan = model.stack_plan(tokens)
+        if plan is None:
+            return None
+        layout = lay_out_spans([(s.start, len(s.token_ids), list(s.block_table)) for s in spans],
+                               self.block_size)
+        # the token ids, their positions and the rows to score, as slices of one tensor
+        values = [t for s in spans for t in s.token_ids]
+        values.extend(p for s in spans for p in range(s.start, s.end))
+        rows = 0
+        for s in spans:
+            rows += len(s.token_ids)
+            values.extend(range(rows - s.num_logits, rows))
+        ids, positions, logits_index = torch.tensor(values, dtype=torch.int64).split(
+            [tokens, tokens, len(values) - 2 * tokens])
+        rope = model.rope_rows(positions, weight.dtype, max(s.end for s in spans))
+        x, branch = call_stack(
+            model.config, plan, torch.embedding(weight, ids), rope, self.caches,
+            layout.slot_mapping, layout.block_tables, layout.query_start, layout.context_lens,
+            tap)
+        if logits_index.shape[0] != tokens:  # else every row, in order
+            x, branch = x[logits_index], branch[logits_index]
+        head = model.quantized_head
+        if (head is None or not head.int8x or model.output_vocab is not None
+                or not head.takes(x)):  # (x: the normed rows' shape)
+            return model.logits(x, branch)  # type: ignore[no-any-return]
+        _, normed = self.add_rms_norm(branch, x, norm, self.final_eps)
+        return self.int8x_gemv(normed, head.tiles).float()

@@ -1,0 +1,97 @@
+"""The int4 linears and their kernels (specpage/layers/quant.py,
+kernels/cpu/int4_gemv.cpp): the kernels' tiles against the blocks' dense
+weights, on bf16 x and on x taken to int8."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specpage.layers import quant
+from specpage.layers.products import bf16_kernels
+from specpage.layers.quant import Int4Blocks, Int4Linear
+
+native = pytest.mark.skipif(bf16_kernels() is None, reason="no native int4 kernel on this CPU")
+both_products = pytest.mark.parametrize(
+    "int8x", [False, pytest.param(True, marks=pytest.mark.skipif(
+        not quant.int8x_kernels(), reason="no AVX-512 VNNI on this CPU"))])
+
+
+def int8_x(x: torch.Tensor) -> torch.Tensor:
+    """x as int8x_gemv takes it: per row and group of 32, d q with
+    d = max |x| / 127 and q = round(x / d), to nearest even; fp32."""
+    groups = x.float().view(x.shape[0], -1, 32)
+    amax = groups.abs().amax(-1, keepdim=True)
+    inverse = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return (torch.round(groups * inverse) * (amax / 127)).view(x.shape)
+
+
+@native
+@both_products
+def test_the_native_kernel_computes_the_blocks_products_for_every_row_count(
+        int8x: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel's tiles (quant.int4_stream, or int8x_stream where x is
+    taken to int8) against the blocks' dense weights: every row count it
+    takes, an odd number of groups, and outputs spanning several tiles, so
+    that a misplaced nibble, scale or bias shows; and a row's result is the
+    same bits alone or among others."""
+    monkeypatch.setattr(quant, "INT8X_PRODUCTS", int8x)
+    torch.manual_seed(3)
+    outputs, inputs = 48, 96
+    q = torch.randint(0, 16, (outputs, inputs), dtype=torch.uint8)
+    # scales and offsets fp16 cannot hold (fp32 in the tiles), and a GGUF's (fp16)
+    scale, offset = torch.rand(outputs, 3) * 0.02, torch.randn(outputs, 3) * 0.1
+    for tile_bytes in (384, 320):
+        if tile_bytes == 320:
+            scale, offset = scale.half().float(), offset.half().float()
+        check_native_products(Int4Blocks(q, scale, offset, 32), tile_bytes)
+
+
+def check_native_products(blocks: Int4Blocks, tile_bytes: int) -> None:
+    outputs, inputs = blocks.q.shape
+    weights = blocks.dequantize()
+    module = Int4Linear(blocks)
+    assert module.native and module.int8x == quant.INT8X_PRODUCTS
+    assert module.tiles.shape == (3, 3, tile_bytes)
+    op = bf16_kernels().int8x_gemv if module.int8x else bf16_kernels().int4_gemv  # type: ignore[union-attr]
+    stream = quant.int8x_stream if module.int8x else quant.int4_stream
+    for rows in (*range(1, 9), 13, 24):  # past 8 rows: further passes over a block
+        x = torch.randn(rows, inputs).bfloat16()
+        # the products of x as the kernel takes it (int8x: to int8 per 32), to
+        # within the bf16 output's rounding
+        expected = (int8_x(x) if module.int8x else x.float()) @ weights.T
+        actual = module.int4_product(x).float()
+        error = (actual - expected).abs().max() / expected.abs().max()
+        assert error < 2**-7, (rows, float(error))
+        if module.int8x:  # and x's own products within int8's rounding of x
+            exact = x.float() @ weights.T
+            assert (actual - exact).abs().max() / exact.abs().max() < 2**-5
+        # each row's sums run in the same order whatever the row count
+        alone = torch.cat([module.int4_product(x[r : r + 1]) for r in range(rows)])
+        assert torch.equal(actual, alone.float()), rows
+        # reading on into a next product's tiles (decoder_stack's) changes no bit
+        chained = op(x, module.tiles, module.tiles[:1])
+        assert torch.equal(chained, module.int4_product(x)), rows
+    with pytest.raises(RuntimeError, match=r"next must be contiguous uint8 .* next product's"):
+        op(x, module.tiles, module.tiles[..., :128])
+    if tile_bytes == 320:  # fp16 scales and offsets: the same bits as fp32 ones
+        as_fp32 = stream(blocks, half=False)
+        assert as_fp32.shape == (3, 3, 384)
+        assert torch.equal(op(x, as_fp32), module.int4_product(x))
+    else:
+        with pytest.raises(ValueError, match="float16 holds exactly"):
+            stream(blocks, half=True)
+
+
+@native
+@pytest.mark.skipif(not quant.int8x_kernels(), reason="no AVX-512 VNNI on this CPU")
+def test_int8x_takes_a_group_that_is_not_finite_to_nan() -> None:
+    """A group of x holding an infinity or NaN gives NaN outputs, as a bf16
+    product would, and leaves the other rows alone."""
+    blocks = Int4Blocks(torch.randint(0, 16, (16, 64), dtype=torch.uint8),
+                        torch.full((16, 2), 0.01), torch.full((16, 2), -0.08), 32)
+    tiles = quant.int8x_stream(blocks)
+    x = torch.randn(3, 64).bfloat16()
+    x[0, 5], x[1, 40] = float("inf"), float("nan")
+    y = bf16_kernels().int8x_gemv(x, tiles)  # type: ignore[union-attr]
+    assert bool(y[:2].isnan().all()) and bool(y[2].isfinite().all())
