@@ -59,6 +59,7 @@ class Pool:
 
     def __init__(self, args: argparse.Namespace, spans: list[tuple[int, int]]) -> None:
         from specpage.attention.triton import TritonAttention
+        from specpage.core.span import Span
 
         bs, kv_heads, d = args.block_size, args.kv_heads, args.head_dim
         context = spans[0][0] + spans[0][1]
@@ -67,7 +68,7 @@ class Pool:
         order = torch.randperm(num_blocks).tolist()
         tables = [order[i * per_seq : (i + 1) * per_seq] for i in range(len(spans))]
         self.meta = TritonAttention().build_metadata(
-            [(start, new, t) for (start, new), t in zip(spans, tables, strict=True)],
+            [Span([1] * new, start, t) for (start, new), t in zip(spans, tables, strict=True)],
             bs,
             args.heads // kv_heads,
             torch.device("cuda"),

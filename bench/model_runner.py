@@ -38,7 +38,8 @@ from bench.common import (  # noqa: E402
     rotated,
     rounds,
 )
-from specpage.executor.model_runner import ModelRunner, SeqSpan  # noqa: E402
+from specpage.core.span import Span  # noqa: E402
+from specpage.executor.model_runner import ModelRunner  # noqa: E402
 from specpage.models.fetch import ensure_model  # noqa: E402
 from specpage.models.loader import load_model  # noqa: E402
 
@@ -66,8 +67,8 @@ def ours_decode(runner: ModelRunner, batch: int, context: int) -> Callable[[], o
     blocks = -(-(context + 1) // BLOCK_SIZE)
     tables = [list(range(i * blocks, (i + 1) * blocks)) for i in range(batch)]
     prompts = [[(7 * i + j) % 40000 + 100 for j in range(context)] for i in range(batch)]
-    runner.forward([SeqSpan(p, 0, t, 1) for p, t in zip(prompts, tables, strict=True)])
-    spans = [SeqSpan([5], context, t, 1) for t in tables]
+    runner.forward([Span(p, 0, t, 1) for p, t in zip(prompts, tables, strict=True)])
+    spans = [Span([5], context, t, 1) for t in tables]
     return lambda: runner.forward(spans)
 
 
@@ -75,8 +76,8 @@ def ours_verify(runner: ModelRunner, span: int, context: int) -> Callable[[], ob
     """One sequence verifying `span` positions (k = span - 1 proposals), logits for each."""
     blocks = -(-(context + span) // BLOCK_SIZE)
     table = list(range(blocks))
-    runner.forward([SeqSpan([(3 * j) % 40000 + 100 for j in range(context)], 0, table, 1)])
-    spans = [SeqSpan([5] * span, context, table, span)]
+    runner.forward([Span([(3 * j) % 40000 + 100 for j in range(context)], 0, table, 1)])
+    spans = [Span([5] * span, context, table, span)]
     return lambda: runner.forward(spans)
 
 
@@ -120,7 +121,7 @@ def main() -> None:
     prompts = [[(11 * i + j) % 40000 + 100 for j in range(prefill_len)]
                for i in range(prefill_batch)]
     blocks = -(-prefill_len // BLOCK_SIZE)
-    spans = [SeqSpan(p, 0, list(range(i * blocks, (i + 1) * blocks)), 1)
+    spans = [Span(p, 0, list(range(i * blocks, (i + 1) * blocks)), 1)
              for i, p in enumerate(prompts)]
     ids = torch.tensor(prompts)
 

@@ -19,8 +19,9 @@ import torch
 
 from bench.prompts import chat_prompts, mixed_prompts
 from specpage.core.request import SamplingParams
+from specpage.core.span import Span
 from specpage.engine import EngineConfig
-from specpage.executor.model_runner import ModelRunner, SeqSpan
+from specpage.executor.model_runner import ModelRunner
 from specpage.llm import LLM, chat_prompt
 from specpage.models.decoder import LayerTap
 from specpage.models.loader import load_model
@@ -92,7 +93,7 @@ def replayed_acceptance(head: Path, k: int = 4, prompts: int = 32, max_tokens: i
         ids = chat + list(output.samples[0].token_ids)
         tap = LayerTap(layers)
         with torch.inference_mode():
-            logits = runner.forward([SeqSpan(ids, 0, list(range(blocks)),
+            logits = runner.forward([Span(ids, 0, list(range(blocks)),
                                              num_logits=len(ids))], tap)
             features = torch.cat(tap.states, -1)[:-2].float()  # anchors p: token p + 2 next
             n = features.shape[0]

@@ -4,14 +4,13 @@ forward for all layers, from the layout of the forward's spans."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-# One sequence's span: (start, num_new, block_table); the new tokens take
-# positions start .. start + num_new - 1.
-Span = tuple[int, int, list[int]]
+from specpage.core.span import Span
 
 
 @dataclass(frozen=True)
@@ -32,7 +31,7 @@ class AttentionBackend(Protocol):
     """
 
     def build_metadata(
-        self, spans: list[Span], block_size: int, groups: int, device: torch.device
+        self, spans: Sequence[Span], block_size: int, groups: int, device: torch.device
     ) -> AttentionMetadata: ...
 
     def write_kv(
@@ -64,15 +63,18 @@ class SpanLayout:
     slot_mapping: torch.Tensor  # [num_tokens] int64, flat slot of each new token
 
 
-def lay_out_spans(spans: list[Span], block_size: int) -> SpanLayout:
+def lay_out_spans(spans: Sequence[Span], block_size: int) -> SpanLayout:
+    """The spans' positions and block tables; only their lengths are read of
+    their tokens."""
     # Python lists, one tensor each at the end: a decode step's few spans
     # cost a handful of microseconds this way, against ~70 for torch ops.
-    starts = [start for start, _, _ in spans]
-    query_lens = [n for _, n, _ in spans]
-    max_blocks = max(len(table) for _, _, table in spans)
+    starts = [s.start for s in spans]
+    query_lens = [len(s.token_ids) for s in spans]
+    max_blocks = max(len(s.block_table) for s in spans)
     query_start = [0]
     slots: list[int] = []
-    for start, n, table in spans:
+    for start, n, s in zip(starts, query_lens, spans, strict=True):
+        table = s.block_table
         query_start.append(query_start[-1] + n)
         slots.extend(table[p // block_size] * block_size + p % block_size
                      for p in range(start, start + n))
@@ -82,6 +84,7 @@ def lay_out_spans(spans: list[Span], block_size: int) -> SpanLayout:
         query_lens=_int64(query_lens),
         context_lens=_int64([start + n for start, n in zip(starts, query_lens, strict=True)]),
         query_start=_int64(query_start),
-        block_tables=_int64([table + [0] * (max_blocks - len(table)) for _, _, table in spans]),
+        block_tables=_int64([[*s.block_table, *[0] * (max_blocks - len(s.block_table))]
+                             for s in spans]),
         slot_mapping=_int64(slots),
     )

@@ -6,11 +6,12 @@ the kernel could not be built, gather blocks as the reference does."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from specpage.attention.backend import AttentionMetadata, Span, lay_out_spans
+from specpage.attention.backend import AttentionMetadata, lay_out_spans
 from specpage.attention.native import NATIVE_HEAD_DIMS, native_kernels
 from specpage.attention.reference import (
     TorchAttention,
@@ -18,6 +19,7 @@ from specpage.attention.reference import (
     _group_by_span,
     _padded_group,
 )
+from specpage.core.span import Span
 
 # The longest span the native kernel attends. It scores each row against the
 # whole context (causality by a count, not by skipping work) and makes none
@@ -59,10 +61,10 @@ class CpuAttention(TorchAttention):
         self._kernel = kernels.paged_attention
 
     def build_metadata(
-        self, spans: list[Span], block_size: int, groups: int, device: torch.device
+        self, spans: Sequence[Span], block_size: int, groups: int, device: torch.device
     ) -> CpuMetadata:
         layout = lay_out_spans(spans, block_size)
-        query_lens = [n for _, n, _ in spans]
+        query_lens = [len(s.token_ids) for s in spans]
         short_members = [i for i, n in enumerate(query_lens) if n <= NATIVE_SPAN]
         long = [i for i, n in enumerate(query_lens) if n > NATIVE_SPAN]
         rest = [[long[j] for j in members]

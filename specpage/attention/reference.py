@@ -4,13 +4,15 @@ sequences padded together in groups of similar span length."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from specpage.attention.backend import AttentionMetadata, Span, SpanLayout, lay_out_spans
+from specpage.attention.backend import AttentionMetadata, SpanLayout, lay_out_spans
 from specpage.core.arith import cdiv
+from specpage.core.span import Span
 
 
 @dataclass(frozen=True)
@@ -57,12 +59,11 @@ class TorchAttention:
         return torch.index_select(rows, 0, blocks, out=out)
 
     def build_metadata(
-        self, spans: list[Span], block_size: int, groups: int, device: torch.device
+        self, spans: Sequence[Span], block_size: int, groups: int, device: torch.device
     ) -> TorchMetadata:
-        """spans: (start, num_new, block_table) per sequence; groups: query
-        heads per KV head, stacked along the query axis of each mask."""
+        """groups: query heads per KV head, stacked along the query axis of each mask."""
         layout = lay_out_spans(spans, block_size)
-        grouped = _group_by_span([n for _, n, _ in spans])
+        grouped = _group_by_span([len(s.token_ids) for s in spans])
         padded = [
             _padded_group(members, layout, groups, len(grouped) == 1, device)
             for members in grouped

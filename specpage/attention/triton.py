@@ -3,11 +3,13 @@ protocol (the GPU path)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from specpage.attention.backend import AttentionMetadata, Span, lay_out_spans
+from specpage.attention.backend import AttentionMetadata, lay_out_spans
+from specpage.core.span import Span
 from specpage.kernels.triton.block_copy import copy_blocks
 from specpage.kernels.triton.kv_write import write_kv
 from specpage.kernels.triton.paged_decode import paged_decode
@@ -34,10 +36,9 @@ class TritonAttention:
     """
 
     def build_metadata(
-        self, spans: list[Span], block_size: int, groups: int, device: torch.device
+        self, spans: Sequence[Span], block_size: int, groups: int, device: torch.device
     ) -> TritonMetadata:
-        """spans: (start, num_new, block_table) per sequence. The kernels
-        serve every query head of a group in one program, so groups changes
+        """The kernels serve every query head of a group in one program, so groups changes
         nothing here."""
         layout = lay_out_spans(spans, block_size)
         return TritonMetadata(

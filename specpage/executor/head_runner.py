@@ -13,11 +13,9 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from specpage.attention.backend import AttentionBackend, AttentionMetadata
-from specpage.attention.selection import select_backend
-from specpage.executor.model_runner import SeqSpan
-from specpage.kernels.cpu import hugepages
-from specpage.kernels.cpu.native import native_kernels
+from specpage.attention.backend import AttentionBackend
+from specpage.core.span import Span
+from specpage.executor.kv_cache import KvCache, KvShape
 from specpage.models.eagle3 import LoadedHead
 
 
@@ -26,21 +24,15 @@ class HeadRunner:
                  block_size: int, backend: AttentionBackend | None = None) -> None:
         self.model = head.model
         self.config = head.config.layer
+        self.hidden_size = self.config.hidden_size
+        self.tap_width = head.model.fc.in_features  # a position's tapped states, concatenated
         self.embedding = head.model.embed_tokens or target_embedding
         self.block_size = block_size
         self.device, self.dtype = head.model.norm.weight.device, head.dtype
         c = self.config
-        if self.device.type == "cpu":
-            native_kernels()  # built (once per machine) or loaded now, not in a timed forward
-        self.backend = backend or select_backend(self.device, c.head_dim)
-        # [1 layer, 2 (K, V), num_blocks, block_size, kv_heads, head_dim]
-        self.kv_cache = hugepages.zeros(
-            (1, 2, num_blocks, block_size, c.num_kv_heads, c.head_dim), self.dtype, self.device)
-
-    @staticmethod
-    def bytes_per_block(head: LoadedHead, block_size: int) -> int:
-        c = head.config.layer
-        return 2 * block_size * c.num_kv_heads * c.head_dim * head.dtype.itemsize
+        self.kv = KvCache(KvShape(1, num_blocks, block_size, c.num_kv_heads, c.head_dim),
+                          self.dtype, self.device, backend)
+        self.groups = c.num_heads // c.num_kv_heads  # query heads per KV head
 
     @torch.inference_mode()
     def features(self, taps: torch.Tensor) -> torch.Tensor:
@@ -48,7 +40,7 @@ class HeadRunner:
         return self.model.fc(taps.to(self.dtype))
 
     @torch.inference_mode()
-    def run(self, spans: Sequence[SeqSpan], hidden: torch.Tensor,
+    def run(self, spans: Sequence[Span], hidden: torch.Tensor,
             every_output: bool = False) -> torch.Tensor:
         """The layer over the spans, whose token_ids are each position's
         NEXT token (what the head embeds), with one hidden state per
@@ -61,32 +53,28 @@ class HeadRunner:
         and the MLP run for one row a span. An absorb over the positions a
         sequence left while it did not speculate, up to a block of them,
         costs the qkv projection and little more."""
-        meta = self._metadata([(s.start, len(s.token_ids), list(s.block_table)) for s in spans])
+        meta = self.kv.metadata(spans, self.groups)
         outputs = None
         if not every_output and any(len(s.token_ids) > 1 for s in spans):
             ends = torch.tensor([len(s.token_ids) for s in spans]).cumsum(0) - 1
-            last = self._metadata([(s.end - 1, 1, list(s.block_table)) for s in spans])
+            last = self.kv.metadata([Span(s.token_ids[-1:], s.end - 1, s.block_table)
+                                     for s in spans], self.groups)
             outputs = (ends.to(self.device), last)
         ids = torch.tensor([t for s in spans for t in s.token_ids], dtype=torch.int64)
         positions = torch.cat([torch.arange(s.start, s.end) for s in spans])
         return self.model(self.embedding(ids.to(self.device)), hidden.to(self.dtype),
-                          positions.to(self.device), self.kv_cache[0], meta, self.backend,
-                          outputs)
-
-    def _metadata(self, spans: list[tuple[int, int, list[int]]]) -> AttentionMetadata:
-        return self.backend.build_metadata(spans, self.block_size,
-                                           self.config.num_heads // self.config.num_kv_heads,
-                                           self.device)
+                          positions.to(self.device), self.kv.layers[0], meta,
+                          self.kv.backend, outputs)
 
     @torch.inference_mode()
     def logits(self, prenorm: torch.Tensor) -> torch.Tensor:
         """[rows, hidden] -> fp32 [rows, target vocab], -inf outside the draft vocabulary."""
         return self.model.logits(prenorm.to(self.dtype))
 
-    def forward(self, spans: Sequence[SeqSpan]) -> torch.Tensor:
+    def forward(self, spans: Sequence[Span]) -> torch.Tensor:
         """A proposal-like forward (zero features, logits at each span's
         last num_logits positions), for timing the head at start-up
-        (spec/calibrate.py)."""
+        (speculation/calibrate.py)."""
         rows = sum(len(s.token_ids) for s in spans)
         every = any(s.num_logits > 1 for s in spans)
         out = self.run(spans, torch.zeros(rows, self.config.hidden_size, dtype=self.dtype,
@@ -99,7 +87,4 @@ class HeadRunner:
 
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
         """Copy-on-write: the head's K/V of each src block into dst."""
-        if not copies:
-            return
-        pairs = torch.tensor(copies, dtype=torch.int64, device=self.device)  # [num_pairs, 2]
-        self.backend.copy_blocks(self.kv_cache, pairs)
+        self.kv.copy_blocks(copies)

@@ -19,9 +19,10 @@ import torch
 
 from specpage.core.config_error import ConfigError
 from specpage.core.engine_config import EngineConfig
+from specpage.core.span import Span
 from specpage.executor.executor import Executor
-from specpage.executor.model_runner import ModelRunner, SeqSpan
-from specpage.executor.parallel.comm import Collectives, Command, Ranks, Span, rendezvous
+from specpage.executor.model_runner import ModelRunner
+from specpage.executor.parallel.comm import Collectives, Command, Ranks, rendezvous
 from specpage.executor.parallel.ranks import Workers, local_world, threads_per_rank
 from specpage.executor.parallel.sharding import check_divisible, shard_loaded
 from specpage.executor.parallel.worker import WorkerSpec
@@ -43,12 +44,11 @@ class LeaderRunner(ModelRunner):
         self.ranks, self.workers = ranks, workers
         self._copies: list[tuple[int, int]] = []  # not yet sent
 
-    def forward(self, spans: Sequence[SeqSpan], *args: Any, **kwargs: Any) -> torch.Tensor:
-        self._check(spans)  # a bad span fails here alone, before any rank runs it
+    def forward(self, spans: Sequence[Span], *args: Any, **kwargs: Any) -> torch.Tensor:
+        self.check(spans)  # a bad span fails here alone, before any rank runs it
         if self.workers.fault is not None:
             raise RuntimeError(f"tensor parallelism failed: {self.workers.fault}")
-        command = Command([Span(list(s.token_ids), s.start, list(s.block_table), s.num_logits)
-                           for s in spans], self._copies)
+        command = Command(list(spans), self._copies)
         try:
             self.ranks.send(command)
             self._copies = []

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specpage.executor.model_runner import ModelRunner, SeqSpan
+from specpage.core.span import Span
+from specpage.speculation.runner import SpanRunner
 
 CONTEXT = 128  # positions each timed span attends to before its own, a chat-sized history
 MAX_POSITIONS = 64  # beyond this the curve continues along its last segment
@@ -82,7 +83,7 @@ class Plan:
         first = [n for n in (1, 2, max(self.sizes)) if n in self.sizes]
         return list(dict.fromkeys(first + list(self.sizes)))
 
-    def spans(self, runner: ModelRunner, size: int, every_logit: bool) -> list[SeqSpan]:
+    def spans(self, runner: SpanRunner, size: int, every_logit: bool) -> list[Span]:
         """The same blocks for every forward of a size: repeats find their
         pages written, as a running pool's are."""
         rows, block = min(size, self.max_rows), 0
@@ -92,7 +93,7 @@ class Plan:
             count = math.ceil((self.context + length) / runner.block_size)
             table = [(block + i) % self.num_blocks for i in range(count)]
             block += count
-            result.append(SeqSpan([0] * length, self.context, table,
+            result.append(Span([0] * length, self.context, table,
                                   num_logits=length if every_logit else 1))
         return result
 
@@ -113,7 +114,7 @@ class Measured(dict[int, float]):
         return self[n] * size / n
 
 
-def measure(runners: Sequence[tuple[ModelRunner, bool]], plan: Plan,
+def measure(runners: Sequence[tuple[SpanRunner, bool]], plan: Plan,
             budget: float = BUDGET) -> list[Measured]:
     """Time a forward of each size for each (runner, every_logit) within
     budget seconds: logits for every position (the target's verification) or
@@ -136,7 +137,7 @@ def measure(runners: Sequence[tuple[ModelRunner, bool]], plan: Plan,
     return results
 
 
-def _timed(runner: ModelRunner, spans: list[SeqSpan]) -> float:
+def _timed(runner: SpanRunner, spans: list[Span]) -> float:
     start = time.perf_counter()
     runner.forward(spans)
     if runner.device.type == "cuda":

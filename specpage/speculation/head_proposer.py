@@ -32,10 +32,10 @@ import time
 import msgspec
 import torch
 
+from specpage.core.span import Span
 from specpage.core.step import Cost, SeqResult, SeqWork
-from specpage.executor.head_runner import HeadRunner
-from specpage.executor.model_runner import SeqSpan
 from specpage.speculation.proposer import Proposal, drafts, draw
+from specpage.speculation.runner import DraftHead
 from specpage.speculation.verdict import Verdict
 
 
@@ -44,10 +44,10 @@ def decode_state(state: bytes) -> torch.Tensor:
 
 
 class HeadProposer:
-    def __init__(self, runner: HeadRunner) -> None:
+    def __init__(self, runner: DraftHead) -> None:
         self.runner = runner
-        self.hidden = runner.config.hidden_size
-        self.taps = runner.model.fc.in_features  # a position's tapped states, concatenated
+        self.hidden = runner.hidden_size
+        self.taps = runner.tap_width  # a position's tapped states, concatenated
 
     def _state(self, w: SeqWork) -> tuple[torch.Tensor, torch.Tensor]:
         """w's head output at draft_start - 1 [hidden] and the tapped states of
@@ -75,7 +75,7 @@ class HeadProposer:
         behind = [row for row, i in enumerate(active) if batch[i].draft_tokens]
         if behind:  # first the positions they left unabsorbed
             lagging = [batch[active[row]] for row in behind]
-            spans = [SeqSpan(self._unabsorbed(w), w.draft_start, w.block_table) for w in lagging]
+            spans = [Span(self._unabsorbed(w), w.draft_start, w.block_table) for w in lagging]
             taps = torch.cat([held[row][1] for row in behind])
             out = self.runner.run(spans, self.runner.features(taps))  # each span's last
             states = states.to(out.dtype)
@@ -98,7 +98,7 @@ class HeadProposer:
             start = time.perf_counter()
             # the head at position end - 2 + depth embeds its last proposal
             # (the token after that position) and reads its own last output
-            spans = [SeqSpan([tokens[i][-1]], batch[i].end - 2 + depth, batch[i].block_table)
+            spans = [Span([tokens[i][-1]], batch[i].end - 2 + depth, batch[i].block_table)
                      for i in active]
             states = self.runner.run(spans, states[keep])
             logits = self.runner.logits(states)
@@ -145,9 +145,9 @@ class HeadProposer:
                 continue
             rows = verdict.features[first:last]
             if drafts(w) or not w.draft_tokens:  # a proposal took what it left unabsorbed
-                spans.append(SeqSpan(following, w.start, w.block_table))
+                spans.append(Span(following, w.start, w.block_table))
             else:
-                spans.append(SeqSpan(self._unabsorbed(w) + following, w.draft_start,
+                spans.append(Span(self._unabsorbed(w) + following, w.draft_start,
                                      w.block_table))
                 taps.append(self._state(w)[1].to(rows.dtype))
             taps.append(rows)

@@ -15,8 +15,9 @@ from typing import NamedTuple
 
 import torch
 
+from specpage.core.span import Span
 from specpage.core.step import Cost, SeqResult, SeqWork
-from specpage.executor.model_runner import ModelRunner, SeqSpan
+from specpage.speculation.runner import SpanRunner
 from specpage.speculation.sampler import Purpose, sample
 from specpage.speculation.sampling_rows import row_probabilities, uniforms
 from specpage.speculation.verdict import Verdict
@@ -33,7 +34,7 @@ class Proposal(NamedTuple):
 
     def with_core(self, batch: list[SeqWork]) -> Proposal:
         """With the core's own proposals (SeqWork.proposal) in their rows: no
-        distribution, as if drawn with certainty (q one-hot, spec/verifier.py)."""
+        distribution, as if drawn with certainty (q one-hot, speculation/verifier.py)."""
         if not any(w.proposal for w in batch):
             return self
         tokens = [list(w.proposal) if w.proposal else drafted
@@ -47,10 +48,10 @@ def drafts(w: SeqWork) -> bool:
 
 
 class DraftProposer:
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: SpanRunner) -> None:
         self.runner = runner
 
-    def _forward(self, spans: list[SeqSpan], costs: list[Cost]) -> torch.Tensor:
+    def _forward(self, spans: list[Span], costs: list[Cost]) -> torch.Tensor:
         start = time.perf_counter()
         logits = self.runner.forward(spans)
         costs.append((sum(len(s.token_ids) for s in spans), time.perf_counter() - start))
@@ -63,7 +64,7 @@ class DraftProposer:
         active = [i for i, w in enumerate(batch) if drafts(w)]
         if not active:
             return Proposal.none(len(batch))
-        spans = [SeqSpan(batch[i].draft_tokens + batch[i].tokens, batch[i].draft_start,
+        spans = [Span(batch[i].draft_tokens + batch[i].tokens, batch[i].draft_start,
                          batch[i].block_table, num_logits=1) for i in active]
         logits = self._forward(spans, costs)
         depth = 0
@@ -74,7 +75,7 @@ class DraftProposer:
             active = [i for i in active if batch[i].k > depth]
             if not active:
                 break
-            spans = [SeqSpan([tokens[i][-1]], batch[i].end + depth - 1, batch[i].block_table)
+            spans = [Span([tokens[i][-1]], batch[i].end + depth - 1, batch[i].block_table)
                      for i in active]
             logits = self._forward(spans, costs)
         return Proposal(tokens, [torch.stack(p) if p else None for p in probs], costs)

@@ -11,18 +11,19 @@ import time
 
 import torch
 
+from specpage.core.span import Span
 from specpage.core.step import NOTHING, SeqResult, SeqWork
-from specpage.executor.model_runner import ModelRunner, SeqSpan
 from specpage.models.decoder import LayerTap
 from specpage.speculation.acceptance import accept
 from specpage.speculation.proposer import Proposal
+from specpage.speculation.runner import TargetRunner
 from specpage.speculation.sampler import Purpose, sample, uniform
 from specpage.speculation.sampling_rows import row_probabilities
 from specpage.speculation.verdict import Verdict
 
 
 class Verifier:
-    def __init__(self, runner: ModelRunner, feature_layers: tuple[int, ...] = ()) -> None:
+    def __init__(self, runner: TargetRunner, feature_layers: tuple[int, ...] = ()) -> None:
         self.runner = runner
         self.feature_layers = feature_layers  # the target layers a draft head reads
 
@@ -34,7 +35,7 @@ class Verifier:
         spans = []
         for w, drafted in zip(batch, proposal.tokens, strict=True):
             logits_wanted = len(drafted) + 1 if w.sample else 0
-            spans.append(SeqSpan(w.tokens + drafted, w.start, w.block_table, logits_wanted))
+            spans.append(Span(w.tokens + drafted, w.start, w.block_table, logits_wanted))
         # the head's features, unless it keeps nothing for any of them
         heads = bool(self.feature_layers) and any(w.draft_on for w in batch)
         tap = LayerTap(self.feature_layers) if heads else None
@@ -67,13 +68,18 @@ class Verifier:
         greedy = [r for r, w in enumerate(works) if w.sampling.greedy]
         sampled = [r for r, w in enumerate(works) if not w.sampling.greedy]
         num_accepted, next_token = [0] * len(rows), [0] * len(rows)
-        for group, decide in ((greedy, self._greedy), (sampled, self._sampled)):
-            if group:
-                decided = decide([rows[r] for r in group], [works[r] for r in group],
-                                 [ks[r] for r in group], [offsets[r] for r in group],
-                                 proposal, logits)
-                for r, (a, token) in zip(group, decided, strict=True):
-                    num_accepted[r], next_token[r] = a, token
+        decisions = []
+        if greedy:
+            decisions.append((greedy, self._greedy(
+                [rows[r] for r in greedy], [ks[r] for r in greedy],
+                [offsets[r] for r in greedy], proposal, logits)))
+        if sampled:
+            decisions.append((sampled, self._sampled(
+                [rows[r] for r in sampled], [works[r] for r in sampled],
+                [ks[r] for r in sampled], [offsets[r] for r in sampled], proposal, logits)))
+        for group, decided in decisions:
+            for r, (a, token) in zip(group, decided, strict=True):
+                num_accepted[r], next_token[r] = a, token
         log_probs = None
         if any(w.sampling.logprobs for w in works):
             log_probs = torch.log_softmax(logits, dim=-1)
@@ -95,8 +101,8 @@ class Verifier:
             )
 
     @staticmethod
-    def _greedy(rows: list[int], works: list[SeqWork], ks: list[int], offsets: list[int],
-                proposal: Proposal, logits: torch.Tensor) -> list[tuple[int, int]]:
+    def _greedy(rows: list[int], ks: list[int], offsets: list[int], proposal: Proposal,
+                logits: torch.Tensor) -> list[tuple[int, int]]:
         """Accept while the draft token equals the target's argmax."""
         argmax = logits.argmax(-1).tolist()  # [logit rows]
         decided = []

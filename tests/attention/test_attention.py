@@ -14,14 +14,15 @@ from specpage.attention.backend import AttentionMetadata
 from specpage.attention.reference import TorchAttention
 from specpage.attention.selection import select_backend
 from specpage.attention.triton import TritonAttention, TritonMetadata
-from specpage.executor.model_runner import ModelRunner, SeqSpan
+from specpage.core.span import Span
+from specpage.executor.model_runner import ModelRunner
 from specpage.models.loader import load_model
 from tests.support.checkpoints import tiny_checkpoint
 
 CPU = torch.device("cpu")
 # Block size 4, two query heads per KV head: a decode token at position 5,
 # a 10-token prefill chunk (longer than a short span), a 3-token verification.
-SPANS = [(5, 1, [7, 2]), (0, 10, [3, 9, 5]), (1, 3, [4])]
+SPANS = [Span([1], 5, [7, 2]), Span([1] * 10, 0, [3, 9, 5]), Span([1] * 3, 1, [4])]
 SLOTS = [9, 12, 13, 14, 15, 36, 37, 38, 39, 20, 21, 17, 18, 19]
 
 
@@ -95,13 +96,13 @@ def test_runner_attends_with_its_backends_own_metadata(tmp_path: Path) -> None:
     loaded = load_model(tmp_path)
     triton_backend = RecordingTriton()
     runners = [ModelRunner(loaded, 32, 4, backend=triton_backend), ModelRunner(loaded, 32, 4)]
-    assert type(runners[1].backend) is TorchAttention
+    assert type(runners[1].kv.backend) is TorchAttention
     rng = random.Random(3)
     tokens = [rng.randrange(211) for _ in range(20 + 1 + 15 + 33)]
     tables = [[5, 1, 8, 30, 11, 0], list(range(12, 24))]
-    prefill = [SeqSpan(tokens[:20], 0, tables[0], 20), SeqSpan(tokens[21:36], 0, tables[1], 15)]
+    prefill = [Span(tokens[:20], 0, tables[0], 20), Span(tokens[21:36], 0, tables[1], 15)]
     # A decode token beside the next chunk of the other sequence's prompt.
-    mixed = [SeqSpan(tokens[20:21], 20, tables[0], 1), SeqSpan(tokens[36:], 15, tables[1], 33)]
+    mixed = [Span(tokens[20:21], 20, tables[0], 1), Span(tokens[36:], 15, tables[1], 33)]
     for spans in (prefill, mixed):
         ours, ref = (runner.forward(spans) for runner in runners)
         assert float((ours - ref).abs().max() / ref.abs().max()) < 1e-4

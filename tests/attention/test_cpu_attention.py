@@ -12,6 +12,7 @@ from specpage.attention.cpu import NATIVE_SPAN, CpuAttention
 from specpage.attention.native import native_kernels, paged_attention_ref
 from specpage.attention.reference import TorchAttention
 from specpage.attention.selection import select_backend
+from specpage.core.span import Span
 
 CPU = torch.device("cpu")
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}  # fp32 sums in another order
@@ -88,7 +89,8 @@ def test_cpu_backend_equals_the_reference_backend(longest):
     outputs = []
     for backend in (CpuAttention(), TorchAttention()):
         layer = cache.clone()
-        meta = backend.build_metadata(spans, block_size, heads // kv_heads, CPU)
+        meta = backend.build_metadata([Span([1] * n, start, table) for start, n, table in spans],
+                                      block_size, heads // kv_heads, CPU)
         backend.write_kv(layer, k, v, meta)
         outputs.append(backend.attend(q, layer, meta, head_dim**-0.5))
     assert float((outputs[0] - outputs[1]).abs().max()) < 1e-5

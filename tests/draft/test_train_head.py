@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from transformers import LlamaConfig
 
 from draft.train_head import depth_loss, export, head_config, target_labels, ttt_forward
+from specpage.core.span import Span
 from specpage.executor.head_runner import HeadRunner
-from specpage.executor.model_runner import SeqSpan
 from specpage.models.eagle3 import Eagle3Config
 from specpage.models.loader import load_model
 from tests.support.head import tiny_head
@@ -37,17 +37,17 @@ def test_every_depth_of_every_anchor_equals_drafting_through_the_runner(tmp_path
     table = list(range(8))
     for p in range(n):
         # the committed positions 0 .. n - 1, from the target's features
-        state = runner.run([SeqSpan(tokens[1 : n + 1], 0, table)], hidden,
+        state = runner.run([Span(tokens[1 : n + 1], 0, table)], hidden,
                            every_output=True)[p]
         # as the last of a span, alone: the same output, its K/V the same
-        last = runner.run([SeqSpan(tokens[1 : p + 2], 0, table)], hidden[: p + 1])
+        last = runner.run([Span(tokens[1 : p + 2], 0, table)], hidden[: p + 1])
         torch.testing.assert_close(last[0], state, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(outs[0][p], state, atol=1e-5, rtol=1e-5)
         for j in range(1, depth):
             if p + j >= n:
                 break
             # drafting: position p + j, fed the head's own output
-            state = runner.run([SeqSpan([tokens[p + j + 1]], p + j, table)], state[None])[0]
+            state = runner.run([Span([tokens[p + j + 1]], p + j, table)], state[None])[0]
             torch.testing.assert_close(outs[j][p], state, atol=1e-5, rtol=1e-5)
 
 

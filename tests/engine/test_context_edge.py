@@ -23,8 +23,9 @@ import pytest
 import torch
 
 from specpage.core.request import SamplingParams, ValidationError
+from specpage.core.span import Span
 from specpage.engine import Engine, EngineConfig
-from specpage.executor.model_runner import ModelRunner, SeqSpan
+from specpage.executor.model_runner import ModelRunner
 from specpage.models.loader import draft_dtype, load_model
 from tests.support.checkpoints import tiny_checkpoint
 from tests.support.head import tiny_head
@@ -115,9 +116,9 @@ def test_a_forward_that_wants_no_logits_projects_nothing(loaded, dtype):
     """A prefill chunk alone in its forward: its K/V written, no logits."""
     target, _ = loaded(dtype)
     runner = ModelRunner(target, num_blocks=8, block_size=4)
-    logits = runner.forward([SeqSpan(prompt_for(30)[:6], 0, [0, 1], num_logits=0)])
+    logits = runner.forward([Span(prompt_for(30)[:6], 0, [0, 1], num_logits=0)])
     assert logits.shape == (0, VOCAB) and logits.dtype == torch.float32
-    assert runner.forward([SeqSpan([7], 6, [0, 1])]).shape == (1, VOCAB)
+    assert runner.forward([Span([7], 6, [0, 1])]).shape == (1, VOCAB)
 
 
 @pytest.fixture(scope="module")

@@ -1,15 +1,19 @@
 """The paged model runner against HF transformers: logits at every position,
 and greedy generation with chunked prefill and decode through the pool."""
 
+import logging
 import random
 
 import pytest
 import torch
 
 from specpage.core.block_pool import BlockPool
-from specpage.executor.model_runner import ModelRunner, SeqSpan
-from specpage.layers.products import few_rows_linear, padded_rows
+from specpage.core.span import Span
+from specpage.executor.kv_cache import KvCache, KvShape
+from specpage.executor.model_runner import ModelRunner
+from specpage.models.decoder import few_rows_linear, padded_rows
 from specpage.models.loader import load_model
+from specpage.models.native_step import NativeStep
 from tests.support.checkpoints import greedy_through_pool, tiny_checkpoint
 
 RTOL = 1e-4
@@ -54,7 +58,7 @@ def test_logits_match_transformers_at_every_position(tmp_path, family, overrides
     spans = []
     for prompt in prompts:
         table = [free.pop() for _ in range(-(-len(prompt) // block_size))]
-        spans.append(SeqSpan(prompt, 0, table, num_logits=len(prompt)))
+        spans.append(Span(prompt, 0, table, num_logits=len(prompt)))
     logits = runner.forward(spans).split(lengths)
     for prompt, ours in zip(prompts, logits, strict=True):
         with torch.no_grad():
@@ -70,7 +74,7 @@ def test_sharded_checkpoint_loads(tmp_path):
     prompt = list(range(10))
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0]
-    assert rel_error(runner.forward([SeqSpan(prompt, 0, [5, 2, 7], 10)]), ref) < RTOL
+    assert rel_error(runner.forward([Span(prompt, 0, [5, 2, 7], 10)]), ref) < RTOL
 
 
 def test_mixed_prefill_decode_and_verify_spans_in_one_forward(tmp_path):
@@ -81,10 +85,10 @@ def test_mixed_prefill_decode_and_verify_spans_in_one_forward(tmp_path):
     tables = [[0, 1, 2, 3], [4, 5], [6, 7, 8]]
     # first forward: different-length prefixes of each sequence
     done = [10, 5, 4]
-    runner.forward([SeqSpan(s[:d], 0, t, 1) for s, d, t in zip(seqs, done, tables, strict=True)])
+    runner.forward([Span(s[:d], 0, t, 1) for s, d, t in zip(seqs, done, tables, strict=True)])
     # second: a prefill chunk (3 tokens, 1 logit), a decode token, a 5-token verify span
-    spans = [SeqSpan(seqs[0][10:], 10, tables[0], 1), SeqSpan(seqs[1][5:], 5, tables[1], 1),
-             SeqSpan(seqs[2][4:], 4, tables[2], 5)]
+    spans = [Span(seqs[0][10:], 10, tables[0], 1), Span(seqs[1][5:], 5, tables[1], 1),
+             Span(seqs[2][4:], 4, tables[2], 5)]
     ours = runner.forward(spans)
     assert ours.shape == (7, 211)
     with torch.no_grad():
@@ -102,9 +106,9 @@ def test_spans_of_very_different_lengths_in_one_forward(tmp_path):
     rng = random.Random(3)
     seqs = [[rng.randrange(211) for _ in range(n)] for n in (30, 12, 6)]
     tables = [list(range(0, 8)), [8, 9, 10], [11, 12]]
-    runner.forward([SeqSpan(seqs[2][:5], 0, tables[2], 1)])
-    spans = [SeqSpan(seqs[0], 0, tables[0], 3), SeqSpan(seqs[1], 0, tables[1], 1),
-             SeqSpan(seqs[2][5:], 5, tables[2], 1)]
+    runner.forward([Span(seqs[2][:5], 0, tables[2], 1)])
+    spans = [Span(seqs[0], 0, tables[0], 3), Span(seqs[1], 0, tables[1], 1),
+             Span(seqs[2][5:], 5, tables[2], 1)]
     ours = runner.forward(spans)
     assert ours.shape == (5, 211)
     with torch.no_grad():
@@ -120,15 +124,15 @@ def test_copy_blocks_copies_every_layer_for_copy_on_write(tmp_path):
     pool = BlockPool(8, 4)
     prompt = [5, 6, 7, 8, 9, 10]
     pool.allocate_prompt("p", prompt)
-    runner.forward([SeqSpan(prompt, 0, pool.block_table("p"), 1)])
+    runner.forward([Span(prompt, 0, list(pool.block_table("p")), 1)])
     pool.commit("p", prompt)
     pool.fork("p", "c")
     copies = pool.reserve("c", 1)
     assert copies == [(1, 2)]
     runner.copy_blocks(copies)
-    assert torch.equal(runner.kv_cache[:, :, 2, :2], runner.kv_cache[:, :, 1, :2])
+    assert torch.equal(runner.kv.tensor[:, :, 2, :2], runner.kv.tensor[:, :, 1, :2])
     # the child continues from the copy and matches HF
-    logits = runner.forward([SeqSpan([42], 6, pool.block_table("c"), 1)])
+    logits = runner.forward([Span([42], 6, list(pool.block_table("c")), 1)])
     with torch.no_grad():
         ref = hf(torch.tensor([prompt + [42]])).logits[0, -1]
     assert rel_error(logits[0], ref) < RTOL
@@ -156,13 +160,13 @@ def test_bad_spans_are_rejected(tmp_path):
     with pytest.raises(ValueError, match="at least one span"):
         runner.forward([])
     with pytest.raises(ValueError, match="past the model's 16"):
-        runner.forward([SeqSpan([1] * 17, 0, list(range(5)), 1)])
+        runner.forward([Span([1] * 17, 0, list(range(5)), 1)])
     with pytest.raises(ValueError, match="block table too short"):
-        runner.forward([SeqSpan([1] * 5, 0, [0], 1)])
+        runner.forward([Span([1] * 5, 0, [0], 1)])
     with pytest.raises(ValueError, match="outside the vocabulary"):
-        runner.forward([SeqSpan([211], 0, [0], 1)])
+        runner.forward([Span([211], 0, [0], 1)])
     with pytest.raises(ValueError, match="num_logits 2"):
-        runner.forward([SeqSpan([1], 0, [0], 2)])
+        runner.forward([Span([1], 0, [0], 2)])
 
 
 @pytest.mark.parametrize("rows", [*range(1, 18), 23, 31, 32, 33])
@@ -186,14 +190,44 @@ def test_a_restricted_output_vocabulary_scores_only_its_tokens(tmp_path, tied):
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0]
     for num_logits in (1, 3, 9):  # one row, a few rows, all
-        logits = runner.forward([SeqSpan(prompt, 0, [0, 1, 2], num_logits=num_logits)])
+        logits = runner.forward([Span(prompt, 0, [0, 1, 2], num_logits=num_logits)])
         assert rel_error(logits[:, allowed], ref[-num_logits:, allowed]) < RTOL
         outside = torch.ones(211, dtype=torch.bool)
         outside[allowed] = False
         assert torch.isneginf(logits[:, outside]).all()
     runner.model.restrict_output_vocab(None)
-    full = runner.forward([SeqSpan(prompt, 0, [0, 1, 2], num_logits=9)])
+    full = runner.forward([Span(prompt, 0, [0, 1, 2], num_logits=9)])
     assert rel_error(full, ref) < RTOL
     for bad in ([], [211], [-1, 4]):
         with pytest.raises(ValueError, match="output vocabulary"):
             runner.model.restrict_output_vocab(bad)
+
+
+def test_an_fp32_runner_decides_against_the_native_step_once(tmp_path, caplog):
+    """The native step takes bf16 models only: an fp32 runner has none from
+    the start, says why once when built, and says nothing per forward."""
+    tiny_checkpoint(tmp_path)
+    with caplog.at_level(logging.INFO, logger="specpage.engine"):
+        runner = ModelRunner(load_model(tmp_path), num_blocks=8, block_size=4)
+        assert runner.native_step is None
+        runner.forward([Span([1, 2, 3], 0, [0], 1)])
+        runner.forward([Span([4], 3, [0], 1)])
+    said = [r.getMessage() for r in caplog.records if "native step" in r.getMessage()]
+    assert len(said) == 1
+    assert said[0].endswith(NativeStep.unusable(runner.model, runner.kv.backend) or "")
+
+
+def test_the_kv_cache_copies_blocks_in_every_layer():
+    kv = KvCache(KvShape(num_layers=2, num_blocks=4, block_size=2, num_kv_heads=1, head_dim=8),
+                 torch.float32, torch.device("cpu"))
+    assert kv.tensor.shape == (2, 2, 4, 2, 1, 8)
+    assert [layer.data_ptr() for layer in kv.layers] == [
+        kv.tensor[i].data_ptr() for i in range(2)]
+    kv.tensor.copy_(torch.arange(kv.tensor.numel(), dtype=torch.float32).view_as(kv.tensor))
+    before = kv.tensor.clone()
+    kv.copy_blocks([(1, 3), (0, 2)])
+    assert torch.equal(kv.tensor[:, :, 3], before[:, :, 1])
+    assert torch.equal(kv.tensor[:, :, 2], before[:, :, 0])
+    assert torch.equal(kv.tensor[:, :, :2], before[:, :, :2])
+    kv.copy_blocks([])
+    assert torch.equal(kv.tensor[:, :, 2], before[:, :, 0])

@@ -17,8 +17,9 @@ import torch
 
 from specpage.core.config_error import ConfigError
 from specpage.core.request import SamplingParams
+from specpage.core.span import Span
 from specpage.engine import Engine, EngineConfig
-from specpage.executor.model_runner import ModelRunner, SeqSpan
+from specpage.executor.model_runner import ModelRunner
 from specpage.executor.parallel.sharding import check_divisible
 from specpage.models.config import ModelConfig
 from specpage.models.loader import load_model
@@ -142,9 +143,9 @@ def test_logits_agree_within_tolerance_and_margins_dwarf_it(models):
     generated = hf_greedy(hf, prompt, 16)
     tokens = prompt + generated[:-1]
     # the prompt in two chunks, then one decode token at a time
-    spans = [SeqSpan(tokens[:8], 0, [0, 1, 2, 3, 4, 5, 6, 7], 8),
-             SeqSpan(tokens[8:13], 8, [0, 1, 2, 3, 4, 5, 6, 7], 5)]
-    spans += [SeqSpan([t], 13 + i, [0, 1, 2, 3, 4, 5, 6, 7], 1)
+    spans = [Span(tokens[:8], 0, [0, 1, 2, 3, 4, 5, 6, 7], 8),
+             Span(tokens[8:13], 8, [0, 1, 2, 3, 4, 5, 6, 7], 5)]
+    spans += [Span([t], 13 + i, [0, 1, 2, 3, 4, 5, 6, 7], 1)
               for i, t in enumerate(tokens[13:])]
     whole = ModelRunner(load_model(root / "gqa"), 24, 4)
     two_ranks = engine(models, "gqa", 2, draft=False)

@@ -37,9 +37,9 @@ os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else 
 import triton
 import triton.language as tl
 
-from specpage.attention.backend import Span
 from specpage.attention.reference import TorchAttention, TorchMetadata
 from specpage.attention.triton import TritonAttention, TritonMetadata
+from specpage.core.span import Span
 from specpage.kernels.triton import is_interpreted
 from specpage.kernels.triton import paged_decode as paged_decode_module
 from specpage.kernels.triton.block_copy import copy_blocks, copy_blocks_ref
@@ -119,7 +119,7 @@ class Batch:
     cache: torch.Tensor  # [2, num_blocks, block_size, kv_heads, head_dim], NaN off-context
     meta: TritonMetadata
     q: torch.Tensor  # [num_tokens, heads, head_dim]
-    spans: list[Span]  # (start, num_new, block_table): for another backend's metadata
+    spans: list[Span]  # for another backend's metadata
 
 
 def paged_batch(
@@ -135,7 +135,8 @@ def paged_batch(
     for count in needed:
         tables.append(order[used : used + count])
         used += count
-    table_spans = [(start, new, table) for (start, new), table in zip(spans, tables, strict=True)]
+    table_spans = [Span([1] * new, start, table)
+                   for (start, new), table in zip(spans, tables, strict=True)]
     meta = TritonAttention().build_metadata(table_spans, bs, shape.groups, DEVICE)
     cache = torch.full(
         (2, num_blocks, bs, shape.kv_heads, shape.head_dim),
@@ -244,17 +245,17 @@ def test_offsets_past_int32(rng: torch.Generator) -> None:
     except (RuntimeError, MemoryError):
         pytest.skip("cannot reserve 8 GiB of address space here")
     table = [5, num_blocks - 3, num_blocks - 1]
-    meta_all = TritonAttention().build_metadata([(0, 40, table)], bs, 4, DEVICE)
+    meta_all = TritonAttention().build_metadata([Span([1] * 40, 0, table)], bs, 4, DEVICE)
     k = randn(rng, 40, kv_heads, head_dim, dtype=torch.float16)
     v = randn(rng, 40, kv_heads, head_dim, dtype=torch.float16)
     write_kv(cache, k, v, meta_all.slot_mapping)
     assert torch.equal(cache[1, num_blocks - 1, :8, 0], v[32:, 0])
 
-    meta = TritonAttention().build_metadata([(35, 5, table)], bs, 4, DEVICE)
+    meta = TritonAttention().build_metadata([Span([1] * 5, 35, table)], bs, 4, DEVICE)
     q = randn(rng, 5, 4, head_dim, dtype=torch.float16)
     out = paged_prefill(q, cache, meta, 0.125, poisoned_like(q))
     assert rel_error(out, paged_prefill_ref(q, cache, meta, 0.125)) <= 2e-3
-    decode_meta = TritonAttention().build_metadata([(39, 1, table)], bs, 4, DEVICE)
+    decode_meta = TritonAttention().build_metadata([Span([1], 39, table)], bs, 4, DEVICE)
     out = paged_decode(q[:1], cache, decode_meta, 0.125, poisoned_like(q[:1]))
     assert rel_error(out, paged_decode_ref(q[:1], cache, decode_meta, 0.125)) <= 2e-3
 

@@ -406,7 +406,8 @@ def test_load_model_takes_a_gguf_file_and_caches_its_conversion(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from specpage.executor.model_runner import ModelRunner, SeqSpan
+    from specpage.core.span import Span
+    from specpage.executor.model_runner import ModelRunner
     from specpage.models.loader import load_model
 
     monkeypatch.setenv("SPECPAGE_CACHE_DIR", str(tmp_path / "cache"))
@@ -421,7 +422,7 @@ def test_load_model_takes_a_gguf_file_and_caches_its_conversion(
     ids = [3, 5, 7, 9, 11]
     with torch.no_grad():
         expected = reference(torch.tensor([ids])).logits[0]
-    logits = runner.forward([SeqSpan(ids, 0, [0, 1], num_logits=5)])
+    logits = runner.forward([Span(ids, 0, [0, 1], num_logits=5)])
     assert float((logits - expected).abs().max() / expected.abs().max()) < 1e-4
 
 

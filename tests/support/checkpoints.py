@@ -16,7 +16,7 @@ from transformers import (
 )
 
 from specpage.core.block_pool import BlockPool
-from specpage.executor.model_runner import SeqSpan
+from specpage.core.span import Span
 from specpage.models.fetch import ensure_model
 
 FAMILIES = {
@@ -78,7 +78,7 @@ def greedy_through_pool(runner, prompts, max_new, chunk, block_size):
             if start < len(prompt):
                 piece = prompt[start : start + chunk]
                 last = start + len(piece) == len(prompt)
-                spans.append(SeqSpan(piece, start, pool.block_table(i), int(last)))
+                spans.append(Span(piece, start, list(pool.block_table(i)), int(last)))
                 owners.append((i, piece, last))
         logits = runner.forward(spans)
         row = 0
@@ -93,7 +93,7 @@ def greedy_through_pool(runner, prompts, max_new, chunk, block_size):
         spans = []
         for i in range(len(prompts)):
             pool.reserve(i, 1)
-            spans.append(SeqSpan([pending[i]], pool.num_committed(i), pool.block_table(i), 1))
+            spans.append(Span([pending[i]], pool.num_committed(i), list(pool.block_table(i)), 1))
         next_tokens = runner.forward(spans).argmax(-1).tolist()
         for i, token in enumerate(next_tokens):
             pool.commit(i, [pending[i]])

@@ -21,6 +21,8 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from specpage.core.span import Span
+
 # A rank waits this long at an all-reduce for the others; they reach it
 # within a layer's compute of one another, milliseconds, or seconds on a
 # machine shared with other work. Gloo's default is 30 minutes.
@@ -30,15 +32,6 @@ IDLE_TIMEOUT = datetime.timedelta(days=3650)
 # Environment variables of torch's env:// rendezvous (MASTER_PORT, WORLD_SIZE
 # and RANK go with it); when MASTER_ADDR is set, ranks meet there.
 RENDEZVOUS_ADDRESS = "MASTER_ADDR"
-
-
-class Span(msgspec.Struct, frozen=True, array_like=True):
-    """A model_runner.SeqSpan, as it travels."""
-
-    token_ids: list[int]
-    start: int
-    block_table: list[int]
-    num_logits: int
 
 
 class Command(msgspec.Struct, frozen=True, array_like=True):

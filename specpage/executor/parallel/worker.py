@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from specpage.executor.model_runner import ModelRunner, SeqSpan
+from specpage.executor.model_runner import ModelRunner
 from specpage.executor.parallel.comm import Collectives, Ranks
 from specpage.executor.parallel.sharding import load_shard
 from specpage.models.loader import resolve_folder
@@ -73,8 +73,7 @@ def serve(ranks: Ranks, runner: ModelRunner) -> None:
             return
         runner.copy_blocks(command.copies)
         if command.spans:
-            runner.forward([SeqSpan(s.token_ids, s.start, s.block_table, s.num_logits)
-                            for s in command.spans])
+            runner.forward(command.spans)
 
 
 def spawned(spec: WorkerSpec, report: Connection) -> None:
