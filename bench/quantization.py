@@ -50,8 +50,9 @@ from bench.common import (  # noqa: E402
 )
 from bench.prompts import chat_prompts  # noqa: E402
 from specpage.core.request import SamplingParams  # noqa: E402
+from specpage.core.span import Span  # noqa: E402
 from specpage.engine import EngineConfig  # noqa: E402
-from specpage.executor.model_runner import ModelRunner, SeqSpan  # noqa: E402
+from specpage.executor.model_runner import ModelRunner  # noqa: E402
 from specpage.layers import quant  # noqa: E402
 from specpage.layers.products import PackedWeight, cpu_linear  # noqa: E402
 from specpage.layers.quant import (  # noqa: E402
@@ -101,7 +102,7 @@ def logits(loaded: LoadedModel, tokens: list[int]) -> torch.Tensor:
     (a long prefill may take other kernels: quant.DENSE_FROM_ROWS)."""
     runner = ModelRunner(loaded, -(-len(tokens) // BLOCK_SIZE), BLOCK_SIZE)
     table = list(range(-(-len(tokens) // BLOCK_SIZE)))
-    parts = [runner.forward([SeqSpan(tokens[at : at + SPAN], at, table,
+    parts = [runner.forward([Span(tokens[at : at + SPAN], at, table,
                                      len(tokens[at : at + SPAN]))])
              for at in range(0, len(tokens), SPAN)]
     return torch.cat(parts).float()
@@ -164,8 +165,8 @@ def decode_step(llm: LLM, batch: int) -> Callable[[None], float]:
     runner = ModelRunner(llm.target, blocks * batch, BLOCK_SIZE)
     tables = [list(range(i * blocks, (i + 1) * blocks)) for i in range(batch)]
     prompts = [[(7 * i + j) % 40000 + 100 for j in range(CONTEXT)] for i in range(batch)]
-    runner.forward([SeqSpan(p, 0, t, 1) for p, t in zip(prompts, tables, strict=True)])
-    spans = [SeqSpan([5], CONTEXT, t, 1) for t in tables]
+    runner.forward([Span(p, 0, t, 1) for p, t in zip(prompts, tables, strict=True)])
+    spans = [Span([5], CONTEXT, t, 1) for t in tables]
     return lambda _: median_seconds(lambda: runner.forward(spans), repeats=CALLS, warmup=0)
 
 

@@ -37,7 +37,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from draft.train import load_shard
-from specpage.executor.model_runner import ModelRunner, SeqSpan
+from specpage.core.span import Span
+from specpage.executor.model_runner import ModelRunner
 from specpage.layers.fused import rms_norm_ref
 from specpage.layers.rope import apply_rope, cos_sin
 from specpage.models.config import ARCHITECTURE
@@ -264,7 +265,7 @@ def main() -> None:
         tap = LayerTap(layers)
         with torch.no_grad():
             target_logits = runner.forward(
-                [SeqSpan(ids, 0, table, num_logits=len(ids) if args.soft_labels else 1)], tap)
+                [Span(ids, 0, table, num_logits=len(ids) if args.soft_labels else 1)], tap)
         features = torch.cat(tap.states, -1)[:-2].float()  # anchors 0 .. n - 1
         n = features.shape[0]
         lr = args.lr * min(1.0, (step + 1) / WARMUP) * 0.5 * (

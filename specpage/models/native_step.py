@@ -12,6 +12,7 @@ import torch
 
 from specpage.attention.backend import AttentionBackend, lay_out_spans
 from specpage.attention.cpu import NATIVE_SPAN, CpuAttention
+from specpage.core.span import Span
 from specpage.kernels.cpu.native import loaded_kernels
 from specpage.layers import native_stack
 from specpage.layers.native_stack import StackPlan, call_stack, widths_fit
@@ -28,11 +29,11 @@ class NativeStep:
     logits and the KV written are the module path's
     (tests/layers/test_native_stack.py).
 
-    Made by ModelRunner for a DecoderModel on the CPU attention kernel; a
+    Made by ModelRunner where `unusable` finds nothing against it; a
     forward it does not take (a span longer than the attention kernel's,
-    rows without a stack plan, grad mode) returns None, having done
-    nothing. A draft's reduced vocabulary is projected by
-    DecoderModel.logits, as on the module path."""
+    rows without a stack plan) returns None, having done nothing. A draft's
+    reduced vocabulary is projected by DecoderModel.logits, as on the
+    module path."""
 
     def __init__(self, model: Any, caches: list[torch.Tensor], block_size: int) -> None:
         kernels = loaded_kernels()
@@ -43,17 +44,25 @@ class NativeStep:
         self.final_eps = model.norm.eps
         self.add_rms_norm = kernels.add_rms_norm.default
         self.int8x_gemv = kernels.int8x_gemv.default
-        self.fits = widths_fit(model.config)
         self._plans: dict[int, StackPlan | None] | None = None  # the model's, when bound
         self._bound: tuple[torch.Tensor, torch.Tensor]
 
-    @classmethod
-    def of(cls, model: Any, backend: AttentionBackend, caches: list[torch.Tensor],
-           block_size: int) -> NativeStep | None:
-        """One for this model and backend, or None where none can run."""
-        if not isinstance(backend, CpuAttention) or loaded_kernels() is None:
-            return None
-        return cls(model, caches, block_size)
+    @staticmethod
+    def unusable(model: Any, backend: AttentionBackend) -> str | None:
+        """Why no NativeStep can run this model's forwards on this backend,
+        or None where one can: what does not change from one forward to the
+        next (the backend, the machine's kernels, the model's dtype and
+        widths), for ModelRunner to decide once."""
+        if not isinstance(backend, CpuAttention):
+            return f"attention on {type(backend).__name__}, not the CPU kernel"
+        kernels = loaded_kernels()
+        if kernels is None or not kernels.has_bf16_gemv():
+            return "no AVX-512 BF16 kernel on this machine"
+        if model.embed_tokens.weight.dtype != torch.bfloat16:
+            return f"{model.embed_tokens.weight.dtype} weights, not bfloat16"
+        if not widths_fit(model.config):
+            return "widths the fused kernels do not take"
+        return None
 
     def _tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The model's embedding and final norm weight, looked up once for as
@@ -67,19 +76,17 @@ class NativeStep:
             self._bound = (model.embed_tokens.weight, model.norm.weight)
         return self._bound
 
-    def __call__(self, spans: Sequence[Any], tap: Any) -> torch.Tensor | None:
+    def __call__(self, spans: Sequence[Span], tap: Any) -> torch.Tensor | None:
+        """Called under inference mode (ModelRunner.forward)."""
+        if not native_stack.ENABLED or any(len(s.token_ids) > NATIVE_SPAN for s in spans):
+            return None
         model = self.model
         weight, norm = self._tensors()
-        if (not native_stack.ENABLED or weight.dtype != torch.bfloat16 or not self.fits
-                or torch.is_grad_enabled()
-                or any(len(s.token_ids) > NATIVE_SPAN for s in spans)):
-            return None
         tokens = sum(len(s.token_ids) for s in spans)
         plan = model.stack_plan(tokens)
         if plan is None:
             return None
-        layout = lay_out_spans([(s.start, len(s.token_ids), list(s.block_table)) for s in spans],
-                               self.block_size)
+        layout = lay_out_spans(spans, self.block_size)
         # the token ids, their positions and the rows to score, as slices of one tensor
         values = [t for s in spans for t in s.token_ids]
         values.extend(p for s in spans for p in range(s.start, s.end))

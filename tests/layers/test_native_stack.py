@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from specpage.attention.cpu import NATIVE_SPAN
-from specpage.executor.model_runner import ModelRunner, SeqSpan
+from specpage.core.span import Span
+from specpage.executor.model_runner import ModelRunner
 from specpage.layers import native_stack, quant
 from specpage.layers.products import bf16_kernels
 from specpage.layers.quant import DENSE_FROM_ROWS, INT8X_DENSE_FROM_ROWS, keeps_dense_copy
@@ -53,7 +54,7 @@ def prefilled(checkpoint: Path, quantization: str | None, prompts: int) -> Model
         quant.INT8X_PRODUCTS = int8x
     runner = ModelRunner(loaded, 8 * prompts + 8, BLOCK)
     with torch.inference_mode():
-        runner.forward([SeqSpan([(11 * s + 3 * j) % 500 + 1 for j in range(40)], 0,
+        runner.forward([Span([(11 * s + 3 * j) % 500 + 1 for j in range(40)], 0,
                                 table(s), 1) for s in range(prompts)])
     return runner
 
@@ -62,18 +63,18 @@ def table(seq: int) -> list[int]:
     return list(range(8 * seq, 8 * seq + 8))
 
 
-def both_ways(runner: ModelRunner, spans: list[SeqSpan], monkeypatch: pytest.MonkeyPatch,
+def both_ways(runner: ModelRunner, spans: list[Span], monkeypatch: pytest.MonkeyPatch,
               layers: tuple[int, ...] = ()) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(logits, the cache after, tapped states) by the direct loop and by the modules,
     each from the same cache."""
-    before = runner.kv_cache.clone()
+    before = runner.kv.tensor.clone()
     results = []
     for enabled in (True, False):
         monkeypatch.setattr(native_stack, "ENABLED", enabled)
-        runner.kv_cache.copy_(before)
+        runner.kv.tensor.copy_(before)
         tap = LayerTap(layers)
         logits = runner.forward(spans, tap)
-        results.append((logits, runner.kv_cache.clone(), torch.stack(tap.states)
+        results.append((logits, runner.kv.tensor.clone(), torch.stack(tap.states)
                         if tap.states else torch.empty(0)))
     direct, modules = results
     return list(direct), list(modules)
@@ -88,13 +89,13 @@ def test_the_direct_loop_gives_the_modules_logits_and_kv(
     prompts = int(shape.split()[-1]) if shape.startswith("decode") else 3
     runner = prefilled(checkpoint, quantization, max(prompts, 3))
     spans = {
-        "decode 1": [SeqSpan([7], 40, table(0))],
-        "decode 3": [SeqSpan([7 + s], 40, table(s)) for s in range(3)],
-        "verify 5": [SeqSpan([9, 8, 7, 6, 5], 40, table(1), 5)],
-        "verify 2 + decode 2": [SeqSpan([9, 8], 40, table(0), 2), SeqSpan([5], 40, table(1)),
-                                SeqSpan([4], 40, table(2))],
-        "decode 20": [SeqSpan([7 + s], 40, table(s)) for s in range(20)],  # the panel kernel
-        "decode 66": [SeqSpan([7 + s], 40, table(s)) for s in range(66)],  # oneDNN
+        "decode 1": [Span([7], 40, table(0))],
+        "decode 3": [Span([7 + s], 40, table(s)) for s in range(3)],
+        "verify 5": [Span([9, 8, 7, 6, 5], 40, table(1), 5)],
+        "verify 2 + decode 2": [Span([9, 8], 40, table(0), 2), Span([5], 40, table(1)),
+                                Span([4], 40, table(2))],
+        "decode 20": [Span([7 + s], 40, table(s)) for s in range(20)],  # the panel kernel
+        "decode 66": [Span([7 + s], 40, table(s)) for s in range(66)],  # oneDNN
     }[shape]
     rows = sum(len(s.token_ids) for s in spans)
     plan = runner.model.stack_plan(rows)
@@ -109,7 +110,7 @@ def test_the_direct_loop_gives_the_modules_logits_and_kv(
     (logits, cache, _), (ref_logits, ref_cache, _) = both_ways(runner, spans, monkeypatch)
     assert torch.equal(logits, ref_logits)
     assert torch.equal(cache, ref_cache)
-    assert not torch.equal(cache, runner.kv_cache.new_zeros(()).expand_as(cache))
+    assert not torch.equal(cache, runner.kv.tensor.new_zeros(()).expand_as(cache))
 
 
 @pytest.mark.parametrize("quantization", QUANTIZATIONS)
@@ -122,7 +123,7 @@ def test_two_threads_reading_ahead_change_nothing(
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        for spans in ([SeqSpan([7], 40, table(0))], [SeqSpan([9, 8, 7, 6, 5], 40, table(1), 5)]):
+        for spans in ([Span([7], 40, table(0))], [Span([9, 8, 7, 6, 5], 40, table(1), 5)]):
             (logits, cache, _), (ref_logits, ref_cache, _) = both_ways(runner, spans, monkeypatch)
             assert torch.equal(logits, ref_logits)
             assert torch.equal(cache, ref_cache)
@@ -157,7 +158,7 @@ def test_q4_rows_take_the_int4_kernel_below_the_dense_copy(checkpoint: Path) -> 
 def test_the_tap_sees_the_same_states(checkpoint: Path,
                                       monkeypatch: pytest.MonkeyPatch) -> None:
     runner = prefilled(checkpoint, None, 1)
-    spans = [SeqSpan([9, 8, 7], 40, table(0), 3)]
+    spans = [Span([9, 8, 7], 40, table(0), 3)]
     (_, _, states), (_, _, ref_states) = both_ways(runner, spans, monkeypatch, (0, 2, 2))
     assert states.shape == (3, 3, SHAPE["hidden_size"])
     assert torch.equal(states, ref_states)
@@ -173,12 +174,12 @@ def test_forwards_the_loop_does_not_take_run_the_modules(
                         lambda *a: taken.append(result := run_layers(*a)) or result)
     runner = prefilled(checkpoint, None, 2)
     runner.native_step = None  # which takes what it can before the module path
-    runner.forward([SeqSpan(list(range(1, NATIVE_SPAN + 2)), 40, table(0))])
+    runner.forward([Span(list(range(1, NATIVE_SPAN + 2)), 40, table(0))])
     assert taken[-1] is None
-    runner.forward([SeqSpan([5], 40 + NATIVE_SPAN + 1, table(0))])
+    runner.forward([Span([5], 40 + NATIVE_SPAN + 1, table(0))])
     assert taken[-1] is not None
     fp32 = ModelRunner(load_model(checkpoint, "fp32"), 32, BLOCK)
-    fp32.forward([SeqSpan([5], 0, table(0))])
+    fp32.forward([Span([5], 0, table(0))])
     assert taken[-1] is None
 
 
@@ -194,13 +195,13 @@ def test_the_native_call_refuses_operands_that_do_not_fit(checkpoint: Path) -> N
     index = torch.zeros(1, dtype=torch.int64)
 
     def call(**changes: object) -> None:
-        args = dict(caches=list(runner.layer_caches), norms=plan.norms, kinds=plan.kinds,
+        args = dict(caches=list(runner.kv.layers), norms=plan.norms, kinds=plan.kinds,
                     outs=plan.outs, operands=plan.operands, taps=[]) | changes
         kernels.decoder_stack(x, cos, sin, args["caches"], index, index[None], torch.tensor(
             [0, 1]), torch.ones(1, dtype=torch.int64), args["norms"], args["kinds"],
             args["outs"], args["operands"], 2, 1, 1e-5, 0.125, args["taps"])
 
-    before = runner.kv_cache.clone()
+    before = runner.kv.tensor.clone()
     with pytest.raises(RuntimeError, match="norms and .* products"):
         call(kinds=plan.kinds[:-1], outs=plan.outs[:-1])
     with pytest.raises(RuntimeError, match="operands left over"):
@@ -209,4 +210,4 @@ def test_the_native_call_refuses_operands_that_do_not_fit(checkpoint: Path) -> N
         call(kinds=[7] + plan.kinds[1:])
     with pytest.raises(RuntimeError, match="taps must name layers"):
         call(taps=[2, 0])
-    assert torch.equal(runner.kv_cache, before)
+    assert torch.equal(runner.kv.tensor, before)

@@ -107,7 +107,7 @@ def test_first_proposals_equal_a_reference_from_transformers_hidden_states(model
     hf, root, _ = models
     eng = engine(models, head=head, spec_k=k)
     if head == "wide" and native_kernels() is not None:
-        assert isinstance(eng.executor.draft.backend, CpuAttention)
+        assert isinstance(eng.executor.draft.kv.backend, CpuAttention)
     seen = record_proposals(eng)
     prompt = prompts(1, seed=4, lengths=(9,))[0]
     tokens = drain(eng, {0: [("a", prompt, GREEDY)]})[("a", 0)][0]

@@ -5,6 +5,7 @@ leaves what it does not take to the modules."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -12,11 +13,13 @@ import pytest
 import torch
 
 from specpage.attention.cpu import NATIVE_SPAN
-from specpage.executor.model_runner import ModelRunner, SeqSpan
+from specpage.core.span import Span
+from specpage.executor.model_runner import ModelRunner
 from specpage.layers import quant
 from specpage.layers.products import bf16_kernels
 from specpage.models.decoder import DecoderModel, LayerTap
 from specpage.models.loader import load_model
+from specpage.models.native_step import NativeStep
 from tests.layers.test_native_stack import BLOCK, QUANTIZATIONS, SHAPE, prefilled, table
 from tests.support.checkpoints import tiny_checkpoint
 
@@ -31,19 +34,19 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-def step_and_loop(runner: ModelRunner, spans: list[SeqSpan], layers: tuple[int, ...] = ()
+def step_and_loop(runner: ModelRunner, spans: list[Span], layers: tuple[int, ...] = ()
                   ) -> list[tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]]:
     """(logits, the cache after, tapped states) by NativeStep and by the
     module path with the native layer loop, each from the same cache."""
     assert runner.native_step is not None
-    step, before = runner.native_step, runner.kv_cache.clone()
+    step, before = runner.native_step, runner.kv.tensor.clone()
     results = []
     for native_step in (step, None):
         runner.native_step = native_step
-        runner.kv_cache.copy_(before)
+        runner.kv.tensor.copy_(before)
         tap = LayerTap(layers)
         logits = runner.forward(spans, tap)
-        results.append((logits, runner.kv_cache.clone(), tap.states))
+        results.append((logits, runner.kv.tensor.clone(), tap.states))
     runner.native_step = step
     return results
 
@@ -56,16 +59,16 @@ def test_the_step_from_spans_gives_the_layer_loops_logits_kv_and_taps(
         checkpoint: Path, quantization: str | None, shape: str) -> None:
     runner = prefilled(checkpoint, quantization, 20)
     spans = {
-        "decode 1": [SeqSpan([7], 40, table(0))],
-        "decode 3": [SeqSpan([7 + s], 40 + s, table(s)) for s in range(3)],
-        "verify 5": [SeqSpan([9, 8, 7, 6, 5], 40, table(1), 5)],
-        "verify 3, 1 logit": [SeqSpan([9, 8, 7], 40, table(2), 1)],
+        "decode 1": [Span([7], 40, table(0))],
+        "decode 3": [Span([7 + s], 40 + s, table(s)) for s in range(3)],
+        "verify 5": [Span([9, 8, 7, 6, 5], 40, table(1), 5)],
+        "verify 3, 1 logit": [Span([9, 8, 7], 40, table(2), 1)],
         "verify 2 + decode 2, some logits": [
-            SeqSpan([9, 8], 40, table(0), 1), SeqSpan([5], 40, table(1)),
-            SeqSpan([4, 3, 2], 40, table(2), 2)],
-        "decode 20": [SeqSpan([7 + s], 40, table(s)) for s in range(20)],
-        "catch-up 30 + decode 1": [SeqSpan(list(range(3, 33)), 40, table(0)),
-                                   SeqSpan([5], 40, table(1))],
+            Span([9, 8], 40, table(0), 1), Span([5], 40, table(1)),
+            Span([4, 3, 2], 40, table(2), 2)],
+        "decode 20": [Span([7 + s], 40, table(s)) for s in range(20)],
+        "catch-up 30 + decode 1": [Span(list(range(3, 33)), 40, table(0)),
+                                   Span([5], 40, table(1))],
     }[shape]
     step, loop = step_and_loop(runner, spans, (0, 2, 2))
     assert torch.equal(step[0], loop[0])
@@ -75,16 +78,24 @@ def test_the_step_from_spans_gives_the_layer_loops_logits_kv_and_taps(
     assert all(torch.equal(a, b) for a, b in zip(step[2], loop[2], strict=True))
 
 
-def test_the_step_leaves_forwards_it_does_not_take_to_the_modules(checkpoint: Path) -> None:
-    """A prefill chunk longer than the attention kernel's spans and an fp32
-    model: NativeStep does nothing and the module path computes them."""
+def test_the_step_leaves_forwards_it_does_not_take_to_the_modules(
+        checkpoint: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A prefill chunk longer than the attention kernel's spans: NativeStep
+    does nothing and the module path computes it. An fp32 model gets no
+    NativeStep at all, decided when its runner is built, with the reason
+    logged once."""
     runner = prefilled(checkpoint, None, 1)
     assert runner.native_step is not None
     longer = list(range(1, NATIVE_SPAN + 2))  # than the attention kernel's spans
-    assert runner.native_step([SeqSpan(longer, 40, table(0))], None) is None
-    fp32 = ModelRunner(load_model(checkpoint, "fp32"), 32, BLOCK)
-    assert fp32.native_step is not None
-    assert fp32.native_step([SeqSpan([5], 0, table(0))], None) is None
+    assert runner.native_step([Span(longer, 40, table(0))], None) is None
+    assert NativeStep.unusable(runner.model, runner.kv.backend) is None
+    with caplog.at_level(logging.INFO, logger="specpage.engine"):
+        fp32 = ModelRunner(load_model(checkpoint, "fp32"), 32, BLOCK)
+    assert fp32.native_step is None
+    assert NativeStep.unusable(fp32.model, fp32.kv.backend) == "torch.float32 weights, not bfloat16"
+    said = [r.getMessage() for r in caplog.records if "native step" in r.getMessage()]
+    assert len(said) == 1 and said[0].endswith("torch.float32 weights, not bfloat16")
+    assert fp32.forward([Span([5], 0, table(0))]).shape == (1, SHAPE["vocab_size"])
 
 
 @pytest.mark.parametrize("quantization", QUANTIZATIONS)
@@ -94,8 +105,8 @@ def test_a_draft_vocabulary_is_projected_as_the_modules_do(checkpoint: Path,
     step's logits are the module path's, catching up and proposing."""
     runner = prefilled(checkpoint, quantization, 2)
     runner.model.restrict_output_vocab(torch.arange(0, SHAPE["vocab_size"], 2))
-    for spans in ([SeqSpan([5], 40, table(0))],
-                  [SeqSpan(list(range(3, 20)), 40, table(0)), SeqSpan([5], 40, table(1))]):
+    for spans in ([Span([5], 40, table(0))],
+                  [Span(list(range(3, 20)), 40, table(0)), Span([5], 40, table(1))]):
         with torch.inference_mode():
             assert runner.native_step is not None and runner.native_step(spans, None) is not None
         step, loop = step_and_loop(runner, spans)
@@ -113,8 +124,8 @@ def test_the_step_projects_on_a_q8_head_as_the_modules_do(checkpoint: Path) -> N
     d = (groups.abs().amax(-1) / 127).half()
     q = torch.round(groups / d.float()[..., None]).clamp(-127, 127).to(torch.int8)
     runner.model.q8_head = quant.Q8Head(q.view(SHAPE["vocab_size"], -1), d)
-    for spans in ([SeqSpan([7], 40, table(0))], [SeqSpan([9, 8, 7, 6, 5], 40, table(1), 5)],
-                  [SeqSpan([7 + s], 40, table(s)) for s in range(10)]):
+    for spans in ([Span([7], 40, table(0))], [Span([9, 8, 7, 6, 5], 40, table(1), 5)],
+                  [Span([7 + s], 40, table(s)) for s in range(10)]):
         step, loop = step_and_loop(runner, spans)
         assert torch.equal(step[0], loop[0])
         assert torch.equal(step[1], loop[1])
@@ -135,6 +146,6 @@ def test_a_model_with_a_forward_of_its_own_takes_the_module_path(checkpoint: Pat
     loaded.model.__class__ = Wrapped
     runner = ModelRunner(loaded, 8, BLOCK)
     assert runner.native_step is None
-    runner.forward([SeqSpan([5, 6, 7], 0, table(0))])
-    runner.forward([SeqSpan([8], 3, table(0))])
+    runner.forward([Span([5, 6, 7], 0, table(0))])
+    runner.forward([Span([8], 3, table(0))])
     assert seen == [True, True]
