@@ -1,4 +1,8 @@
-"""specpage's modules import one another without a cycle.
+"""specpage's modules import one another without a cycle, and so do its
+packages: each module collapsed to its first-level package under specpage
+(specpage.core.ledger -> core; a top-level module such as specpage/llm.py
+is a node of its own), no package imports, through any of its modules, a
+package that imports it back.
 
 Every `import` and `from ... import` in a module counts, wherever it stands:
 at the top, inside a function, or under `if TYPE_CHECKING:`. A cycle hidden
@@ -132,6 +136,29 @@ def _shortest_cycle(graph: Graph, start: str) -> list[str] | None:
     return None
 
 
+def package_of(module: str) -> str:
+    """The first-level package under the root a module lies in (a top-level
+    module is its own; the root package's __init__ is the root)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def package_graph(graph: Graph) -> dict[str, set[str]]:
+    """The module graph with each module collapsed to package_of it; an
+    import within one package is no edge."""
+    packages: dict[str, set[str]] = {package_of(m): set() for m in graph}
+    for module, targets in graph.items():
+        source = package_of(module)
+        packages[source] |= {package_of(t) for t in targets} - {source}
+    return packages
+
+
+def witness(graph: Graph, source: str, target: str) -> str:
+    """One module import that makes the package edge source -> target."""
+    return next(f"{m} -> {t}" for m in sorted(graph) if package_of(m) == source
+                for t in sorted(graph[m]) if package_of(t) == target)
+
+
 def readable(cycle: list[str], modules: Mapping[str, Path]) -> str:
     """The cycle as a chain of files."""
     return " -> ".join(str(modules[name].relative_to(ROOT)) for name in cycle)
@@ -141,6 +168,44 @@ def test_specpage_has_no_import_cycle() -> None:
     modules = module_files(ROOT, PACKAGE)
     cycles = find_cycles(import_graph(ROOT, PACKAGE))
     assert not cycles, "import cycles:\n" + "\n".join(readable(c, modules) for c in cycles)
+
+
+def test_specpage_packages_import_one_another_without_a_cycle() -> None:
+    graph = import_graph(ROOT, PACKAGE)
+    cycles = find_cycles(package_graph(graph))
+    assert not cycles, "package import cycles:\n" + "\n".join(
+        " -> ".join(cycle) + "\n" + "".join(
+            f"    {witness(graph, a, b)}\n" for a, b in zip(cycle, cycle[1:], strict=False))
+        for cycle in cycles)
+
+
+def test_package_graph_on_a_made_up_graph() -> None:
+    """Two packages that import each other through different modules are a
+    cycle, though no module lies on one; imports within a package, and a
+    top-level module that only imports, are none."""
+    graph = {
+        "pkg": set(),
+        "pkg.core": set(),
+        "pkg.core.pool": set(),
+        "pkg.core.ledger": {"pkg.core.pool", "pkg.core"},  # within core
+        "pkg.spec": set(),
+        "pkg.spec.verifier": {"pkg.run.runner", "pkg.run", "pkg.core.pool"},
+        "pkg.run": set(),
+        "pkg.run.runner": {"pkg.core.ledger"},
+        "pkg.run.executor": {"pkg.spec.verifier", "pkg.spec"},
+        "pkg.llm": {"pkg.run.executor", "pkg.run"},
+    }
+    assert find_cycles(graph) == []
+    assert package_graph(graph) == {
+        "pkg": set(),
+        "core": set(),
+        "spec": {"run", "core"},
+        "run": {"core", "spec"},
+        "llm": {"run"},
+    }
+    assert find_cycles(package_graph(graph)) == [["run", "spec", "run"]]
+    assert witness(graph, "run", "spec") == "pkg.run.executor -> pkg.spec"
+    assert witness(graph, "spec", "run") == "pkg.spec.verifier -> pkg.run"
 
 
 def test_find_cycles_on_a_made_up_graph() -> None:
