@@ -139,14 +139,6 @@ class BlockPool:
     def committed_token_ids(self, seq_id: SeqId) -> tuple[int, ...]:
         return tuple(self._get(seq_id).token_ids)
 
-    def slot(self, seq_id: SeqId, position: int) -> int:
-        """Flat slot index (block id * block_size + offset) of a position."""
-        seq = self._get(seq_id)
-        if not 0 <= position < seq.num_committed + seq.num_tentative:
-            raise InvalidCountError(f"position {position} is outside sequence {seq_id!r}")
-        block = seq.block_table[position // self.block_size]
-        return block * self.block_size + position % self.block_size
-
     @property
     def num_available_blocks(self) -> int:
         return len(self._free) + len(self._evictable)

@@ -54,7 +54,6 @@ def test_reserve_commit_rollback_on_block_boundaries():
     # k = 4: five tentative slots, positions 3..7, one new block
     assert pool.reserve("a", 5) == []
     assert pool.block_table("a") == (0, 1)
-    assert pool.slot("a", 3) == 3 and pool.slot("a", 4) == 4 and pool.slot("a", 7) == 7
     pool.commit("a", [10, 11])  # two accepted
     pool.rollback("a")
     assert pool.block_table("a") == (0, 1)
@@ -259,7 +258,6 @@ def test_copy_on_write_counts_toward_the_reservation():
         (lambda p: p.fork("b", "a"), DuplicateSequenceError, "'a' already exists"),
         (lambda p: p.allocate_prompt("a", [1]), DuplicateSequenceError, "'a' already exists"),
         (lambda p: p.allocate_prompt("n", []), InvalidCountError, "empty prompt"),
-        (lambda p: p.slot("a", 7), InvalidCountError, "position 7 is outside"),
     ],
 )
 def test_bad_input_raises_and_leaves_the_pool_unchanged(action, error, message):

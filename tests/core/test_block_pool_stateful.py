@@ -42,9 +42,11 @@ class PoolMachine(RuleBasedStateMachine):
     # -- helpers ------------------------------------------------------------
 
     def write(self, seq: int, start: int, values: list[int]) -> None:
+        held = self.pool.num_committed(seq) + self.pool.num_tentative(seq)
         for position, value in enumerate(values, start):
-            slot = self.pool.slot(seq, position)
-            self.kv[slot // BLOCK_SIZE][slot % BLOCK_SIZE] = value
+            assert 0 <= position < held, f"position {position} is outside sequence {seq}"
+            block = self.pool.block_table(seq)[position // BLOCK_SIZE]
+            self.kv[block][position % BLOCK_SIZE] = value
 
     def content(self, seq: int) -> list[int | None]:
         end = len(self.committed[seq]) + len(self.tentative[seq])
