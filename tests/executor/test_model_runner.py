@@ -11,7 +11,7 @@ from specpage.core.block_pool import BlockPool
 from specpage.core.span import Span
 from specpage.executor.kv_cache import KvCache, KvShape
 from specpage.executor.model_runner import ModelRunner
-from specpage.models.decoder import few_rows_linear, padded_rows
+from specpage.layers.products import few_rows_linear, padded_rows
 from specpage.models.loader import load_model
 from specpage.models.native_step import NativeStep
 from tests.support.checkpoints import greedy_through_pool, tiny_checkpoint
