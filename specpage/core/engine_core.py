@@ -22,16 +22,10 @@ from specpage.core.engine_config import EngineConfig
 from specpage.core.model_free import Method, ModelFreeProposer, Speculation
 from specpage.core.outputs import OutputProcessor, RequestOutput
 from specpage.core.policy import SpecPolicy
+from specpage.core.proposer_rules import ProposerRules
 from specpage.core.request import FinishReason, Request, Sequence, Usage, ValidationError
 from specpage.core.scheduler import ScheduledSeq, Scheduler, StepPlan
-from specpage.core.step import (
-    NOTHING,
-    DraftKind,
-    Sampling,
-    SeqWork,
-    StepBatch,
-    StepResult,
-)
+from specpage.core.step import NOTHING, Sampling, SeqWork, StepBatch, StepResult
 
 
 @dataclass(frozen=True)
@@ -79,15 +73,15 @@ class EngineCore:
         max_context: int,
         tokenizer: Any = None,
         eos_token_ids: tuple[int, ...] = (),
-        draft_kind: DraftKind = DraftKind.MODEL,
     ) -> None:
         self.config = config
-        self.draft_kind = draft_kind
         self.pool = pool
         self.policy = policy
+        # the draft's rules, those the policy was made for (core/proposer_rules.py)
+        self.rules = policy.rules
         self.max_context = max_context
         self.model_free = ModelFreeProposer(config, enabled=policy.model_free_k > 0)
-        self.scheduler = Scheduler(config, max_context, pool, self._speculate)
+        self.scheduler = Scheduler(config, max_context, pool, self._speculate, self.rules)
         self.outputs = OutputProcessor(tokenizer, eos_token_ids, max_context, self._end)
         self.requests: dict[str, Request] = {}
         self.num_aborts = 0  # requests a caller aborted before they finished
@@ -166,12 +160,6 @@ class EngineCore:
         assert self._plan is None, "the last step's result was never applied"
         self._scheduled_at = time.perf_counter()
         plan = self.scheduler.schedule(time.monotonic())
-        if self.draft_kind is DraftKind.HEAD:  # a draft model runs what was scheduled
-            plan = plan._replace(scheduled=[
-                ScheduledSeq(e.seq, *ledger.head_span(e.seq, e.num_new, e.k, self.draft_kind),
-                             e.speculation)
-                if e.speculation.method is Method.DRAFT else e
-                for e in plan.scheduled])
         self._plan = plan
         return StepBatch([self._work(e) for e in plan.scheduled], plan.copies)
 
@@ -193,7 +181,7 @@ class EngineCore:
         self.policy.observe_costs(result.target_cost, result.draft_costs)
         for entry, done in zip(plan.scheduled, result.seqs, strict=True):
             ledger.apply(self.pool, entry.seq, entry.num_new, entry.k, done,
-                         self._kind(entry.speculation))
+                         self._rules(entry.speculation))
         outputs = []
         for seq in plan.dropped:
             reason = seq.finish_reason or FinishReason.ABORT
@@ -214,21 +202,17 @@ class EngineCore:
                 del self.requests[out.request_id]
         return outputs
 
-    def _kind(self, speculation: Speculation) -> DraftKind:
-        """Whose rules a sequence's step follows (core/ledger.py): the draft's,
-        and where the core proposed and no head absorbs anyway, none."""
-        if speculation.method is Method.DRAFT or self.draft_kind is DraftKind.HEAD:
-            return self.draft_kind
-        return DraftKind.NONE
+    def _rules(self, speculation: Speculation) -> ProposerRules:
+        """Whose rules a sequence's step follows: the draft's where it
+        proposed, else those of a step the core proposed for beside it."""
+        if speculation.method is Method.DRAFT:
+            return self.rules
+        return self.rules.beside_model_free()
 
     def _work(self, entry: ScheduledSeq) -> SeqWork:
         seq = entry.seq
         start, params = seq.num_computed, seq.request.params
-        kind = self._kind(entry.speculation)
-        draft_start, draft_tokens = (ledger.draft_span(seq, kind)
-                                     if (entry.k and kind is DraftKind.MODEL)
-                                     or kind is DraftKind.HEAD
-                                     else (start, []))
+        draft_start, draft_tokens = self._rules(entry.speculation).catch_up(seq, entry.k)
         end = start + entry.num_new
         forks = (params.n - 1 if entry.wants_logits and seq.index == 0
                  and not seq.output_token_ids else 0)

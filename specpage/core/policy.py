@@ -20,7 +20,7 @@ cost is a prior fraction of the target step.
 
 A draft model does not run for a sequence that does not speculate; the
 first forward after such a stretch catches it up on the positions it missed
-(core/ledger.py), and that forward is priced at its size. On SmolLM2-135M
+(core/proposer_rules.py), and that forward is priced at its size. On SmolLM2-135M
 q4 with its 4-layer draft (2 threads) a draft forward took 0.9 ms at one
 position and 1.1 ms at 16 (2.8 ms before spans of that length took the
 native attention kernel); the first proposal after a prompt catches up on
@@ -36,7 +36,7 @@ SmolLM2-135M q4 with the EAGLE-3 head (2 threads) a step with one proposal
 took 7.3 ms where its forwards were priced at 5.4.
 
 An EAGLE-3 head costs a sequence something every step even while it does
-not speculate (core/ledger.py); on SmolLM2-135M q4 (2 threads) 8% of a step.
+not speculate (core/proposer_rules.py); on SmolLM2-135M q4 (2 threads) 8% of a step.
 So while speculation does not pay for a new sequence at the batch it joins,
 the head is left off it for its whole life (`admits_draft`), except for
 one new sequence in HEAD_PROBE_EVERY, which keeps measuring acceptance and
@@ -62,7 +62,6 @@ import statistics
 from collections import deque
 from collections.abc import Sequence as Seq
 
-from specpage.core.ledger import draft_lag
 from specpage.core.model_free import (
     NO_SPECULATION,
     Candidate,
@@ -70,8 +69,8 @@ from specpage.core.model_free import (
     Speculation,
 )
 from specpage.core.payoff import Payoff
+from specpage.core.proposer_rules import ProposerRules
 from specpage.core.request import Request, Sequence
-from specpage.core.step import DraftKind
 
 # Observations of one curve point whose least is its correction (as the
 # start-up measurement keeps the least of its repeats). Other work on the
@@ -274,19 +273,14 @@ PRIOR_DRAFT = (0.1, 0.001)
 
 
 class SpecPolicy:
-    def __init__(self, k_max: int, adaptive: bool = True,
-                 kind: DraftKind = DraftKind.MODEL, model_free_k: int = 0) -> None:
-        """kind: what proposes (core/ledger.py). A draft model lags where a
-        sequence does not speculate and catches up when it does. An EAGLE-3
-        head (spec/head_proposer.py) makes k proposals in k forwards as a
-        draft model does (the one that absorbs the accepted positions after
-        verifying leaves the state its next first proposal projects), and
-        absorbs what it missed once a block fills, whether it proposes or
-        not: catching up to propose moves that forward earlier, so its lag
-        costs a proposal nothing."""
+    def __init__(self, k_max: int, rules: ProposerRules, adaptive: bool = True,
+                 model_free_k: int = 0) -> None:
+        """rules: the draft's (core/proposer_rules.py), which say what its lag
+        costs a proposal and whether it costs a sequence it does not propose
+        for; NO_MODEL without a draft."""
         self.k_max = k_max
+        self.rules = rules
         self.adaptive = adaptive
-        self.kind = kind
         self.model_free_k = model_free_k  # model-free proposals at most (0: none)
         self.by_method = {method: MethodCounts(max(k_max, model_free_k)) for method in Method}
         self.recent_accepted = 0.0  # decayed counts over all sequences
@@ -343,13 +337,14 @@ class SpecPolicy:
 
     def admits_draft(self, request: Request, batch: int) -> bool:
         """Whether the draft keeps KV for a new sequence of request, joining
-        a batch of this size: always for a draft model (it costs nothing
-        while it does not run) and with a fixed k; for a request whose k is
-        forced, when it is not 0; for a request that samples with a seed (its
-        output must not depend on the load); otherwise a head where
-        some k pays at the expected acceptance, and for one new sequence in
-        HEAD_PROBE_EVERY where some k would pay at PROBE_ACCEPTANCE."""
-        if self.kind is not DraftKind.HEAD or not self.adaptive or self.k_max == 0:
+        a batch of this size: always for a draft that costs nothing while it
+        does not propose (a draft model: it does not run) and with a fixed
+        k; for a request whose k is forced, when it is not 0; for a request
+        that samples with a seed (its output must not depend on the load);
+        otherwise a head where some k pays at the expected acceptance, and
+        for one new sequence in HEAD_PROBE_EVERY where some k would pay at
+        PROBE_ACCEPTANCE."""
+        if not self.rules.costs_while_idle or not self.adaptive or self.k_max == 0:
             return True
         if request.spec_k is not None:
             return request.spec_k > 0
@@ -389,7 +384,7 @@ class SpecPolicy:
             acceptance = shared = shrunk(seq.accepted, seq.tested, PRIOR_ACCEPTANCE, SEQ_WEIGHT)
             batch, seconds = 1, self._prior_seconds
         else:
-            seconds = self._cached_seconds(batch, draft_lag(seq, self.kind))
+            seconds = self._cached_seconds(batch, self.rules.priced_lag(seq))
         best_k = _best_k(acceptance, seconds)
         # Now and then probe with one proposal more, so that acceptance and
         # the cost of the next size keep being measured and speculation can
@@ -430,7 +425,7 @@ class SpecPolicy:
         length, rate = _best_length(chance, seconds)
         if k:
             acceptance = shrunk(seq.accepted, seq.tested, self.acceptance, SEQ_WEIGHT)
-            drafted = self._cached_seconds(batch, draft_lag(seq, self.kind))
+            drafted = self._cached_seconds(batch, self.rules.priced_lag(seq))
             if expected_tokens(acceptance, k) / drafted[k] >= rate:
                 return Speculation(k)
         return self._model_free(candidate, length)
@@ -502,7 +497,8 @@ class SpecPolicy:
     def _step_seconds(self, batch: int, lag: int = 0) -> list[float]:
         """Seconds of a sequence's share of the step for each k in 0..k_max,
         in a batch of this size with the other sequences proposing as they
-        did last step, for a sequence whose draft lacks `lag` positions.
+        did last step, for a sequence whose first proposal's draft forward
+        catches up on `lag` positions (the rules' priced_lag).
         Its share without proposals is 1/batch of the target forward.
         Proposals are priced two ways and the cheaper counts:
         - alone: what its k adds to the step as the others run it (the extra
@@ -522,8 +518,8 @@ class SpecPolicy:
         others = batch - 1
         positions = batch + others * self.last_k  # before this sequence's proposals
         m = others * self.last_drafting  # other sequences that run through the draft
-        return step_seconds(self.k_max, batch, target, draft, positions, m,
-                            0 if self.kind is DraftKind.HEAD else lag, self.unpriced)
+        return step_seconds(self.k_max, batch, target, draft, positions, m, lag,
+                            self.unpriced)
 
     def observe_costs(
         self, target: tuple[int, float] | None, drafts: list[tuple[int, float]]

@@ -2,7 +2,10 @@
 
 Running sequences go first, best (priority, arrival) first: each computes its
 uncomputed tokens, chunked to the step's token budget, and speculates k
-tokens when the chunk reaches its newest token. When the pool runs out, the
+tokens when the chunk reaches its newest token, as much of that as the
+proposer can run (its rules' `trim`, core/proposer_rules.py), so that a
+step reserves tentative slots for what it runs and no more (and a prompt's,
+when it is admitted, for its later chunks). When the pool runs out, the
 worst running sequence is preempted by recompute: its blocks are freed and it
 waits again, keeping its tokens, to be re-prefilled (often from the prefix
 cache). Waiting sequences are admitted in (priority, arrival) order while the
@@ -24,6 +27,7 @@ from specpage.core.arith import cdiv
 from specpage.core.block_pool import BlockPool, Copy
 from specpage.core.engine_config import EngineConfig
 from specpage.core.model_free import NO_SPECULATION, Speculation
+from specpage.core.proposer_rules import ProposerRules
 from specpage.core.request import FinishReason, Sequence, Status
 
 # (sequence, running batch size) -> its proposals this step
@@ -59,11 +63,12 @@ def _slots(seq: Sequence) -> int:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, max_context: int, pool: BlockPool,
-                 speculate: Speculate) -> None:
+                 speculate: Speculate, rules: ProposerRules) -> None:
         self.config = config
         self.max_context = max_context  # positions both models can hold
         self.pool = pool
         self.speculate = speculate
+        self.rules = rules  # the draft's: what of a span it can run, its cache salt
         self.waiting: list[tuple[tuple[int, float, int], Sequence]] = []  # heap
         self.running: list[Sequence] = []  # sorted by _key
         self.num_preemptions = 0
@@ -123,13 +128,14 @@ class Scheduler:
     # ------------------------------------------------------------------ helpers
 
     def _span(self, seq: Sequence, budget: int, batch: int) -> tuple[int, Speculation]:
-        """Tokens to compute and proposals to make this step, within budget.
-        A span that would reach the newest token but not fit its proposals
-        stops one token short instead, so the next step needs only 1 + k."""
+        """Tokens to compute and proposals to make this step, within budget,
+        as much of them as the proposer can run. A span that would reach the
+        newest token but not fit its proposals stops one token short
+        instead, so the next step needs only 1 + k."""
         num_new = min(seq.num_uncomputed, budget)
         spec = self._speculation(seq, num_new, batch)
         if num_new + spec.k <= budget:
-            return num_new, spec
+            return self.rules.trim(seq, num_new, spec)
         return min(seq.num_uncomputed - 1, budget), NO_SPECULATION
 
     def _speculation(self, seq: Sequence, num_new: int, batch: int) -> Speculation:
@@ -191,7 +197,7 @@ class Scheduler:
             reserve = keep_free if self.running else 0
             if cdiv(seq.num_tokens, size) > pool.num_available_blocks - reserve:
                 break
-            cached = ledger.admit(pool, seq)
+            cached = ledger.admit(pool, seq, self.rules)
             num_new, spec = self._span(seq, budget, batch)
             k = spec.k
             if num_new == 0 or not self._fits(seq, num_new + k):

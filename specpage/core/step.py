@@ -8,21 +8,9 @@ so the executor can run anywhere a batch can be sent (msgspec encodes both).
 
 from __future__ import annotations
 
-import enum
-
 import msgspec
 
 from specpage.core.request import GREEDY_BELOW
-
-
-class DraftKind(enum.StrEnum):
-    """What proposes, which decides what a step commits (core/ledger.py)."""
-
-    MODEL = "model"  # a draft model over tokens: may lag the target, catches up
-    HEAD = "head"  # an EAGLE-3 head over the target's hidden states: lags within a block
-    # no model runs over the proposals (core/model_free.py): the target's KV is
-    # all a step computes, and a draft model beside it lags by the step
-    NONE = "none"
 
 
 class Sampling(msgspec.Struct, frozen=True, array_like=True):

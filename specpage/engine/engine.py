@@ -20,9 +20,9 @@ from specpage.core.engine_core import EngineCore, EngineStats
 from specpage.core.intake import Intake
 from specpage.core.outputs import RequestOutput
 from specpage.core.policy import SpecPolicy
+from specpage.core.proposer_rules import DRAFT_MODEL, HEAD, NO_MODEL
 from specpage.core.request import Request, SamplingParams
 from specpage.core.scheduler import Scheduler
-from specpage.core.step import DraftKind
 from specpage.executor.executor import Executor
 from specpage.executor.tensor_parallel import TensorParallelExecutor
 from specpage.models.eagle3 import LoadedHead
@@ -51,7 +51,9 @@ class Engine:
         self.config = c = config or EngineConfig()
         if isinstance(target, LoadedHead):
             raise ModelLoadError(f"{target.folder}: an EAGLE-3 head is a draft, not a target")
-        kind = DraftKind.HEAD if isinstance(draft, LoadedHead) else DraftKind.MODEL
+        # what differs by proposer, decided here once (core/proposer_rules.py)
+        rules = (HEAD if isinstance(draft, LoadedHead)
+                 else NO_MODEL if draft is None else DRAFT_MODEL)
         if isinstance(draft, LoadedHead):
             check_head_compatible(target, draft)
         elif draft is not None:
@@ -61,11 +63,11 @@ class Engine:
         self.max_context = min([c.max_context, target.config.max_position]
                                + ([draft.config.max_position] if draft else []))
         identity = target.identity + (draft.identity if draft else b"no-draft")
-        policy = SpecPolicy(c.spec_k if draft is not None else 0, adaptive=c.adaptive_k,
-                            kind=kind, model_free_k=c.model_free_k if c.spec_k else 0)
+        policy = SpecPolicy(c.spec_k if draft is not None else 0, rules, adaptive=c.adaptive_k,
+                            model_free_k=c.model_free_k if c.spec_k else 0)
         self.core = EngineCore(c, BlockPool(c.num_blocks, c.block_size, model_identity=identity),
                                policy, self.max_context, tokenizer,
-                               tuple(target.config.eos_token_ids), kind)
+                               tuple(target.config.eos_token_ids))
         self.intake = Intake(c, tokenizer, target.config.vocab_size, self.max_context,
                              policy.max_proposals)
         self.executor = (Executor(target, draft, c) if c.tensor_parallel_size == 1

@@ -1,4 +1,4 @@
-"""The core through its value boundary with a draft head (DraftKind.HEAD):
+"""The core through its value boundary with a draft head (proposer_rules.HEAD):
 the machine of tests/core/test_core_stateful.py, whose fake executor now
 simulates a head's KV instead of a draft model's.
 
@@ -23,13 +23,13 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant
 
-from specpage.core import ledger
 from specpage.core.block_pool import BlockPool
 from specpage.core.engine_config import EngineConfig
 from specpage.core.engine_core import EngineCore
 from specpage.core.model_free import Speculation
 from specpage.core.policy import SpecPolicy
-from specpage.core.step import DraftKind, SeqResult, StepBatch, StepResult
+from specpage.core.proposer_rules import HEAD
+from specpage.core.step import SeqResult, StepBatch, StepResult
 from tests.core.test_core_stateful import (
     BLOCK_SIZE,
     K_MAX,
@@ -104,8 +104,8 @@ class HeadCoreMachine(CoreMachine):
         config = EngineConfig(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, max_num_seqs=4,
                               max_step_tokens=12, max_context=48, spec_k=K_MAX)
         pool = BlockPool(NUM_BLOCKS, BLOCK_SIZE, model_identity=b"fake-head")
-        self.core = EngineCore(config, pool, SpecPolicy(K_MAX, adaptive=False), 48,
-                               eos_token_ids=(0,), draft_kind=DraftKind.HEAD)
+        self.core = EngineCore(config, pool, SpecPolicy(K_MAX, HEAD, adaptive=False), 48,
+                               eos_token_ids=(0,))
         # k at random, even for a sequence the head keeps nothing for
         self.core.scheduler.speculate = lambda seq, batch: Speculation(self.rng.randint(0, K_MAX))
         self.core.policy.admits_draft = lambda request, batch: self.rng.random() < 0.7
@@ -124,7 +124,7 @@ class HeadCoreMachine(CoreMachine):
                 assert seq.num_draft_computed == 0 and not seq.draft_state, seq
                 self.headless += 1
                 continue
-            absorbed = seq.num_computed - ledger.head_lag(seq)
+            absorbed = seq.num_computed - HEAD.draft_lag(seq)
             if absorbed < seq.num_computed:  # lags within the block being filled only
                 assert absorbed // BLOCK_SIZE == seq.num_computed // BLOCK_SIZE, seq
                 self.lags += 1

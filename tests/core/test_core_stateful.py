@@ -29,6 +29,7 @@ from specpage.core.engine_config import EngineConfig
 from specpage.core.engine_core import EngineCore, StepResultError
 from specpage.core.model_free import Speculation
 from specpage.core.policy import SpecPolicy
+from specpage.core.proposer_rules import DRAFT_MODEL
 from specpage.core.request import Request, SamplingParams
 from specpage.core.step import SeqResult, StepBatch, StepResult
 
@@ -86,7 +87,7 @@ class CoreMachine(RuleBasedStateMachine):
         config = EngineConfig(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, max_num_seqs=4,
                               max_step_tokens=12, max_context=48, spec_k=K_MAX)
         pool = BlockPool(NUM_BLOCKS, BLOCK_SIZE, model_identity=b"fake")
-        self.core = EngineCore(config, pool, SpecPolicy(K_MAX, adaptive=False), 48,
+        self.core = EngineCore(config, pool, SpecPolicy(K_MAX, DRAFT_MODEL, adaptive=False), 48,
                                eos_token_ids=(EOS,))
         self.core.scheduler.speculate = lambda seq, batch: Speculation(self.rng.randint(0, K_MAX))
         self.executor = FakeExecutor(self.rng)
@@ -135,7 +136,9 @@ class CoreMachine(RuleBasedStateMachine):
     def step(self) -> None:
         if not self.core.has_unfinished():
             return
-        outputs = self.core.apply(self.executor.execute(self.core.schedule()))
+        batch = self.core.schedule()
+        self.reserved_as_run(batch)
+        outputs = self.core.apply(self.executor.execute(batch))
         for out in outputs:
             assert out.request_id not in self.finals, out  # nothing after the last output
             if out.finished:
@@ -145,6 +148,19 @@ class CoreMachine(RuleBasedStateMachine):
             if out.usage is not None:
                 assert self.ended[out.request_id] == set(range(self.samples[out.request_id]))
                 self.finals.add(out.request_id)
+
+    def reserved_as_run(self, batch: StepBatch) -> None:
+        """Each scheduled sequence's tentative slots are what its step runs:
+        exactly its tokens and proposals where it samples; else its tokens,
+        and at most the prompt positions it has yet to compute."""
+        running = {seq.seq_id: seq for seq in self.core.scheduler.running}
+        for w in batch.seqs:
+            tentative = self.core.pool.num_tentative(w.seq_id)
+            if w.sample:
+                assert tentative == len(w.tokens) + w.k, (w, tentative)
+            else:
+                assert w.k == 0 and len(w.tokens) <= tentative, (w, tentative)
+                assert tentative <= running[w.seq_id].num_uncomputed, (w, tentative)
 
     @invariant()
     def pool_and_counters_agree(self) -> None:
@@ -238,7 +254,7 @@ def test_the_core_imports_no_torch() -> None:
 
 def test_a_result_that_does_not_fit_its_batch_is_refused() -> None:
     core = EngineCore(EngineConfig(block_size=4, num_blocks=16, spec_k=2), BlockPool(16, 4),
-                      SpecPolicy(2, adaptive=False), 48, eos_token_ids=(EOS,))
+                      SpecPolicy(2, DRAFT_MODEL, adaptive=False), 48, eos_token_ids=(EOS,))
     core.submit(Request("a", (5, 6, 7), SamplingParams(max_tokens=4)))
     batch = core.schedule()
     assert [w.sample for w in batch.seqs] == [True]
@@ -258,7 +274,7 @@ def test_a_new_sequence_is_priced_at_the_batch_it_joins_waiting_ones_included() 
     new sequence asks the policy about every sequence running or waiting and
     itself, up to max_num_seqs."""
     core = EngineCore(EngineConfig(block_size=4, num_blocks=64, max_num_seqs=4, spec_k=2),
-                      BlockPool(64, 4), SpecPolicy(2), 48, eos_token_ids=(EOS,))
+                      BlockPool(64, 4), SpecPolicy(2, DRAFT_MODEL), 48, eos_token_ids=(EOS,))
     asked: list[int] = []
     core.policy.admits_draft = lambda request, batch: asked.append(batch) or True
     for i in range(6):

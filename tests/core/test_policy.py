@@ -3,7 +3,6 @@ fits and the choice of k."""
 
 import pytest
 
-from specpage.core import ledger
 from specpage.core.policy import (
     HEAD_PROBE_EVERY,
     PROBE_ACCEPTANCE,
@@ -19,8 +18,8 @@ from specpage.core.policy import (
     expected_tokens,
     probe_period,
 )
+from specpage.core.proposer_rules import DRAFT_MODEL, HEAD, ProposerRules
 from specpage.core.request import Request, SamplingParams, Sequence
-from specpage.core.step import DraftKind
 
 
 def sequence(num_tokens: int = 5, **params) -> Sequence:
@@ -31,7 +30,7 @@ def sequence(num_tokens: int = 5, **params) -> Sequence:
 
 
 def cheap_draft_policy() -> SpecPolicy:
-    policy = SpecPolicy(k_max=6)
+    policy = SpecPolicy(k_max=6, rules=DRAFT_MODEL)
     # a bandwidth-bound target, a draft a tenth of its cost
     policy.calibrate([(1, 0.050), (5, 0.055)], [(1, 0.005), (2, 0.0051)])
     return policy
@@ -40,7 +39,7 @@ def cheap_draft_policy() -> SpecPolicy:
 def cpu_like_policy() -> SpecPolicy:
     """Each target position costs a tenth of the fixed part, as on a CPU;
     the draft's forward costs mostly its fixed part."""
-    policy = SpecPolicy(k_max=4)
+    policy = SpecPolicy(k_max=4, rules=DRAFT_MODEL)
     policy.calibrate([(1, 0.045), (64, 0.360)], [(1, 0.005), (64, 0.020)])
     return policy
 
@@ -52,7 +51,7 @@ def seasoned(policy: SpecPolicy, accepted: int, proposed: int = 4, times: int = 
 
 
 def test_per_token_acceptance_counts_only_tested_proposals():
-    policy = SpecPolicy(k_max=4)
+    policy = SpecPolicy(k_max=4, rules=DRAFT_MODEL)
     seq = sequence()
     policy.observe_acceptance(seq, proposed=4, accepted=2)  # 3 tested: 2 kept, 1 rejected
     policy.observe_acceptance(seq, proposed=4, accepted=4)  # all 4 tested and kept
@@ -117,10 +116,10 @@ def test_expected_tokens_matches_the_geometric_sum():
 
 
 def test_fixed_k_and_a_request_cap():
-    assert SpecPolicy(k_max=4, adaptive=False).choose_k(sequence(), batch=1) == 4
+    assert SpecPolicy(k_max=4, rules=DRAFT_MODEL, adaptive=False).choose_k(sequence(), batch=1) == 4
     capped = sequence()
     capped.request.spec_k = 2
-    assert SpecPolicy(k_max=4).choose_k(capped, batch=1) == 2
+    assert SpecPolicy(k_max=4, rules=DRAFT_MODEL).choose_k(capped, batch=1) == 2
 
 
 def test_adaptive_k_speculates_when_it_pays():
@@ -153,7 +152,7 @@ def test_a_useless_draft_is_turned_off_within_a_few_steps():
 
 
 def test_a_sequence_the_draft_fails_probes_often_while_it_pays_for_the_others():
-    policy = SpecPolicy(k_max=6)
+    policy = SpecPolicy(k_max=6, rules=DRAFT_MODEL)
     # a draft a quarter of the target's cost
     policy.calibrate([(1, 0.050), (5, 0.055)], [(1, 0.012), (2, 0.0121)])
     for _ in range(20):
@@ -172,7 +171,7 @@ def test_idle_probes_thin_out_as_the_batch_grows():
     where speculation does not pay, a sequence in a batch of B probes every
     PROBE_IDLE · B tokens, so all of them together probe about as often per
     step as one sequence alone."""
-    policy = SpecPolicy(k_max=4)
+    policy = SpecPolicy(k_max=4, rules=DRAFT_MODEL)
     # compute-bound: each extra target position costs a lot
     policy.calibrate([(1, 0.040), (32, 0.150), (64, 0.270)], [(2, 0.004), (32, 0.008)])
     for _ in range(20):
@@ -193,14 +192,15 @@ def test_a_seeded_request_chooses_k_from_its_own_history_only():
     for _ in range(20):
         policy.observe_acceptance(sequence(), proposed=4, accepted=0)
     seeded = sequence(seed=5, temperature=0.8)
-    alone = SpecPolicy(k_max=6).choose_k(sequence(seed=5, temperature=0.8), batch=1)
+    alone = SpecPolicy(k_max=6, rules=DRAFT_MODEL).choose_k(sequence(seed=5, temperature=0.8),
+                                                            batch=1)
     assert policy.choose_k(seeded, batch=32) == alone > 0
 
 
 def test_before_the_draft_has_run_its_cost_is_a_fraction_of_the_measured_target_step():
     """Priors are in units of a target step: a 40 ms target does not make a
     draft that has not run yet look like 0.1 s."""
-    policy = SpecPolicy(k_max=4)
+    policy = SpecPolicy(k_max=4, rules=DRAFT_MODEL)
     for _ in range(10):
         policy.observe_costs((1, 0.040), [])
         policy.observe_costs((3, 0.042), [])
@@ -215,7 +215,7 @@ def test_a_slow_catch_up_forward_does_not_price_every_proposal():
     """Draft costs are a curve against positions: one long catch-up forward
     (16 positions) among one-position proposal forwards leaves the
     per-proposal cost at the latter."""
-    policy = SpecPolicy(k_max=4)
+    policy = SpecPolicy(k_max=4, rules=DRAFT_MODEL)
     policy.calibrate([(1, 0.040), (2, 0.041)], [(1, 0.003), (16, 0.008)])
     for _ in range(20):
         policy.observe_costs((1, 0.040), [(16, 0.008), (1, 0.003), (1, 0.003)])
@@ -248,7 +248,7 @@ def test_a_lone_drafter_pays_for_a_whole_draft_forward():
     With a nearly free target and a draft forward of 40% of it, a sequence
     the draft serves poorly does not start one alone, but adds its row when
     the others draft anyway."""
-    policy = SpecPolicy(k_max=2)
+    policy = SpecPolicy(k_max=2, rules=DRAFT_MODEL)
     policy.calibrate([(1, 0.050), (64, 0.082)], [(1, 0.020), (64, 0.0263)])
     for i in range(30):  # 3 proposals in 10 kept
         policy.observe_acceptance(sequence(), proposed=1, accepted=int(i % 10 < 3))
@@ -262,7 +262,7 @@ def test_a_lone_drafter_pays_for_a_whole_draft_forward():
 def test_a_draft_forward_worth_running_for_all_starts_when_none_runs():
     """Priced alone, the first drafter would pay a whole draft forward; the
     step where every sequence drafts is better, so speculation starts."""
-    policy = SpecPolicy(k_max=2)
+    policy = SpecPolicy(k_max=2, rules=DRAFT_MODEL)
     policy.calibrate([(1, 0.050), (64, 0.082)], [(1, 0.005), (64, 0.0113)])
     seasoned(policy, accepted=1, proposed=2)  # a = 1/2
     policy.observe_step([0] * 8)
@@ -321,12 +321,12 @@ def lagging(num_tokens: int, lag: int) -> Sequence:
     return seq
 
 
-def q4_like_policy(kind: DraftKind = DraftKind.MODEL) -> SpecPolicy:
+def q4_like_policy(rules: ProposerRules = DRAFT_MODEL) -> SpecPolicy:
     """Costs as SmolLM2-135M q4 and its 4-layer draft measured on a 2-core
     CPU: a 3.4 ms step, each verified position 0.4 ms more, a draft forward
     0.9 ms at one position and 2.8 ms catching up on 16 (as it did on the
     reference attention)."""
-    policy = SpecPolicy(k_max=4, kind=kind)
+    policy = SpecPolicy(k_max=4, rules=rules)
     policy.calibrate([(1, 0.0034), (2, 0.0038), (5, 0.0048)],
                      [(1, 0.0009), (8, 0.0011), (17, 0.0028)])
     return policy
@@ -378,23 +378,23 @@ def test_a_head_prices_k_forwards_and_no_catch_up():
     fills whether it proposes or not, so catching up is not priced: a head
     that stopped proposing for a step is not kept from starting again."""
     priced = {}
-    for kind in DraftKind:
-        policy = seasoned(q4_like_policy(kind), accepted=1, proposed=2, times=40)
-        assert policy.choose_k(lagging(37, lag=0), batch=1) >= 1
+    for rules in (DRAFT_MODEL, HEAD):
+        policy = seasoned(q4_like_policy(rules), accepted=1, proposed=2, times=40)
+        current = lagging(37, lag=0)
+        assert policy.choose_k(current, batch=1) >= 1
         seconds = policy._step_seconds(1, 0)
         assert seconds[2] - seconds[1] == pytest.approx(
             policy.target_cost(3) - policy.target_cost(2) + policy.draft_cost(1))
-        priced[kind] = seconds
-        behind = policy._step_seconds(1, 15)
-        if kind is DraftKind.HEAD:
-            assert behind == seconds
-            carrying = lagging(37, lag=15)
-            carrying.draft_state = b"carried states"  # a head's lag is what it carries
-            assert ledger.draft_lag(carrying, kind) == 15
-            assert policy.choose_k(carrying, batch=1) >= 1
+        priced[rules] = seconds
+        behind = lagging(37, lag=15)
+        assert policy._step_seconds(1, 15)[1] > seconds[1]  # what a lag of 15 would cost
+        if rules is HEAD:
+            behind.draft_state = b"carried states"  # a head's lag is what it carries
+            assert (rules.draft_lag(behind), rules.priced_lag(behind)) == (15, 0)
+            assert policy.choose_k(behind, batch=1) == policy.choose_k(current, batch=1)
         else:
-            assert behind[1] > seconds[1]
-    assert priced[DraftKind.HEAD] == pytest.approx(priced[DraftKind.MODEL])
+            assert (rules.draft_lag(behind), rules.priced_lag(behind)) == (15, 15)
+    assert priced[HEAD] == pytest.approx(priced[DRAFT_MODEL])
 
 
 def test_what_speculating_steps_take_beyond_their_forwards_is_priced():
@@ -434,7 +434,7 @@ def test_a_head_that_does_not_pay_is_left_off_new_sequences_but_one_in_so_many()
     costs nothing where it does not run. So while no k pays, a head is left
     off new sequences, except one in HEAD_PROBE_EVERY that keeps measuring;
     a sequence it was left off never speculates, forced k or not."""
-    head = seasoned(q4_like_policy(DraftKind.HEAD), accepted=0, proposed=1, times=40)
+    head = seasoned(q4_like_policy(HEAD), accepted=0, proposed=1, times=40)
     admitted = [head.admits_draft(request(), batch=1) for _ in range(2 * HEAD_PROBE_EVERY)]
     assert admitted == ([True] + [False] * (HEAD_PROBE_EVERY - 1)) * 2
     assert head.num_without_draft == 2 * (HEAD_PROBE_EVERY - 1)
@@ -444,9 +444,9 @@ def test_a_head_that_does_not_pay_is_left_off_new_sequences_but_one_in_so_many()
     assert head.admits_draft(request(temperature=1.0, seed=3), batch=1)
     assert head.admits_draft(request(), batch=1)  # the next probe
     assert not head.admits_draft(request(temperature=0.0, seed=3), batch=1)  # greedy: any k
-    draft = seasoned(q4_like_policy(DraftKind.MODEL), accepted=0, proposed=1, times=40)
+    draft = seasoned(q4_like_policy(DRAFT_MODEL), accepted=0, proposed=1, times=40)
     assert all(draft.admits_draft(request(), batch=1) for _ in range(HEAD_PROBE_EVERY))
-    fixed = SpecPolicy(k_max=4, adaptive=False, kind=DraftKind.HEAD)
+    fixed = SpecPolicy(k_max=4, rules=HEAD, adaptive=False)
     assert all(fixed.admits_draft(request(), batch=1) for _ in range(HEAD_PROBE_EVERY))
     seq = sequence()
     seq.request.spec_k = 3
@@ -460,7 +460,7 @@ def test_no_probe_with_the_head_where_even_a_good_head_would_not_speculate():
     PROBE_ACCEPTANCE: a probe there would measure nothing that could change
     the choice, so no new sequence keeps a head that does not pay; joining
     one stream, one in HEAD_PROBE_EVERY does."""
-    head = seasoned(q4_like_policy(DraftKind.HEAD), accepted=0, proposed=1, times=40)
+    head = seasoned(q4_like_policy(HEAD), accepted=0, proposed=1, times=40)
     assert _best_k(PROBE_ACCEPTANCE, head._step_seconds(32, 0)) == 0
     assert _best_k(PROBE_ACCEPTANCE, head._step_seconds(1, 0)) > 0
     crowded = [head.admits_draft(request(), batch=32) for _ in range(2 * HEAD_PROBE_EVERY)]
@@ -475,7 +475,7 @@ def test_one_poor_request_does_not_take_the_head_off_the_next():
     long history: after many requests that accept well, one that accepts
     nothing (a stream's last request says little of its next) turns the
     running estimate down, not the new sequence's head."""
-    policy = seasoned(q4_like_policy(DraftKind.HEAD), accepted=3, proposed=4, times=400)
+    policy = seasoned(q4_like_policy(HEAD), accepted=3, proposed=4, times=400)
     assert policy.admits_draft(request(), batch=1)
     seasoned(policy, accepted=0, proposed=1, times=100)
     assert policy.acceptance < 0.2 < 0.6 < policy.expected_acceptance
@@ -489,6 +489,6 @@ def test_one_poor_request_does_not_take_the_head_off_the_next():
 
 def test_a_head_that_pays_keeps_every_new_sequence():
     policy = seasoned(cheap_draft_policy(), accepted=3, proposed=4, times=40)
-    policy.kind = DraftKind.HEAD
+    policy.rules = HEAD
     assert all(policy.admits_draft(request(), batch=1) for _ in range(2 * HEAD_PROBE_EVERY))
     assert policy.num_without_draft == 0

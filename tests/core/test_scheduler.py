@@ -3,6 +3,7 @@
 from specpage.core.block_pool import BlockPool
 from specpage.core.engine_config import EngineConfig
 from specpage.core.model_free import Speculation
+from specpage.core.proposer_rules import DRAFT_MODEL
 from specpage.core.request import Request, SamplingParams, Sequence
 from specpage.core.scheduler import Scheduler
 
@@ -26,7 +27,7 @@ def test_a_last_chunk_that_cannot_hold_its_proposals_stops_one_short():
     overflows the budget must not wait forever."""
     pool = BlockPool(64, 4)
     config = EngineConfig(max_step_tokens=8, spec_k=4)
-    scheduler = Scheduler(config, 2048, pool, lambda seq, batch: Speculation(4))
+    scheduler = Scheduler(config, 2048, pool, lambda seq, batch: Speculation(4), DRAFT_MODEL)
     request = Request("r", tuple(range(1, 11)), SamplingParams(max_tokens=50))
     seq = Sequence(0, request, 0, list(range(1, 11)) + [7, 7, 7, 7, 7])  # 5 outputs so far
     request.sequences.append(seq)
