@@ -7,7 +7,7 @@ embedding and SiLU-and-mul, at the row counts of a one-stream and a
 Ways, one run, rotated rounds (bench/common.py):
 - eager_fused: what the model runner runs: oneDNN products on weights
   reordered once (models/decoder.cpu_linear) and the native fused kernels
-  (models/fused.py);
+  (layers/fused.py);
 - eager_torch: the same products with torch's own ops for the rest (the
   fused kernels' references);
 - inductor: torch.compile (inductor, default mode, shapes static per row

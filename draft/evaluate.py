@@ -119,7 +119,7 @@ def replayed_acceptance(head: Path, k: int = 4, prompts: int = 32, max_tokens: i
 def draft_costs(draft: Path, dtype: str = "auto") -> dict[str, object]:
     """The draft's forward as a fraction of the target's, at 1 and 32
     positions, from the costs the engine measures for its policy when it
-    starts (spec/calibrate.py), in the dtype the daemon runs."""
+    starts (speculation/calibrate.py), in the dtype the daemon runs."""
     llm = LLM("smollm2-135m", draft=draft, dtype=dtype,
               config=EngineConfig(num_blocks=4096, max_num_seqs=32, spec_k=4))
     policy = llm.engine.core.policy

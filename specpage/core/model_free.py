@@ -10,7 +10,7 @@ to verify (no draft forward).
   opted out.
 
 Per sequence, the method whose continuation promises more accepted tokens
-proposes; the policy (spec/policy.py) then decides how much of it, if any,
+proposes; the policy (core/policy.py) then decides how much of it, if any,
 is worth verifying. Pure Python; no torch.
 """
 

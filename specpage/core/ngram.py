@@ -13,7 +13,7 @@ occurred before, the most frequent follower, then the same from the context
 with that token appended, while the chain stays likely. Each token's
 confidence is its follower's share of what followed that n-gram, shrunk by
 SHRINK pseudo-counts (one occurrence alone is a guess, not a certainty);
-the policy (spec/policy.py) calibrates them against what verification
+the policy (core/policy.py) calibrates them against what verification
 accepts.
 
 Pure Python; no torch.

@@ -1,7 +1,7 @@
 """Whether model-free proposals pay, as the steps that ran them measured it.
 
 The policy prices a model-free proposal with the target's cost curve
-(spec/policy.py), and the curve can be wrong where it matters most: at a
+(core/policy.py), and the curve can be wrong where it matters most: at a
 large batch on a CPU every verified position costs nearly what a token
 does, and a curve whose slope is off by a third turns a 3% gain into a 10%
 loss. So the outcome is measured as well, per batch size class (a power of

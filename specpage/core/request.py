@@ -163,7 +163,7 @@ class Sequence:
         self.accepted = 0.0  # decayed counts of its accepted and tested proposals
         self.tested = 0.0
         # decayed counts of its model-free proposals' accepted tokens and of
-        # the accepted tokens their confidences promised (spec/policy.py)
+        # the accepted tokens their confidences promised (core/policy.py)
         self.model_free_accepted = 0.0
         self.model_free_expected = 0.0
         self.detok: object = None  # the engine's incremental detokenizer

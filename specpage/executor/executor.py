@@ -76,8 +76,8 @@ class Executor:
     def measure_costs(self, config: EngineConfig,
                       max_context: int) -> cost_cache.CachedCosts:
         """Both models' forward costs over the sizes a step can verify, for
-        the speculation policy (spec/calibrate.py), or what an earlier start
-        measured on this machine (spec/cost_cache.py); the target's alone
+        the speculation policy (speculation/calibrate.py), or what an earlier start
+        measured on this machine (speculation/cost_cache.py); the target's alone
         without a draft (model-free proposals cost only its positions)."""
         c, start = config, time.perf_counter()
         k = max(c.spec_k if self.draft is not None else 0, c.model_free_k)

@@ -126,6 +126,6 @@ def _loaded(model: ShardedDecoderModel, config: ModelConfig, folder: Path, whole
             world: int) -> LoadedModel:
     # A shard's config: its heads and MLP share, the whole vocabulary. Its
     # identity differs from the whole model's, so forward costs timed at one
-    # size are not read back at another (spec/cost_cache.py).
+    # size are not read back at another (speculation/cost_cache.py).
     shard_identity = hashlib.sha256(whole + f"tensor-parallel {world}".encode()).digest()
     return LoadedModel(model, model.config, folder, shard_identity)

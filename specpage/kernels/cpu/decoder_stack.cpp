@@ -1,5 +1,5 @@
 // A decoder's layers in one call, for the decode and verify steps
-// specpage/models/native_stack.py takes: per layer the same kernel calls in
+// specpage/layers/native_stack.py takes: per layer the same kernel calls in
 // the same order as DecoderLayer.forward (the other ops of this extension,
 // and oneDNN's linear where a product runs there), made from C++ through
 // the dispatcher instead of one Python call each. On SmolLM2-135M's 30
@@ -36,7 +36,7 @@
 namespace {
 
 // How a product is computed, and how many operands (after x) it takes from
-// the flat operand list; models/native_stack.py writes the same codes.
+// the flat operand list; layers/native_stack.py writes the same codes.
 enum Kind : int64_t { kGemv = 0, kPanels = 1, kInt4 = 2, kOneDnn = 3, kInt8x = 4 };
 
 // The kinds that read int4_gemv.cpp's tiles, in output blocks of 16.
@@ -99,8 +99,8 @@ int64_t operand_count(int64_t kind) {
   switch (kind) {
     case kGemv: return 1;    // weight
     case kPanels: return 1;  // packed panels (and outs[i])
-    case kInt4: return 1;    // tiles (models/quant.py's int4_stream)
-    case kInt8x: return 1;   // tiles (models/quant.py's int8x_stream)
+    case kInt4: return 1;    // tiles (layers/quant.py's int4_stream)
+    case kInt8x: return 1;   // tiles (layers/quant.py's int8x_stream)
     case kOneDnn: return 1;  // packed weight
     default: TORCH_CHECK(false, "decoder_stack: unknown product kind ", kind);
   }

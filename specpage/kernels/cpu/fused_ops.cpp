@@ -10,7 +10,7 @@
 // there are enough of them to pay for waking the threads (prefill).
 //
 // Registered as torch.ops.specpage_cpu.*; the Python side and the pure-torch
-// references are in specpage/models/fused.py.
+// references are in specpage/layers/fused.py.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

@@ -13,7 +13,7 @@
 //    32 bytes: scale of the 16 outputs, fp16;
 //    32 bytes: offset of the 16 outputs, fp16,
 // and bias = offset - 128 scale taken in fp32 as the tile is read (one
-// rounding, as models/quant.py takes it); else (round-to-nearest's offsets
+// rounding, as layers/quant.py takes it); else (round-to-nearest's offsets
 // are fp32 sums), 384 bytes:
 //    64 bytes: scale of the 16 outputs, fp32;
 //    64 bytes: bias = offset - 128 scale of the 16 outputs, fp32.
@@ -37,7 +37,7 @@
 // next product does not start reading cold. SmolLM2's products are short
 // (0.25-1.3 MB), and such a start costs every one of them.
 //
-// Registered as torch.ops.specpage_cpu.int4_gemv; models/quant.py's
+// Registered as torch.ops.specpage_cpu.int4_gemv; layers/quant.py's
 // int4_stream writes the layout; has_bf16_gemv (in bf16_gemv.cpp) says
 // whether this build has the instructions. The same products with x taken
 // to int8 (int8x_gemv, on AVX-512 VNNI) are further down.
@@ -285,7 +285,7 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& tiles,
   const int64_t rows = x.size(0), in = x.size(1), groups = in / kGroup;
   TORCH_CHECK(is_tiles(tiles, {kHalfTileBytes, kFloatTileBytes}) && tiles.size(1) == groups,
               "tiles must be contiguous uint8 [out / 16, in / 32, ", kHalfTileBytes, " or ",
-              kFloatTileBytes, "] (models/quant.py's int4_stream) for x of ", in, " inputs");
+              kFloatTileBytes, "] (layers/quant.py's int4_stream) for x of ", in, " inputs");
   TORCH_CHECK(!next.has_value() || is_tiles(*next, {kHalfTileBytes, kFloatTileBytes}),
               "next must be contiguous uint8 [out / 16, in / 32, ", kHalfTileBytes, " or ",
               kFloatTileBytes, "]: the next product's tiles");
@@ -459,7 +459,7 @@ at::Tensor int8x_gemv(const at::Tensor& x, const at::Tensor& tiles,
   TORCH_CHECK(is_tiles(tiles, sizes) && tiles.size(1) == groups,
               "tiles must be contiguous uint8 [out / 16, in / 32, ", kHalfTileBytes, ", ",
               kFloatTileBytes, " or ", kQ8TileBytes,
-              "] (models/quant.py's int8x_stream) for x of ", in, " inputs");
+              "] (layers/quant.py's int8x_stream) for x of ", in, " inputs");
   TORCH_CHECK(!next.has_value() || is_tiles(*next, sizes),
               "next must be contiguous uint8 [out / 16, in / 32, ", kHalfTileBytes, ", ",
               kFloatTileBytes, " or ", kQ8TileBytes, "]: the next product's tiles");

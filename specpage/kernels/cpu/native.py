@@ -5,19 +5,19 @@ torch's cpp_extension into the specpage cache, loaded from there afterwards.
 - paged_attention.cpp: attention over KV blocks read in place
   (specpage/attention/cpu.py; its reference is in specpage/attention/native.py);
 - fused_ops.cpp: RMSNorm (with the residual add), SiLU-and-mul and rotary
-  embeddings, one pass each (specpage/models/fused.py, which holds their
+  embeddings, one pass each (specpage/layers/fused.py, which holds their
   references);
 - bf16_gemv.cpp and bf16_panels.cpp: bf16 products of up to 8 and of 9 to
-  64 rows on AVX-512 BF16 (specpage/models/decoder.py cpu_linear; where the
+  64 rows on AVX-512 BF16 (specpage/layers/products.py cpu_linear; where the
   build lacks the instructions, has_bf16_gemv() is false and oneDNN takes
   them);
 - int4_gemv.cpp: group-wise int4 products of a few rows on AVX-512 BF16
-  (specpage/models/quant.py; torch's int4 kernel elsewhere), and, where the
+  (specpage/layers/quant.py; torch's int4 kernel elsewhere), and, where the
   CPU has AVX-512 VNNI, int4 and Q8_0 products of any number of rows with
   x taken to int8 per group of 32 (int8x_gemv);
 - decoder_stack.cpp: a decoder's layers in one call, the ops above called
   from C++ in the order DecoderLayer.forward calls them
-  (specpage/models/native_stack.py).
+  (specpage/layers/native_stack.py).
 
 The build is optional: without a compiler, ninja or a CPU build of torch it
 fails, the failure is logged once, and every caller takes its pure-torch way
