@@ -20,30 +20,27 @@ cost is a prior fraction of the target step.
 
 A draft model does not run for a sequence that does not speculate; the
 first forward after such a stretch catches it up on the positions it missed
-(core/proposer_rules.py), and that forward is priced at its size. On SmolLM2-135M
-q4 with its 4-layer draft (2 threads) a draft forward took 0.9 ms at one
-position and 1.1 ms at 16 (2.8 ms before spans of that length took the
-native attention kernel); the first proposal after a prompt catches up on
-all of it.
+(core/proposer_rules.py), and that forward is priced at its size, which
+grows with the lag (docs/BENCHMARKS.md); the first proposal after a prompt
+catches up on all of it.
 
 A step that speculates costs more than its forwards' curves say: the
 target's verify runs on caches the draft just filled, and the proposer has
 work around its forwards (an EAGLE-3 head absorbs, carries state). The
 executor reports each step's whole time, and what speculating steps take
 beyond their forwards' prices, over what plain steps take beyond theirs,
-is priced as a cost of speculating in a step (`SpecPolicy.unpriced`). On
-SmolLM2-135M q4 with the EAGLE-3 head (2 threads) a step with one proposal
-took 7.3 ms where its forwards were priced at 5.4.
+is priced as a cost of speculating in a step (`SpecPolicy.unpriced`; what
+it came to with the EAGLE-3 head: docs/BENCHMARKS.md).
 
 An EAGLE-3 head costs a sequence something every step even while it does
-not speculate (core/proposer_rules.py); on SmolLM2-135M q4 (2 threads) 8% of a step.
+not speculate (core/proposer_rules.py; measured in docs/BENCHMARKS.md).
 So while speculation does not pay for a new sequence at the batch it joins,
 the head is left off it for its whole life (`admits_draft`), except for
 one new sequence in HEAD_PROBE_EVERY, which keeps measuring acceptance and
 costs so that the head comes back once it pays. Only where some k would pay
 at PROBE_ACCEPTANCE, though: a batch so large that even a head that good
-would not speculate learns nothing from a probe, and pays for it (on
-SmolLM2-135M q4 at 32 streams, probes cost 2-3% of the throughput).
+would not speculate learns nothing from a probe, and pays for it
+(docs/BENCHMARKS.md).
 
 The choice of k only learns what the sizes it runs cost, so a sequence now and
 then tries one proposal more than pays (a probe): a size priced too high at
@@ -78,8 +75,8 @@ from specpage.core.request import Request, Sequence
 # chosen from costs relative to each other: sizes run at busy moments and at
 # quiet ones compare best by their quiet ones. A slow forward moves nothing;
 # a size found cheaper counts at once, a size grown costlier after WINDOW
-# forwards. (On a 2-core machine beside a test run, one-position forwards of
-# a small model took from 3 to 50 ms, in stretches of several forwards.)
+# forwards. (A busy machine stretches forwards many times over, for several
+# forwards at a time: docs/BENCHMARKS.md.)
 WINDOW = 16
 # Forwards of a curve after which a size not run since is stale: its
 # correction is then capped by that of the nearest size run since, so that
@@ -97,15 +94,14 @@ STALE = WINDOW
 # is per sequence and grows with the batch (PROBE_IDLE · batch): a probe costs
 # a draft forward and a target position whatever the batch, so the probes of
 # all sequences together stay about as few per step as for one sequence
-# alone. (At 32 streams, probes every 16 tokens each cost 6-12% of throughput
-# with a good draft, for speculation that does not pay at that batch.)
+# alone. (Probes as frequent at a large batch as alone cost throughput for
+# speculation that does not pay there: docs/BENCHMARKS.md.)
 PROBE_EVERY = 4
 PROBE_IDLE = 16
 # The share of a sequence's time that probes may lose, by spacing them
 # further apart than PROBE_IDLE · batch where they cost more, up to
 # PROBE_MOST tokens apart. (A probe after a long stretch without proposals
-# costs the draft's catch-up and a verified position: on a 2-core CPU with
-# SmolLM2-135M q4, probes every 16 tokens lost 4-6% of single-stream speed.)
+# costs the draft's catch-up and a verified position: docs/BENCHMARKS.md.)
 PROBE_BUDGET = 0.02
 PROBE_MOST = 1024
 # Acceptance is estimated from counts of accepted and tested proposals,
