@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import socket
 import statistics
 import sys
 import time
@@ -18,6 +19,7 @@ import torch
 from specpage.kernels.cpu import hugepages
 
 RESULTS = Path(__file__).parent / "results"
+MODEL = "smollm2-135m"  # the served model's name, the same on every system
 DRAFT = Path(__file__).resolve().parent.parent / "models" / "smollm2-draft"  # the default draft
 
 
@@ -185,3 +187,9 @@ def finish(name: str, result: dict[str, Any]) -> None:
     (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
     sys.stdout.flush()
     print(json.dumps(result))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

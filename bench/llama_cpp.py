@@ -105,8 +105,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
-    from bench.common import finish
-    from bench.serving import MODEL, free_port
+    from bench.common import MODEL, finish, free_port
     from specpage.models.fetch import SMOLLM2_GGUF_NAME, cache_dir, ensure_model
 
     error = setup()

