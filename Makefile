@@ -49,7 +49,7 @@ DRAFT := models/smollm2-draft
 PORT := 50051
 serve: $(STAMP)
 	$(VENV)/bin/specpage models fetch smollm2-135m
-	@$(VENV)/bin/specpage serve --target smollm2-135m --draft $(DRAFT) --port $(PORT) & \
+	@$(VENV)/bin/specpage serve --model smollm2-135m --draft $(DRAFT) --port $(PORT) & \
 	pid=$$!; trap 'kill -TERM $$pid 2>/dev/null' INT TERM; \
 	until $(VENV)/bin/specpage info --server 127.0.0.1:$(PORT) >/dev/null 2>&1; do \
 		kill -0 $$pid 2>/dev/null || break; sleep 1; \
