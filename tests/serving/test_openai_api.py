@@ -117,7 +117,9 @@ async def test_sdk_chat_gets_grpc_greedy_tokens_streamed_or_not(daemon: Daemon) 
                 tokens += [p.token for p in delta.logprobs.content]
             reasons.append(delta.finish_reason)
         assert tokens == expected and text == choice.message.content
-        assert reasons[-1] == "length" and set(reasons[:-1]) == {None}
+        # only the last chunk ends the choice (speculation may bring all six
+        # tokens in one step, so there may be no chunk before it)
+        assert reasons[-1] == "length" and all(r is None for r in reasons[:-1])
         # the same but for what speculation drafted: the suffix cache holds the
         # first reply's text by now
         assert usage is not None
