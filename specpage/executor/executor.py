@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 from specpage.core.engine_config import EngineConfig
 from specpage.core.step import StepBatch, StepResult
@@ -20,11 +21,31 @@ from specpage.models.eagle3 import LoadedHead
 from specpage.models.loader import LoadedModel
 from specpage.speculation import cost_cache
 from specpage.speculation.calibrate import Plan, calibration_sizes, measure
+from specpage.speculation.draft_proposer import DraftProposer
 from specpage.speculation.head_proposer import HeadProposer
-from specpage.speculation.proposer import DraftProposer, Proposal
+from specpage.speculation.proposal import Proposal, Proposer
 from specpage.speculation.verifier import Verifier
 
 log = logging.getLogger("specpage.engine")
+
+
+Built = tuple[ModelRunner | HeadRunner, Proposer, tuple[int, ...]]
+
+
+def _draft_model(target: LoadedModel, draft: Any, config: EngineConfig) -> Built:
+    runner = ModelRunner(draft, config.num_blocks, config.block_size)
+    return runner, DraftProposer(runner), ()
+
+
+def _head(target: LoadedModel, draft: Any, config: EngineConfig) -> Built:
+    # the head reads the target's hidden states (at feature layers) and embedding
+    runner = HeadRunner(draft, target.model.embed_tokens, config.num_blocks, config.block_size)
+    return runner, HeadProposer(runner), draft.config.layers_of(target.config.num_layers)
+
+
+# The runner, proposer and target layers each kind of loaded draft needs.
+PROPOSERS: dict[type, Callable[[LoadedModel, Any, EngineConfig], Built]] = {
+    LoadedModel: _draft_model, LoadedHead: _head}
 
 
 class Executor:
@@ -34,18 +55,11 @@ class Executor:
         self.target = target_runner or ModelRunner(target, config.num_blocks, config.block_size)
         self.runners: list[ModelRunner | HeadRunner] = [self.target]
         self.draft: ModelRunner | HeadRunner | None = None
-        self.proposer: DraftProposer | HeadProposer | None = None
+        self.proposer: Proposer | None = None
         feature_layers: tuple[int, ...] = ()
-        if isinstance(draft, LoadedHead):
-            # the head reads the target's hidden states and embedding
-            self.draft = HeadRunner(draft, target.model.embed_tokens, config.num_blocks,
-                                    config.block_size)
-            self.proposer = HeadProposer(self.draft)
-            feature_layers = draft.config.layers_of(target.config.num_layers)
-        elif draft is not None:
-            self.draft = ModelRunner(draft, config.num_blocks, config.block_size)
-            self.proposer = DraftProposer(self.draft)
-        if self.draft is not None:
+        if draft is not None:
+            self.draft, self.proposer, feature_layers = PROPOSERS[type(draft)](
+                target, draft, config)
             self.runners.append(self.draft)
         self.verifier = Verifier(self.target, feature_layers)
         self._identities = (target.identity, draft.identity if draft else b"")

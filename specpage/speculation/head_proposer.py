@@ -34,7 +34,7 @@ import torch
 
 from specpage.core.span import Span
 from specpage.core.step import Cost, SeqResult, SeqWork
-from specpage.speculation.proposer import Proposal, drafts, draw
+from specpage.speculation.proposal import Proposal, drafts, draw
 from specpage.speculation.runner import DraftHead
 from specpage.speculation.verdict import Verdict
 

@@ -15,7 +15,7 @@ from specpage.core.span import Span
 from specpage.core.step import NOTHING, SeqResult, SeqWork
 from specpage.models.decoder import LayerTap
 from specpage.speculation.acceptance import accept
-from specpage.speculation.proposer import Proposal
+from specpage.speculation.proposal import Proposal
 from specpage.speculation.runner import TargetRunner
 from specpage.speculation.sampler import Purpose, sample, uniform
 from specpage.speculation.sampling_rows import row_probabilities
