@@ -302,7 +302,7 @@ class SpecPolicy:
         self.unpriced = 0.0  # seconds a step takes for speculating beyond its forwards
         self.num_admitted = 0  # new sequences asked about
         self.num_without_draft = 0  # of them, those a head was left off
-        self.payoff = Payoff()  # whether model-free steps paid, by batch (spec/payoff.py)
+        self.payoff = Payoff()  # whether model-free steps paid, by batch (core/payoff.py)
 
     @property
     def max_proposals(self) -> int:
@@ -544,7 +544,7 @@ class SpecPolicy:
             self._seconds.clear()
 
     def observe_payoff(self, batch: int, model_free: bool, tokens: int, seconds: float) -> None:
-        """A decoding step's outcome (spec/payoff.py): its batch, whether a
+        """A decoding step's outcome (core/payoff.py): its batch, whether a
         model-free proposal was verified in it, the tokens it made and its
         whole time, scheduling included."""
         self.payoff.observe(batch, model_free, tokens, seconds, self.target_cost(batch))

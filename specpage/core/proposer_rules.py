@@ -99,7 +99,7 @@ class ProposerRules(abc.ABC):
 
     @abc.abstractmethod
     def priced_lag(self, seq: Sequence) -> int:
-        """Positions of the draft's lag a proposal pays for (spec/policy.py)."""
+        """Positions of the draft's lag a proposal pays for (core/policy.py)."""
 
     @abc.abstractmethod
     def trim(self, seq: Sequence, num_new: int,

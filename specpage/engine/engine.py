@@ -2,7 +2,7 @@
 
 It wires the two sides of a step together. The core (core/engine_core.py:
 requests, scheduler, pool, policy; no torch) schedules a `StepBatch`; the
-executor (engine/executor.py: the models) turns it into a `StepResult`; the
+executor (executor/executor.py: the models) turns it into a `StepResult`; the
 core applies that. Synchronous and single-threaded; the daemon runs it off
 its event loop.
 """
