@@ -65,7 +65,7 @@ from specpage.core.model_free import Method, Speculation
 from specpage.core.request import Sequence
 from specpage.core.step import SeqResult
 
-Span = tuple[int, list[int]]  # (first position, the committed tokens from there)
+CatchUp = tuple[int, list[int]]  # (first position, the committed tokens from there)
 
 
 class DraftRecord(NamedTuple):
@@ -82,7 +82,7 @@ class ProposerRules(abc.ABC):
     # does not propose for it (so that the policy may leave it off)
     costs_while_idle: ClassVar[bool]
 
-    def draft_span(self, seq: Sequence) -> Span:
+    def draft_span(self, seq: Sequence) -> CatchUp:
         """Where the draft's KV ends, and the committed tokens it lacks from there."""
         start = seq.num_computed - self.draft_lag(seq)
         return start, seq.token_ids[start : seq.num_computed]
@@ -92,7 +92,7 @@ class ProposerRules(abc.ABC):
         """Committed positions the draft holds no KV for."""
 
     @abc.abstractmethod
-    def catch_up(self, seq: Sequence, k: int) -> Span:
+    def catch_up(self, seq: Sequence, k: int) -> CatchUp:
         """What the draft computes this step before the step's new tokens,
         when it makes k proposals: from where its KV ends, the committed
         tokens it runs over first."""
@@ -136,7 +136,7 @@ class DraftModelRules(ProposerRules):
         """Since it last proposed."""
         return seq.num_computed - seq.num_draft_computed
 
-    def catch_up(self, seq: Sequence, k: int) -> Span:
+    def catch_up(self, seq: Sequence, k: int) -> CatchUp:
         """All it lacks, when it proposes; without proposals it does not run."""
         return self.draft_span(seq) if k else (seq.num_computed, [])
 
@@ -182,7 +182,7 @@ class HeadRules(ProposerRules):
         was just admitted, and cached blocks hold the head's KV too."""
         return seq.num_computed - seq.num_draft_computed if seq.draft_state else 0
 
-    def catch_up(self, seq: Sequence, k: int) -> Span:
+    def catch_up(self, seq: Sequence, k: int) -> CatchUp:
         """What it carries, proposing or not: a forward that runs the head
         over a sequence absorbs that first."""
         return self.draft_span(seq)
@@ -248,7 +248,7 @@ class NoModelRules(ProposerRules):
         """None: no model of this step's proposer holds KV."""
         return 0
 
-    def catch_up(self, seq: Sequence, k: int) -> Span:
+    def catch_up(self, seq: Sequence, k: int) -> CatchUp:
         """Nothing: no model runs."""
         return seq.num_computed, []
 

@@ -152,10 +152,10 @@ class Sequence:
         self.num_computed = 0  # positions whose KV the target holds (committed)
         self.num_draft_computed = 0  # positions whose KV the draft holds; <= num_computed
         # a draft head's output at num_draft_computed - 1, then the target's
-        # tapped states it has not absorbed (core/ledger.py)
+        # tapped states it has not absorbed (core/proposer_rules.py)
         self.draft_state = b""
         # whether the draft keeps KV for it: a head may be left off a
-        # sequence for its whole life (core/ledger.py)
+        # sequence for its whole life (core/proposer_rules.py)
         self.draft_on = True
         self.status = Status.WAITING
         self.finish_reason: FinishReason | None = None

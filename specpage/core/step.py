@@ -42,7 +42,7 @@ class SeqWork(msgspec.Struct, frozen=True, array_like=True):
     num_forks: int = 0  # further samples drawing their first token from these logits
     following: int = -1  # the token at position end, when the span stops short of the newest
     # a head's output at draft_start - 1, then the target's tapped states at
-    # draft_start .. start - 1, which it has not absorbed yet; fp32 (see core/ledger.py)
+    # draft_start .. start - 1, which it has not absorbed yet; fp32 (see core/proposer_rules.py)
     draft_state: bytes = b""
     draft_on: bool = True  # False: the head keeps nothing for this sequence
     # the core's own proposal (core/model_free.py), k tokens, or [] when the
@@ -71,7 +71,7 @@ class SeqResult(msgspec.Struct, frozen=True, array_like=True):
     fork_tokens: list[int] = []  # first tokens of samples 1..n-1
     fork_logprobs: list[float] = []  # theirs, when asked for
     # a head's output at the last position it absorbed, then the tapped states
-    # of the draft_lag positions after it that it has not; fp32 (core/ledger.py)
+    # of the draft_lag positions after it that it has not; fp32 (core/proposer_rules.py)
     draft_state: bytes = b""
     draft_lag: int = 0
 

@@ -2,7 +2,7 @@
 
 Only sequences that speculate this step (k > 0) run through the draft. Its
 first forward catches each of them up: it covers the span the core says the
-draft lacks (`SeqWork.draft_tokens`, from `draft_start`; see core/ledger.py
+draft lacks (`SeqWork.draft_tokens`, from `draft_start`; see core/proposer_rules.py
 for why the draft lags) followed by this step's new tokens. Then one forward
 per proposal depth, for the sequences whose k reaches it. With speculation
 off the draft costs nothing.

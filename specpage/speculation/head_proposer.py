@@ -13,7 +13,7 @@ tentative K/V with the real thing and leaves the state for the next step.
 
 Only proposals need the head's state, so a sequence that does not
 speculate leaves its positions unabsorbed while they stay within the block
-the target is filling (core/ledger.py): it carries their tapped states, and
+the target is filling (core/proposer_rules.py): it carries their tapped states, and
 the next forward over it (a proposal's, or an absorb that runs anyway)
 takes them first. A step in which no sequence needs the head runs no head
 forward at all, so speculation switched off costs the head nothing but a
@@ -108,7 +108,7 @@ class HeadProposer:
         """Whether the head must absorb w's positions this step: it proposed
         (its next proposal starts from them), the span does not sample (a
         prefill chunk), it has no state to carry them after, or they would
-        fill the block (see core/ledger.py)."""
+        fill the block (see core/proposer_rules.py)."""
         if w.k > 0 or not w.sample or not w.draft_state:
             return True
         return w.end // self.runner.block_size != w.draft_start // self.runner.block_size
@@ -134,7 +134,7 @@ class HeadProposer:
                 following = w.tokens[1:] + [w.following]
             first, offset = offset, offset + len(w.tokens) + len(drafted)  # the span's rows
             last = first + len(following)
-            if not w.draft_on:  # the head keeps nothing for it (core/ledger.py)
+            if not w.draft_on:  # the head keeps nothing for it (core/proposer_rules.py)
                 continue
             if not self._needs_forward(w):
                 if carried is None:

@@ -2,7 +2,7 @@
 the newest tokens followed by their proposals), then acceptance.
 
 It reports what it accepted and sampled; what of it is committed is the
-core's decision (core/ledger.py).
+core's decision (core/proposer_rules.py).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ with a step budget below the prompt: its chunks that stop short of the
 newest token want no logits, and a forward that wants none must not project
 zero rows (bf16_gemv takes 1 to 16). A last case preempts a sequence near
 the edge, so it is recomputed there: a head's recompute stops one short of
-its newest token (core/ledger.py's head_span)."""
+its newest token (core/proposer_rules.py's HEAD.trim)."""
 
 from __future__ import annotations
 

@@ -258,7 +258,7 @@ def test_n_samples_fork_with_the_head(models):
     all give the target's output, and the first of sampled ones what its
     seed gives alone. (A fork's head state and KV at the last prompt
     position read the parent's first token, not its own: see
-    core/ledger.py; that changes its proposals, so its seeded draws, but
+    core/proposer_rules.py; that changes its proposals, so its seeded draws, but
     not its distribution.)"""
     hf = models[0]
     prompt = prompts(1, lengths=(30,))[0]
