@@ -23,12 +23,11 @@ from specpage.core.span import Span
 
 # The longest span the native kernel attends. It scores each row against the
 # whole context (causality by a count, not by skipping work) and makes none
-# of the reference's padded copies: measured on SmolLM2-135M q4 and its
-# 4-layer draft (bf16, 2 threads, context 200), forwards of 16, 32 and 64
-# positions took 0.6-0.9x as long through it as through the reference's
-# gather and scaled_dot_product_attention (tests/attention/test_cpu_attention.py checks
-# its outputs against the reference at these lengths). Longer prefill
-# chunks stay on the reference, whose attention skips the masked half.
+# of the reference's padded copies, which up to here is the faster trade
+# (docs/BENCHMARKS.md, "Native attention span"; tests/attention/
+# test_cpu_attention.py checks its outputs against the reference at these
+# lengths). Longer prefill chunks stay on the reference, whose attention
+# skips the masked half.
 NATIVE_SPAN = 64
 
 

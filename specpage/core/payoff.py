@@ -26,7 +26,7 @@ TOLERANCE = 0.02  # the share by which model-free steps may fall short
 PROBE_EVERY = 16  # steps of a class between steps of the other kind
 # Where model-free steps are CLEAR_MARGIN better than plain ones, plain
 # steps are measured only one step in PROBE_RARELY: each costs the class
-# what the margin is worth (at 1.8x, a plain step in 16 lost 3% of the time).
+# what the margin is worth (docs/BENCHMARKS.md, "The payoff's probes").
 CLEAR_MARGIN = 1.25
 PROBE_RARELY = 64
 

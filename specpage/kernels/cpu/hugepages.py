@@ -9,8 +9,8 @@ them to memory that asks (madvise MADV_HUGEPAGE) when
 default) or "always"; torch's allocator asks only when THP_MEM_ALLOC_ENABLE
 is set before torch starts, so specpage asks itself, for the tensors it
 knows are large and long-lived: the models' weights (`pack`) and the KV
-caches (`zeros`). Measured on SmolLM2-135M bf16, 2 cores: a one-stream
-decode step 9.5 -> 8.2 ms (bench/model_runner.py).
+caches (`zeros`): a decode step reads them all, and fewer TLB misses
+shorten it (docs/BENCHMARKS.md, "Huge pages").
 
 Elsewhere (another OS, huge pages switched off, a CUDA tensor) these are
 plain allocations. Pure torch and ctypes.
