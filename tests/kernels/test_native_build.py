@@ -26,3 +26,12 @@ def test_a_stale_build_lock_is_cleared_by_the_next_builder():
         capture_output=True, text=True, timeout=HANG_GUARD_S, check=True)
     assert loaded.stdout.strip() == "True"
     assert not (folder / "lock").exists()
+
+
+def test_the_loader_finds_every_kernel_source_beside_it() -> None:
+    """The build reads the C++ sources shipped beside the loader: none found
+    would leave every machine on the torch ops without a word but a log line."""
+    names = {path.name for path in native.SOURCES}
+    assert names == {"bf16_gemv.cpp", "bf16_panels.cpp", "decoder_stack.cpp", "fused_ops.cpp",
+                     "int4_gemv.cpp", "paged_attention.cpp"}
+    assert [path.name for path in native.HEADERS] == ["vec.h"]

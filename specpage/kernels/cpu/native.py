@@ -43,8 +43,8 @@ from specpage.kernels.cpu import features as cpu
 
 log = logging.getLogger(__name__)
 
-SOURCES = sorted((Path(__file__).resolve().parent / "cpu").glob("*.cpp"))
-HEADERS = sorted((Path(__file__).resolve().parent / "cpu").glob("*.h"))
+SOURCES = sorted(Path(__file__).resolve().parent.glob("*.cpp"))  # beside this file
+HEADERS = sorted(Path(__file__).resolve().parent.glob("*.h"))
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fopenmp-simd", "-std=c++17"]
 DISABLE_ENV = "SPECPAGE_NATIVE_KERNELS"  # "0": never build or load them
 
