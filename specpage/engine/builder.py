@@ -7,7 +7,6 @@ the daemon all build their engines here."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,8 +21,6 @@ from specpage.models.eagle3 import LoadedHead
 from specpage.models.fetch import ensure_model, known_models
 from specpage.models.loader import LoadedModel, draft_dtype, load_model
 from specpage.models.quant_names import check_tensor_parallel
-
-log = logging.getLogger("specpage.engine")
 
 
 @dataclass(frozen=True)
