@@ -65,6 +65,10 @@ class ServerSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     metrics_host: str = "127.0.0.1"
     http_port: int | None = None  # the OpenAI-compatible HTTP API; None: off
     http_host: str = "127.0.0.1"
+    # The names the HTTP API answers to as `model`, comma-separated (vLLM's
+    # --served-model-name); None: model.target and the checkpoint's Hugging
+    # Face id where its metadata has one.
+    served_model_name: str | None = None
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -82,6 +86,9 @@ class ServerSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                      "server.http_port must differ from port and metrics_port", port)
         for name in ("max_queue", "max_message_bytes", "max_prompt_tokens"):
             _require(getattr(self, name) > 0, f"server.{name} must be > 0", getattr(self, name))
+        if self.served_model_name is not None:
+            _require(all(self.served_model_names), "server.served_model_name: names must "
+                     "not be empty", self.served_model_name)
         _require(self.drain_grace_s >= 0, "server.drain_grace_s must be >= 0", self.drain_grace_s)
         _require(
             self.log_level in LOG_LEVELS,
@@ -112,6 +119,13 @@ class ServerSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     @property
     def has_token(self) -> bool:
         return self.bearer_token is not None or self.bearer_token_file is not None
+
+    @property
+    def served_model_names(self) -> tuple[str, ...]:
+        """The names served_model_name sets; empty when it is unset."""
+        if self.served_model_name is None:
+            return ()
+        return tuple(name.strip() for name in self.served_model_name.split(","))
 
 
 class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

