@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from specpage.core.chat_template import chat_token_ids
+from specpage.core.chat_template import DEFAULT_OPTIONS, TemplateOptions, chat_token_ids
 from specpage.core.request import Request, SamplingParams, ValidationError
 from specpage.engine.engine import Engine
 
@@ -43,9 +43,10 @@ class TokenPrompt:
 @dataclass(frozen=True)
 class ChatPrompt:
     """A conversation (role and content per message) through the chat template,
-    with the assistant's turn opened for the model to write."""
+    by default with the assistant's turn opened for the model to write."""
 
     messages: Sequence[Mapping[str, Any]]
+    options: TemplateOptions = DEFAULT_OPTIONS
 
 
 Prompt = TextPrompt | TokenPrompt | ChatPrompt
@@ -79,7 +80,6 @@ class Preparer:
     def __init__(self, engine: Engine, max_prompt_tokens: int) -> None:
         self.engine = engine
         self.max_prompt_tokens = max_prompt_tokens
-        self.max_prompt_bytes = max_prompt_tokens * PROMPT_BYTES_PER_TOKEN
 
     def make_request(self, prompt: Prompt, params: SamplingParams,
                      options: RequestOptions) -> Request:
@@ -111,14 +111,34 @@ class Preparer:
                 raise ValidationError(field, f"{len(prompt.token_ids)} tokens exceed "
                                       f"the limit of {self.max_prompt_tokens}")
             return list(prompt.token_ids)
+        check_bytes(prompt, field, self.max_prompt_tokens)
         if isinstance(prompt, ChatPrompt):
-            size = sum(len(str(m.get("content", "")).encode()) for m in prompt.messages)
-            self._check_bytes(size, field)
-            return chat_token_ids(self.engine.tokenizer, prompt.messages, options.chat_field)
-        self._check_bytes(len(prompt.text.encode()), field)
+            return chat_token_ids(self.engine.tokenizer, prompt.messages, options.chat_field,
+                                  prompt.options)
         return prompt.text
 
-    def _check_bytes(self, size: int, field: str) -> None:
-        if size > self.max_prompt_bytes:
-            raise ValidationError(field, f"{size} bytes exceed the limit of "
-                                  f"{self.max_prompt_bytes} ({self.max_prompt_tokens} tokens)")
+
+def token_ids(tokenizer: Any, prompt: TextPrompt | ChatPrompt, field: str,
+              max_prompt_tokens: int, add_special_tokens: bool = False) -> list[int]:
+    """A prompt's token ids as vLLM's /tokenize shows them: text with or without
+    the tokenizer's special tokens, a conversation through the chat template
+    (its options say how). Refused by its size first, as a request's is;
+    runs on the caller's thread, which must not be the event loop's."""
+    check_bytes(prompt, field, max_prompt_tokens)
+    if isinstance(prompt, ChatPrompt):
+        return chat_token_ids(tokenizer, prompt.messages, field, prompt.options)
+    if tokenizer is None:
+        raise ValidationError(field, "the model has no tokenizer")
+    return list(tokenizer.encode(prompt.text, add_special_tokens=add_special_tokens))
+
+
+def check_bytes(prompt: TextPrompt | ChatPrompt, field: str, max_prompt_tokens: int) -> None:
+    """Refuse text that cannot fit max_prompt_tokens, before tokenizing it."""
+    if isinstance(prompt, ChatPrompt):
+        size = sum(len(str(m.get("content", "")).encode()) for m in prompt.messages)
+    else:
+        size = len(prompt.text.encode())
+    limit = max_prompt_tokens * PROMPT_BYTES_PER_TOKEN
+    if size > limit:
+        raise ValidationError(field, f"{size} bytes exceed the limit of {limit} "
+                              f"({max_prompt_tokens} tokens)")
