@@ -45,10 +45,7 @@ class Intake:
         if params.n > config.max_num_seqs:
             raise ValidationError("n", f"{params.n} samples exceed max_num_seqs "
                                   f"({config.max_num_seqs})")
-        unknown = next((t for t in params.stop_token_ids if t >= self.vocab_size), None)
-        if unknown is not None:  # it could never be sampled
-            raise ValidationError("stop_token_ids",
-                                  f"token id {unknown} outside 0..{self.vocab_size - 1}")
+        params.validate_vocabulary(self.vocab_size)
         prompt_ids = self._tokenize(prompt, prompt_field)
         validate_prompt(prompt_ids, self.vocab_size, self.max_context, prompt_field)
         self._check_fits(len(prompt_ids), params)

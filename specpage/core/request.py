@@ -37,6 +37,9 @@ GREEDY_BELOW = 1e-5  # temperatures under this are greedy
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 4096  # all stop strings together
 MAX_STOP_TOKEN_IDS = 256
+# vLLM's and OpenAI's bounds on these fields.
+MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty lie in [-2, 2]
+MAX_LOGIT_BIAS = 100.0  # each bias lies in [-100, 100]
 
 
 class StopLimits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -61,11 +64,36 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ignore_eos: bool = False
     n: int = 1
     logprobs: bool = False  # log-probability of each chosen token (target, before temperature)
+    # What the sample's history does to its logits, with vLLM's meanings
+    # (speculation/sampler.py); these defaults leave them as they are.
+    presence_penalty: float = 0.0  # minus this for each token in the output so far
+    frequency_penalty: float = 0.0  # minus this times the token's count in the output
+    # over prompt and output tokens: a positive logit / this, a negative one * this
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0  # drop tokens under min_p x the likeliest's probability
+    min_tokens: int = 0  # EOS, stop token ids and stop strings end nothing before this
+    logit_bias: dict[int, float] = {}  # token id -> added to its logit
+
+    def __post_init__(self) -> None:
+        if self.seed == -1:  # OpenAI's and vLLM's clients send -1 for no seed
+            msgspec.structs.force_setattr(self, "seed", None)
 
     @property
     def greedy(self) -> bool:
         # Below this, logits / temperature overflows fp32: sample greedily, as vLLM does.
         return self.temperature < GREEDY_BELOW
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether anything but temperature, top-k, top-p and min-p shapes
+        its distribution: penalties, min_tokens or a logit bias."""
+        return bool(self.penalized or self.min_tokens or self.logit_bias)
+
+    @property
+    def penalized(self) -> bool:
+        """Whether its logits depend on the tokens it holds."""
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.repetition_penalty != 1)
 
     def validate(self, limits: StopLimits = DEFAULT_STOP_LIMITS) -> None:
         self._validate_stop(limits)
@@ -76,11 +104,40 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             ("top_p", not math.isnan(self.top_p) and 0 < self.top_p <= 1, "must be in (0, 1]"),
             ("top_k", self.top_k >= 0, "must be >= 0 (0 keeps every token)"),
             ("n", 1 <= self.n <= 64, "must be in 1..64"),
-            ("seed", self.seed is None or 0 <= self.seed < 2**63, "must be in 0..2^63-1"),
+            ("seed", self.seed is None or 0 <= self.seed < 2**63,
+             "must be in 0..2^63-1 (-1: no seed)"),
+            ("presence_penalty", _within(self.presence_penalty, MAX_PENALTY),
+             f"must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]"),
+            ("frequency_penalty", _within(self.frequency_penalty, MAX_PENALTY),
+             f"must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]"),
+            ("repetition_penalty",
+             math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0,
+             "must be a finite number > 0 (1 is off)"),
+            ("min_p", not math.isnan(self.min_p) and 0 <= self.min_p <= 1, "must be in [0, 1]"),
+            ("min_tokens", 0 <= self.min_tokens <= self.max_tokens,
+             f"must be in 0..max_tokens ({self.max_tokens})"),
         )  # fmt: skip
         for name, ok, message in checks:
             if not ok:
                 raise ValidationError(name, f"{message}, got {getattr(self, name)!r}")
+        self._validate_logit_bias()
+
+    def _validate_logit_bias(self, vocab_size: int | None = None) -> None:
+        for token, bias in self.logit_bias.items():
+            if token < 0 or (vocab_size is not None and token >= vocab_size):
+                ids = "ids are >= 0" if vocab_size is None else f"0..{vocab_size - 1}"
+                raise ValidationError("logit_bias", f"token id {token} outside {ids}")
+            if not _within(bias, MAX_LOGIT_BIAS):
+                raise ValidationError("logit_bias", f"bias of token {token} must be in "
+                                      f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias!r}")
+
+    def validate_vocabulary(self, vocab_size: int) -> None:
+        """The token ids it names exist in a vocabulary of vocab_size."""
+        unknown = next((t for t in self.stop_token_ids if t >= vocab_size), None)
+        if unknown is not None:  # it could never be sampled
+            raise ValidationError("stop_token_ids",
+                                  f"token id {unknown} outside 0..{vocab_size - 1}")
+        self._validate_logit_bias(vocab_size)
 
     def _validate_stop(self, limits: StopLimits) -> None:
         # Counts first: a message that quoted ten thousand stop strings would
@@ -100,6 +157,10 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 "stop_token_ids", f"at most {limits.max_stop_token_ids} ids, got {ids}")
         if not all(t >= 0 for t in self.stop_token_ids):
             raise ValidationError("stop_token_ids", f"must be >= 0, got {self.stop_token_ids!r}")
+
+
+def _within(value: float, bound: float) -> bool:
+    return not math.isnan(value) and -bound <= value <= bound
 
 
 class FinishReason(enum.StrEnum):

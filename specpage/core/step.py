@@ -10,7 +10,24 @@ from __future__ import annotations
 
 import msgspec
 
-from specpage.core.request import GREEDY_BELOW
+from specpage.core.request import GREEDY_BELOW, Sequence
+
+
+class Adjustments(msgspec.Struct, frozen=True, array_like=True):
+    """What a sample's history does to its logits before it samples
+    (speculation/sampler.py): penalties, a logit bias, tokens banned below
+    min_tokens. A sample with none of them carries none."""
+
+    presence: float  # presence_penalty
+    frequency: float  # frequency_penalty
+    repetition: float  # repetition_penalty, 1 is off
+    logit_bias: dict[int, float]
+    min_tokens: int
+    banned: list[int]  # EOS and stop token ids, banned below min_tokens output tokens
+    num_prompt: int
+    # prompt then output, through the newest token; only when penalized (it
+    # grows with the context, so a sample with no penalty sends none)
+    history: list[int]
 
 
 class Sampling(msgspec.Struct, frozen=True, array_like=True):
@@ -21,10 +38,26 @@ class Sampling(msgspec.Struct, frozen=True, array_like=True):
     top_p: float
     seed: int  # this sample's own seed (the request's seed + its index)
     logprobs: bool  # report the chosen tokens' log-probabilities
+    min_p: float = 0.0
+    adjustments: Adjustments | None = None
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
+
+
+def sampling_of(seq: Sequence, eos_token_ids: tuple[int, ...]) -> Sampling:
+    """How seq samples its next token, once it holds what it holds now."""
+    p = seq.request.params
+    adjustments = None
+    if p.adjusts_logits:
+        banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
+        adjustments = Adjustments(
+            p.presence_penalty, p.frequency_penalty, p.repetition_penalty, dict(p.logit_bias),
+            p.min_tokens, banned if p.min_tokens else [], seq.num_prompt,
+            list(seq.token_ids) if p.penalized else [])
+    return Sampling(p.temperature, p.top_k, p.top_p, seq.seed, p.logprobs, p.min_p,
+                    adjustments)
 
 
 class SeqWork(msgspec.Struct, frozen=True, array_like=True):

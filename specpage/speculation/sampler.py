@@ -1,10 +1,12 @@
-"""Sampling: temperature, top-k and top-p into probabilities, and draws that
-depend only on (seed, position, purpose), so a seeded request samples the
-same tokens whatever else is in the batch and however its steps fall."""
+"""Sampling: logits adjusted by a sample's history (penalties, logit bias,
+bans), temperature, min-p, top-k and top-p into probabilities, and draws
+that depend only on (seed, position, purpose), so a seeded request samples
+the same tokens whatever else is in the batch and however its steps fall."""
 
 from __future__ import annotations
 
 import enum
+from typing import NamedTuple
 
 import torch
 
@@ -33,16 +35,44 @@ def uniform(seed: int, position: int, purpose: Purpose) -> float:
     return (x >> 11) / float(1 << 53)
 
 
+class Adjustment(NamedTuple):
+    """What rows' histories do to their logits, as tensors (built by
+    sampling_rows.py, one row per logit row that has any)."""
+
+    bias: torch.Tensor  # [rows, vocab] fp32: logit_bias, -inf where banned (min_tokens)
+    counts: torch.Tensor  # [rows, vocab] fp32: each token's count in the output so far
+    seen: torch.Tensor  # [rows, vocab] bool: in the prompt or in the output so far
+    presence: torch.Tensor  # [rows] fp32
+    frequency: torch.Tensor  # [rows] fp32
+    repetition: torch.Tensor  # [rows] fp32; 1 is off
+
+
+def adjusted(logits: torch.Tensor, a: Adjustment) -> torch.Tensor:
+    """logits [rows, vocab] fp32 as vLLM adjusts them: bias and bans first,
+    then the repetition penalty (a positive logit divided by it, a negative
+    one multiplied), then the frequency and presence penalties."""
+    logits = logits + a.bias
+    penalty = torch.where(a.seen, a.repetition[:, None], 1.0)
+    logits = logits * torch.where(logits > 0, 1.0 / penalty, penalty)
+    return logits - a.frequency[:, None] * a.counts - a.presence[:, None] * (a.counts > 0)
+
+
 def probabilities(
     logits: torch.Tensor,  # [rows, vocab] fp32
     temperature: torch.Tensor,  # [rows] fp32; 0 is greedy (one-hot at the argmax)
     top_k: torch.Tensor,  # [rows] int64; 0 keeps every token
     top_p: torch.Tensor,  # [rows] fp32 in (0, 1]
+    min_p: torch.Tensor | None = None,  # [rows] fp32 in [0, 1]; None: 0 for every row
 ) -> torch.Tensor:
     """The distribution each row samples from, [rows, vocab] fp32."""
     greedy = temperature < GREEDY_BELOW
     scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]
     probs = torch.softmax(scaled, dim=-1)
+    if min_p is not None and bool((min_p > 0).any()):
+        # after temperature, before top-k and top-p, as in vLLM
+        floor = probs.amax(-1, keepdim=True) * min_p[:, None]
+        probs = torch.where(probs < floor, 0.0, probs)
+        probs = probs / probs.sum(-1, keepdim=True)
     if bool(((top_k > 0) | (top_p < 1)).any()):
         probs = _top_k_top_p(probs, top_k, top_p)
     if bool(greedy.any()):

@@ -1,4 +1,5 @@
-"""Per-row sampling parameters as tensors, and the seeded uniforms of rows."""
+"""Per-row sampling parameters as tensors, the logits of rows adjusted by
+their samples' histories, and the seeded uniforms of rows."""
 
 from __future__ import annotations
 
@@ -6,8 +7,8 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from specpage.core.step import Sampling
-from specpage.speculation.sampler import Purpose, probabilities, uniform
+from specpage.core.step import Adjustments, Sampling
+from specpage.speculation.sampler import Adjustment, Purpose, adjusted, probabilities, uniform
 
 
 def row_probabilities(logits: torch.Tensor, rows: Seq[Sampling]) -> torch.Tensor:
@@ -17,7 +18,57 @@ def row_probabilities(logits: torch.Tensor, rows: Seq[Sampling]) -> torch.Tensor
         torch.tensor([r.temperature for r in rows], dtype=torch.float32),
         torch.tensor([r.top_k for r in rows], dtype=torch.int64),
         torch.tensor([r.top_p for r in rows], dtype=torch.float32),
+        # none to apply in the common case: every row's min_p is 0
+        torch.tensor([r.min_p for r in rows]) if any(r.min_p for r in rows) else None,
     )
+
+
+def adjusted_rows(
+    logits: torch.Tensor,  # [rows, vocab] fp32
+    rows: Seq[Sampling],
+    num_tokens: Seq[int],  # per row: tokens its sample holds (prompt, output, added)
+    added: Seq[Seq[int]],  # per row: tokens its sample holds past its Sampling's history
+) -> torch.Tensor:
+    """The logits each row samples from, its sample's history applied, as if
+    the sample held its `added` tokens too (a proposal's prefix before the
+    row, so each verified row sees the history it would have had the
+    proposal been accepted up to it). `logits` itself when no row adjusts."""
+    found = [(i, r.adjustments) for i, r in enumerate(rows) if r.adjustments is not None]
+    if not found:
+        return logits
+    which = [i for i, _ in found]
+    vocab = logits.shape[-1]
+    bias = torch.zeros(len(which), vocab)
+    counts = torch.zeros(len(which), vocab)
+    seen = torch.zeros(len(which), vocab, dtype=torch.bool)
+    histories: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # shared by a sample's rows
+    for row, (i, a) in enumerate(found):
+        if a.logit_bias:
+            bias[row, list(a.logit_bias)] = torch.tensor(list(a.logit_bias.values()))
+        if num_tokens[i] - a.num_prompt < a.min_tokens and a.banned:
+            bias[row, a.banned] = float("-inf")
+        if a.history:  # penalized
+            if id(a) not in histories:
+                histories[id(a)] = _history(a, vocab)
+            output_counts, prompt_seen = histories[id(a)]
+            counts[row] = output_counts
+            if added[i]:
+                counts[row] += torch.bincount(torch.tensor(added[i]), minlength=vocab)
+            seen[row] = prompt_seen | (counts[row] > 0)
+    out = logits.clone()
+    out[which] = adjusted(logits[which], Adjustment(
+        bias, counts, seen, torch.tensor([a.presence for _, a in found]),
+        torch.tensor([a.frequency for _, a in found]),
+        torch.tensor([a.repetition for _, a in found])))
+    return out
+
+
+def _history(a: Adjustments, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[vocab] fp32 counts of the output's tokens, [vocab] bool of the prompt's."""
+    output = torch.tensor(a.history[a.num_prompt :], dtype=torch.int64)
+    prompt_seen = torch.zeros(vocab, dtype=torch.bool)
+    prompt_seen[a.history[: a.num_prompt]] = True
+    return torch.bincount(output, minlength=vocab).float(), prompt_seen
 
 
 def uniforms(rows: Seq[Sampling], positions: Seq[int], purpose: Purpose) -> torch.Tensor:

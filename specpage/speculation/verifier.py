@@ -18,7 +18,7 @@ from specpage.speculation.acceptance import accept
 from specpage.speculation.proposal import Proposal
 from specpage.speculation.runner import TargetRunner
 from specpage.speculation.sampler import Purpose, sample, uniform
-from specpage.speculation.sampling_rows import row_probabilities
+from specpage.speculation.sampling_rows import adjusted_rows, row_probabilities
 from specpage.speculation.verdict import Verdict
 
 
@@ -65,6 +65,8 @@ class Verifier:
         offsets = [0]
         for k in ks:
             offsets.append(offsets[-1] + k + 1)  # logit rows of each sequence
+        # what each row samples from; the log-probabilities stay the target's own
+        adjusted = _with_history(works, [proposal.tokens[i] for i in rows], logits)
         greedy = [r for r, w in enumerate(works) if w.sampling.greedy]
         sampled = [r for r, w in enumerate(works) if not w.sampling.greedy]
         num_accepted, next_token = [0] * len(rows), [0] * len(rows)
@@ -72,11 +74,11 @@ class Verifier:
         if greedy:
             decisions.append((greedy, self._greedy(
                 [rows[r] for r in greedy], [ks[r] for r in greedy],
-                [offsets[r] for r in greedy], proposal, logits)))
+                [offsets[r] for r in greedy], proposal, adjusted)))
         if sampled:
             decisions.append((sampled, self._sampled(
                 [rows[r] for r in sampled], [works[r] for r in sampled],
-                [ks[r] for r in sampled], [offsets[r] for r in sampled], proposal, logits)))
+                [ks[r] for r in sampled], [offsets[r] for r in sampled], proposal, adjusted)))
         for group, decided in decisions:
             for r, (a, token) in zip(group, decided, strict=True):
                 num_accepted[r], next_token[r] = a, token
@@ -89,7 +91,7 @@ class Verifier:
             chosen = []
             if log_probs is not None and w.sampling.logprobs:
                 chosen = [float(log_probs[offsets[r] + j, t]) for j, t in enumerate(new_tokens)]
-            forks = self._fork_tokens(w, logits[offsets[r]]) if w.num_forks else []
+            forks = self._fork_tokens(w, adjusted[offsets[r]]) if w.num_forks else []
             fork_logprobs = [float(log_probs[offsets[r], t]) for t in forks] if chosen else []
             results[i] = SeqResult(
                 tokens=new_tokens,
@@ -161,3 +163,20 @@ class Verifier:
             dtype=torch.float64,
         )
         return sample(probs.expand(work.num_forks, -1), draws).tolist()
+
+
+def _with_history(works: list[SeqWork], proposed: list[list[int]],
+                  logits: torch.Tensor) -> torch.Tensor:
+    """The logits [sum of (k + 1), vocab] adjusted by each sample's history
+    (speculation/sampling_rows.py): row j of a sequence as if its first j
+    proposals were accepted, so that the target's p at every row is the one
+    plain decoding would sample from there, and acceptance stays lossless."""
+    if all(w.sampling.adjustments is None for w in works):
+        return logits
+    rows, num_tokens, added = [], [], []
+    for w, drafted in zip(works, proposed, strict=True):
+        for j in range(len(drafted) + 1):
+            rows.append(w.sampling)
+            num_tokens.append(w.end + j)
+            added.append(drafted[:j])
+    return adjusted_rows(logits, rows, num_tokens, added)
