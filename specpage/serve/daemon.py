@@ -293,6 +293,7 @@ async def serve(config: Config) -> int:
         await listeners.health.enter_graceful_shutdown()
         await frontend.wait_idle(s.drain_grace_s)  # gRPC calls and HTTP requests alike
         await engine.stop()  # aborts what is left, drops the prompts queued for tokenizing
+        frontend.close()
         await loop.run_in_executor(torch_thread, built.close)  # stops tensor-parallel ranks
         torch_thread.shutdown(wait=False)
         await listeners.server.stop(grace=1.0)

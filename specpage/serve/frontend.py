@@ -6,7 +6,9 @@ A front end turns its message into a prompt, sampling parameters and
 `RequestOptions` and hands them to `AsyncEngine.add_request`, which prepares
 the request off the event loop; it maps the errors: `ValidationError` (naming
 the field, in the front end's words), `LoadingError`, `DrainingError` and
-`QueueFullError` (with `retry_after_ms`).
+`QueueFullError` (with `retry_after_ms`). Tokenizing that is not a request's
+(the HTTP front's /tokenize and /detokenize) runs on threads of its own here
+(`off_loop`), never on the event loop.
 """
 
 from __future__ import annotations
@@ -15,9 +17,20 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 from specpage.core.request import ValidationError
-from specpage.engine.async_engine import AsyncEngine, Chunk, DrainingError, Final, RequestStream
+from specpage.engine.async_engine import (
+    PREPARE_CONCURRENCY,
+    AsyncEngine,
+    Chunk,
+    DrainingError,
+    Final,
+    RequestStream,
+)
+
+T = TypeVar("T")
 
 # Request ids are echoed as gRPC metadata and HTTP headers, whose values must be
 # printable ASCII; 128 characters hold a UUID or a W3C trace id with room to spare.
@@ -45,6 +58,10 @@ class Frontend:
         self._engine: AsyncEngine | None = None
         self.on_first_token = on_first_token
         self.in_flight = 0
+        # As many as the engine's prepare threads, for the same reason: a
+        # cancelled call cannot stop its thread, so only a pool bounds them.
+        self._tokenizing = ThreadPoolExecutor(PREPARE_CONCURRENCY,
+                                              thread_name_prefix="specpage-tokenize")
 
     def attach(self, engine: AsyncEngine) -> None:
         self._engine = engine
@@ -86,6 +103,14 @@ class Frontend:
                 self.on_first_token(time.monotonic() - arrival)
                 first = False
             yield event
+
+    async def off_loop(self, work: Callable[[], T]) -> T:
+        """work's result, computed on the tokenize threads."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizing, work)
+
+    def close(self) -> None:
+        """Drop the work queued for the tokenize threads (the daemon stops)."""
+        self._tokenizing.shutdown(wait=False, cancel_futures=True)
 
     async def wait_idle(self, grace: float) -> bool:
         """Wait until no call is in flight, at most grace seconds."""

@@ -13,10 +13,11 @@ request, streamed or not; the engine frees its blocks at its next step.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -29,25 +30,23 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from specpage.core.request import ValidationError
+from specpage.core.request import SamplingParams, Usage, ValidationError
 from specpage.engine.async_engine import (
     Chunk,
     DrainingError,
     EngineFaultError,
+    Final,
     RequestStream,
 )
-from specpage.engine.submission import (
-    ChatPrompt,
-    Prompt,
-    RequestOptions,
-    TextPrompt,
-    TokenPrompt,
-)
+from specpage.engine.submission import ChatPrompt, RequestOptions
 from specpage.serve.frontend import Frontend, LoadingError, check_request_id, cut_short
 from specpage.serve.metrics import Metrics
 from specpage.serve.openai_api import protocol
 from specpage.serve.openai_api.errors import APIError, ErrorBody, api_error, invalid
-from specpage.serve.openai_api.render import Renderer, Sample
+from specpage.serve.openai_api.fields import IGNORED_HEADER, IgnoredFields
+from specpage.serve.openai_api.render import Renderer, Sample, total
+from specpage.serve.openai_api.served import Served
+from specpage.serve.openai_api.tokenize import TokenizeRoutes
 
 T = TypeVar("T")
 # Paths a load balancer probes without credentials, as gRPC health is open.
@@ -59,12 +58,16 @@ CUT_SHORT = {"error": "the engine failed while generating", "timeout": "the requ
 
 
 @dataclass(frozen=True)
-class Served:
-    """What the routes say about the daemon."""
+class Call:
+    """One completion request, decoded and checked, before it is admitted."""
 
-    model: str  # model.target exactly as configured: the only `model` accepted
-    draft: str | None
-    created: int = 0  # Unix time the daemon started
+    body: protocol.ChatCompletionRequest | protocol.CompletionRequest
+    prompts: list[protocol.PromptPart]
+    max_tokens: int | None  # None: as many as the context leaves
+    arrival: float
+    model: str  # the name the response carries
+    renamed: dict[str, str]  # the engine's field names -> the client's
+    ignored: list[str]  # fields accepted unread (fields.py)
 
 
 class OpenAIRoutes:
@@ -72,42 +75,49 @@ class OpenAIRoutes:
         self.frontend = frontend
         self.served = served
         self.metrics = metrics
+        self.ignored = IgnoredFields()
 
     # ------------------------------------------------------------------ endpoints
 
     async def chat_completions(self, request: Request) -> Response:
         arrival = time.monotonic()
-        body = protocol.decode(await self._body(request), protocol.ChatCompletionRequest)
-        self._check_model(body.model)
-        protocol.check_supported(body)
+        body, ignored = protocol.decode(await self._body(request),
+                                        protocol.ChatCompletionRequest)
+        model = self.served.model(body.model)
+        ignored += protocol.check_supported(body)
         if body.max_tokens is not None and body.max_completion_tokens is not None and (
                 body.max_tokens != body.max_completion_tokens):
             raise invalid("max_completion_tokens", "max_completion_tokens and max_tokens "
                           "differ; give one")
         max_tokens = (body.max_tokens if body.max_completion_tokens is None
                       else body.max_completion_tokens)  # None: as many as the context leaves
-        prompt = ChatPrompt(protocol.chat_messages(body.messages))
+        prompt = ChatPrompt(protocol.chat_messages(body.messages), body.template_options)
         renamed = {"max_tokens": "max_completion_tokens"
                    if body.max_completion_tokens is not None else "max_tokens"}
-        return await self._serve(request, body, prompt, max_tokens, arrival, renamed)
+        return await self._serve(request, Call(
+            body, [protocol.PromptPart("messages", prompt)], max_tokens, arrival, model,
+            renamed, ignored))
 
     async def completions(self, request: Request) -> Response:
         arrival = time.monotonic()
-        body = protocol.decode(await self._body(request), protocol.CompletionRequest)
-        self._check_model(body.model)
-        protocol.check_supported(body)
+        body, ignored = protocol.decode(await self._body(request), protocol.CompletionRequest)
+        model = self.served.model(body.model)
+        ignored += protocol.check_supported(body)
         # OpenAI's default for completions is 16 tokens, the engine's too.
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
-        return await self._serve(request, body, _completion_prompt(body.prompt), max_tokens,
-                                 arrival, {})
+        return await self._serve(request, Call(
+            body, protocol.completion_prompts(body.prompt), max_tokens, arrival, model, {},
+            ignored))
 
     async def models(self, request: Request) -> Response:
-        served = self.served
         max_context = self.frontend.engine.max_context if self.frontend.ready else None
-        card = {"id": served.model, "object": "model", "created": served.created,
-                "owned_by": "specpage", "max_model_len": max_context,
-                "metadata": {"draft": served.draft}}
-        return _json({"object": "list", "data": [card]})
+        cards = [self.served.card(name, max_context) for name in self.served.names]
+        return _json({"object": "list", "data": cards})
+
+    async def model(self, request: Request) -> Response:
+        max_context = self.frontend.engine.max_context if self.frontend.ready else None
+        name = self.served.model(request.path_params["name"] or None)
+        return _json(self.served.card(name, max_context))
 
     async def health(self, request: Request) -> Response:
         try:
@@ -122,72 +132,154 @@ class OpenAIRoutes:
 
     # ------------------------------------------------------------------ one request
 
-    async def _serve(self, request: Request,
-                     body: protocol.ChatCompletionRequest | protocol.CompletionRequest,
-                     prompt: Prompt, max_tokens: int | None, arrival: float,
-                     renamed: dict[str, str]) -> Response:
+    async def _serve(self, request: Request, call: Call) -> Response:
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-        renamed = {"request_id": "X-Request-Id", **renamed}
-        chat = isinstance(body, protocol.ChatCompletionRequest)
-        field = "messages" if chat else "prompt"  # a conversation's template errors too
+        renamed = {"request_id": "X-Request-Id", **call.renamed}
+        body = call.body
         try:
             check_request_id(request_id)
-            params = protocol.sampling_params(body, max_tokens)
-            options = RequestOptions(
-                request_id, arrival, priority=body.priority, cache_salt=body.cache_salt or "",
-                cache_text=not body.no_suffix_cache,
-                max_tokens_to_context=max_tokens is None, prompt_field=field, chat_field=field)
-            stream = await self.frontend.engine.add_request(prompt, params, options)
+            params = protocol.sampling_params(body, call.max_tokens)
+            streams = await self._admit(call, request_id, params)
         except Exception as error:  # noqa: BLE001 (api_error re-raises what it cannot map)
             raise api_error(error, renamed) from None
         tokenizer = self.frontend.engine.tokenizer
         renderer = Renderer(
-            chat=chat, request_id=request_id, model=self.served.model, logprobs=params.logprobs,
+            chat=isinstance(body, protocol.ChatCompletionRequest), request_id=request_id,
+            model=call.model, logprobs=params.logprobs,
             token_text=(lambda t: tokenizer.decode([t])) if tokenizer is not None
             else (lambda t: f"token_id:{t}"))
         headers = {"X-Request-Id": request_id}
+        if call.ignored:
+            headers[IGNORED_HEADER] = ", ".join(self.ignored.note(call.ignored))
         if body.stream:
             include_usage = (body.stream_options is not None
                              and body.stream_options.include_usage)
-            return StreamingResponse(self._events(stream, renderer, arrival, include_usage),
-                                     headers=headers, media_type="text/event-stream")
-        async with self.frontend.running(stream):
-            samples = [Sample() for _ in range(params.n)]
+            return StreamingResponse(
+                self._events(streams, renderer, call.arrival, include_usage),
+                headers=headers, media_type="text/event-stream")
+        async with self._running(streams):
+            samples = [Sample() for _ in range(len(streams) * params.n)]
             final = await _unless_disconnected(
-                request, self._collect(stream, samples, arrival))
+                request, self._collect(streams, samples, call.arrival))
         if final is None:  # nobody is there to read a response
             return Response(b"", CLIENT_CLOSED_REQUEST)
         return _json(renderer.response(samples, final), headers)
 
-    async def _collect(self, stream: RequestStream, samples: list[Sample],
-                       arrival: float) -> Any:
+    async def _admit(self, call: Call, request_id: str,
+                     params: SamplingParams) -> list[RequestStream]:
+        """Every prompt admitted as a request of its own (each counts against
+        the admission bound), or none: a prompt refused, or the client gone,
+        aborts those already admitted."""
+        engine, batch = self.frontend.engine, len(call.prompts) > 1
+        if len(call.prompts) * params.n > engine.max_queue:
+            raise ValidationError("prompt", f"{len(call.prompts)} prompts x n = {params.n} "
+                                  f"exceed the admission bound of {engine.max_queue} samples")
+        field = "messages" if isinstance(call.body, protocol.ChatCompletionRequest) else "prompt"
+        options = [RequestOptions(
+            f"{request_id}-{i}" if batch else request_id, call.arrival,
+            priority=call.body.priority, cache_salt=call.body.cache_salt or "",
+            cache_text=not call.body.no_suffix_cache,
+            max_tokens_to_context=call.max_tokens is None, prompt_field=part.field,
+            chat_field=field) for i, part in enumerate(call.prompts)]
+        for option in options:
+            check_request_id(option.request_id)
+        tasks = [asyncio.ensure_future(engine.add_request(part.prompt, params, option))
+                 for part, option in zip(call.prompts, options, strict=True)]
         try:
-            async for event in self.frontend.events(stream, arrival):
-                if isinstance(event, Chunk):
-                    samples[event.index].add(event)
-                else:
-                    _check_complete(event.finish_reasons)
-                    return event.usage
+            await asyncio.wait(tasks)
+        except BaseException:  # the client went away: none of them runs
+            for task in tasks:
+                task.cancel()
+            self._abort_admitted(tasks)
+            raise
+        refused = [task.exception() for task in tasks if task.exception() is not None]
+        if refused:
+            self._abort_admitted(tasks)
+            raise refused[0]  # type: ignore[misc]
+        return [task.result() for task in tasks]
+
+    def _abort_admitted(self, tasks: Sequence[asyncio.Future[RequestStream]]) -> None:
+        for task in tasks:
+            if task.done() and not task.cancelled() and task.exception() is None:
+                self.frontend.engine.abort_stream(task.result())
+
+    @contextlib.asynccontextmanager
+    async def _running(self, streams: list[RequestStream]) -> AsyncIterator[None]:
+        """Each stream counted in flight until the call ends (Frontend.running)."""
+        async with contextlib.AsyncExitStack() as stack:
+            for stream in streams:
+                await stack.enter_async_context(self.frontend.running(stream))
+            yield
+
+    async def _merged(self, streams: list[RequestStream],
+                      arrival: float) -> AsyncGenerator[tuple[int, Chunk | Final]]:
+        """Every stream's events as they come, each with its stream's place in
+        the batch, until the last stream's Final; a stream's error is raised."""
+        if len(streams) == 1:
+            async for event in self.frontend.events(streams[0], arrival):
+                yield 0, event
+            return
+        # One place per stream: a stream merges what its reader has not taken.
+        queue: asyncio.Queue[tuple[int, Chunk | Final | Exception]] = asyncio.Queue(
+            len(streams))
+
+        async def pump(place: int, stream: RequestStream) -> None:
+            try:
+                async for event in self.frontend.events(stream, arrival):
+                    await queue.put((place, event))
+            except Exception as error:  # noqa: BLE001 (raised where the events are read)
+                await queue.put((place, error))
+
+        pumps = [asyncio.ensure_future(pump(i, stream)) for i, stream in enumerate(streams)]
+        try:
+            ended = 0
+            while ended < len(streams):
+                place, item = await queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                ended += isinstance(item, Final)
+                yield place, item
+        finally:
+            for task in pumps:
+                task.cancel()
+
+    async def _collect(self, streams: list[RequestStream], samples: list[Sample],
+                       arrival: float) -> Any:
+        n = len(samples) // len(streams)
+        finals: list[Usage] = []
+        try:
+            async with contextlib.aclosing(self._merged(streams, arrival)) as events:
+                async for place, event in events:
+                    if isinstance(event, Chunk):
+                        samples[place * n + event.index].add(event)
+                    else:
+                        _check_complete(event.finish_reasons)
+                        finals.append(event.usage)
         except (EngineFaultError, DrainingError) as error:
             raise api_error(error) from None
-        raise AssertionError("a stream ends with its Final event or an error")
+        return total(finals)
 
-    async def _events(self, stream: RequestStream, renderer: Renderer, arrival: float,
+    async def _events(self, streams: list[RequestStream], renderer: Renderer, arrival: float,
                       include_usage: bool) -> AsyncIterator[bytes]:
         # Runs as the response's body; a client that disconnects cancels it here.
         # Nothing is sent before the engine's first output: a chat choice's
         # role goes with its first chunk (see Renderer.chunk).
         opened: set[int] = set()  # the choices whose first chunk is sent
-        async with self.frontend.running(stream):
+        n = streams[0].num_samples
+        finals: list[Usage] = []
+        async with self._running(streams):
             try:
-                async for event in self.frontend.events(stream, arrival):
-                    if isinstance(event, Chunk):
-                        yield _event(renderer.chunk(event, opens=event.index not in opened))
-                        opened.add(event.index)
-                        continue
-                    _check_complete(event.finish_reasons)
-                    if include_usage:
-                        yield _event(renderer.usage_chunk(event.usage))
+                async with contextlib.aclosing(self._merged(streams, arrival)) as events:
+                    async for place, event in events:
+                        if isinstance(event, Chunk):
+                            index = place * n + event.index
+                            yield _event(renderer.chunk(event, index, opens=index not in opened))
+                            opened.add(index)
+                            continue
+                        _check_complete(event.finish_reasons)
+                        finals.append(event.usage)
+                if include_usage:
+                    yield _event(renderer.usage_chunk(total(finals)))
                 yield b"data: [DONE]\n\n"
             except (EngineFaultError, DrainingError, APIError) as error:
                 yield _event({"error": api_error(error).body})
@@ -198,29 +290,6 @@ class OpenAIRoutes:
         # Loading and draining first, so that clients retry whatever they sent.
         self.frontend.check_open()
         return await request.body()
-
-    def _check_model(self, model: str | None) -> None:
-        # An absent or empty model means the one served (vLLM requires the
-        # name; curl users often leave it out). Any other name is not here.
-        if model and model != self.served.model:
-            raise APIError(404, ErrorBody(
-                f"the model {model!r} does not exist; this server serves {self.served.model!r}",
-                "invalid_request_error", "model", "model_not_found"))
-
-
-def _completion_prompt(prompt: str | list[int | str | list[int]]) -> Prompt:
-    if isinstance(prompt, str):
-        return TextPrompt(prompt)
-    if all(isinstance(token, int) for token in prompt):
-        return TokenPrompt(prompt)  # type: ignore[arg-type]
-    if len(prompt) != 1:  # a batch would be several requests under one id
-        raise ValidationError("prompt", f"one prompt per request, got {len(prompt)}")
-    only = prompt[0]
-    if isinstance(only, str):
-        return TextPrompt(only)
-    if isinstance(only, list):
-        return TokenPrompt(only)
-    raise ValidationError("prompt", "text, token ids, or a list of one of those")
 
 
 def _check_complete(finish_reasons: list[str]) -> None:
@@ -281,10 +350,14 @@ class BearerToken:
 def build_app(frontend: Frontend, served: Served, metrics: Metrics | None,
               token: str | None) -> ASGIApp:
     routes = OpenAIRoutes(frontend, served, metrics)
+    tokenize = TokenizeRoutes(frontend, served, routes.ignored)
     paths = [
         Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
         Route("/v1/completions", routes.completions, methods=["POST"]),
         Route("/v1/models", routes.models, methods=["GET"]),
+        Route("/v1/models/{name:path}", routes.model, methods=["GET"]),
+        Route("/tokenize", tokenize.tokenize, methods=["POST"]),
+        Route("/detokenize", tokenize.detokenize, methods=["POST"]),
         Route("/health", routes.health, methods=["GET"]),
     ]
     if metrics is not None:

@@ -13,14 +13,17 @@ import logging
 import socket
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import uvicorn
 from starlette.types import ASGIApp
 
 from specpage.config import Config
+from specpage.models.fetch import hugging_face_id
 from specpage.serve.frontend import Frontend
 from specpage.serve.metrics import Metrics
-from specpage.serve.openai_api.app import Served, build_app
+from specpage.serve.openai_api.app import build_app
+from specpage.serve.openai_api.served import Served
 from specpage.serve.startup import StartupError
 
 log = logging.getLogger("specpage.http")
@@ -72,9 +75,21 @@ def start_http(config: Config, frontend: Frontend, metrics: Metrics | None,
         return None
     tls = (s.tls_cert, s.tls_key) if s.tls_cert and s.tls_key else None
     listener = HTTPListener(s.http_host, s.http_port, tls)
-    served = Served(config.model.target, config.model.draft, created=int(time.time()))
-    listener.start(build_app(frontend, served, metrics, token))
+    listener.start(build_app(frontend, served(config), metrics, token))
     return listener
+
+
+def served(config: Config) -> Served:
+    """The names the API answers to (server.served_model_name, else the target
+    as configured and its checkpoint's Hugging Face id where its metadata has
+    one) and the checkpoint each model object names as its root."""
+    target = config.model.target
+    hub_id = hugging_face_id(target)
+    names = config.server.served_model_names or tuple(
+        dict.fromkeys(name for name in (target, hub_id) if name))
+    root = target if Path(target).exists() or hub_id is None else hub_id
+    return Served(names, root, config.model.draft, config.server.max_prompt_tokens,
+                  created=int(time.time()))
 
 
 def _bind(host: str, port: int) -> socket.socket:

@@ -2,36 +2,44 @@
 
 Every field OpenAI's API reference defines is known, with vLLM's extensions
 where the engine has them (`top_k`, `ignore_eos`, `stop_token_ids`,
-`cache_salt`, `priority`), so the bodies that common clients send decode. A
-field that no API defines, and a known field at a value the engine cannot
-honour (a `presence_penalty` other than 0, tools, top log-probabilities...),
-is a `ValidationError` naming it: nothing a client asks for is silently
-ignored. `neutral` lists what each unsupported field may be.
+`cache_salt`, `priority`, `chat_template_kwargs`), so the bodies that common
+clients send decode. What is refused and what is accepted unread follows the
+unknown-field rule (fields.py): a field that would change the output if
+honoured is a `ValidationError` naming it (`NEUTRAL` lists what each known
+one may be); one that changes nothing is accepted, logged and listed.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import msgspec
 
+from specpage.core.chat_template import TemplateOptions
 from specpage.core.request import SamplingParams, ValidationError
+from specpage.engine.submission import Prompt, TextPrompt, TokenPrompt
+from specpage.serve.openai_api import fields
+
+# vLLM's spelling of "no seed" (its default); OpenAI's API has none.
+NO_SEED = -1
 
 
-class StreamOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+# Inside a message, a content part and stream_options an unknown key changes
+# nothing: these three are the only types that take one (fields.py).
+class StreamOptions(msgspec.Struct, frozen=True, kw_only=True):
     include_usage: bool = False
     include_obfuscation: bool = False  # OpenAI's padding against side channels; none here
     continuous_usage_stats: bool = False  # vLLM: usage in every chunk (not offered here)
 
 
-class ContentPart(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+class ContentPart(msgspec.Struct, frozen=True, kw_only=True):
     type: str
     text: str = ""
 
 
-class Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+class Message(msgspec.Struct, frozen=True, kw_only=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -55,7 +63,7 @@ class SamplingFields(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None  # the caller's end user, for its own logs: nothing to honour
+    user: str | None = None  # the caller's end user, for its own logs: ignored (fields.py)
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
@@ -89,16 +97,23 @@ class ChatCompletionRequest(SamplingFields, frozen=True, forbid_unknown_fields=T
     reasoning_effort: str | None = None
     verbosity: str | None = None
     web_search_options: Any = None
+    # fields.IGNORED: accepted whatever they say
     service_tier: str | None = None
     store: bool | None = None
-    metadata: dict[str, str] | None = None  # kept with stored completions; none are stored
-    prompt_cache_key: str | None = None  # OpenAI's routing hint; the prefix cache needs none
+    metadata: dict[str, str] | None = None
+    prompt_cache_key: str | None = None
     safety_identifier: str | None = None
+    # vLLM's: extra variables for the chat template, e.g. {"enable_thinking": false}
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @property
+    def template_options(self) -> TemplateOptions:
+        return TemplateOptions(variables=self.chat_template_kwargs or {})
 
 
 class CompletionRequest(SamplingFields, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    # text, token ids, or a list of one of those (msgspec takes one array type
-    # in a union: the list's shape is checked by the route)
+    # text, token ids, or a list of texts or of token-id lists (msgspec takes
+    # one array type in a union: completion_prompts checks the list's shape)
     prompt: str | list[int | str | list[int]]
     logprobs: int | None = None  # top alternatives per token; 0: the chosen token's only
     echo: bool = False
@@ -126,39 +141,61 @@ NEUTRAL: dict[str, tuple[Any, str]] = {
     "logit_bias": (_unset, "empty"),
     "top_logprobs": (_unset, "0 (the log-probability of the chosen token only)"),
     "response_format": (lambda v: v is None or v == {"type": "text"}, '{"type": "text"}'),
-    "tools": (_unset, "empty (no tool calling)"),
-    "tool_choice": (lambda v: v in (None, "none"), '"none"'),
-    "functions": (_unset, "empty (no tool calling)"),
-    "function_call": (lambda v: v in (None, "none"), '"none"'),
     "modalities": (lambda v: v in (None, ["text"]), '["text"]'),
     "audio": (lambda v: v is None, "null (text only)"),
     "prediction": (lambda v: v is None, "null"),
     "reasoning_effort": (lambda v: v is None, "null"),
     "verbosity": (lambda v: v is None, "null"),
     "web_search_options": (lambda v: v is None, "null"),
-    "service_tier": (lambda v: v in (None, "auto", "default"), '"auto" or "default"'),
-    "store": (_unset, "false (nothing is stored)"),
     "echo": (_unset, "false"),
     "suffix": (_unset, "empty"),
 }
 
 
-def decode(body: bytes, kind: type[T]) -> T:
-    """The body as kind; a ValidationError names the parameter that is wrong."""
+# (tools' field, the field that says whether to call one): the current
+# names and OpenAI's legacy ones
+TOOL_FIELDS = (("tools", "tool_choice"), ("functions", "function_call"))
+# What the field that chooses a tool may say when none is ever called.
+NO_CALL = (None, "none", "auto")
+NESTED: dict[str, type[msgspec.Struct]] = {
+    "messages": Message, "content": ContentPart, "stream_options": StreamOptions}
+
+
+def decode(body: bytes, kind: type[T]) -> tuple[T, list[str]]:
+    """The body as kind, and the fields in it that change nothing (fields.py)
+    by name; a ValidationError names the parameter that is wrong or that
+    asks for what is not done."""
     try:
-        return msgspec.json.decode(body, type=kind)
+        raw = msgspec.json.decode(body)
+    except msgspec.DecodeError as error:
+        raise ValidationError("body", f"not JSON: {error}") from None
+    fields.check_refused(raw)
+    try:
+        request = msgspec.convert(raw, type=kind)
     except msgspec.ValidationError as error:
         param, message = _located(str(error))
         raise ValidationError(param, message) from None
-    except msgspec.DecodeError as error:
-        raise ValidationError("body", f"not JSON: {error}") from None
+    ignored = fields.unknown_nested(raw, NESTED)
+    ignored += [name for name in fields.IGNORED if raw.get(name) is not None]
+    return request, ignored
 
 
-def check_supported(request: ChatCompletionRequest | CompletionRequest) -> None:
+def check_supported(request: ChatCompletionRequest | CompletionRequest) -> list[str]:
+    """Refuses what the engine cannot honour; returns the tool fields that
+    are accepted unread (tools the call says never to use)."""
     for name, (honoured, neutral) in NEUTRAL.items():
         value = getattr(request, name, None)
         if not honoured(value):
             raise ValidationError(name, f"{value!r} is not supported; only {neutral}")
+    ignored = []
+    for tools, choice in TOOL_FIELDS:
+        given, chosen = getattr(request, tools, None), getattr(request, choice, None)
+        if given and chosen != "none":
+            raise ValidationError(tools, f"tool calling is not supported; only with "
+                                  f'{choice}: "none"')
+        if chosen not in NO_CALL:
+            raise ValidationError(choice, f'{chosen!r} is not supported; only "none"')
+        ignored += [name for name, value in ((tools, given), (choice, chosen)) if value]
     options = request.stream_options
     if options is not None:
         if not request.stream:
@@ -172,6 +209,33 @@ def check_supported(request: ChatCompletionRequest | CompletionRequest) -> None:
                                   "supported; 0 gives the chosen token's log-probability")
         if request.best_of is not None and request.best_of != (request.n or 1):
             raise ValidationError("best_of", "only equal to n")
+    return ignored
+
+
+class PromptPart(NamedTuple):
+    """One prompt of a request and its name in errors (`prompt[1]` in a batch)."""
+
+    field: str
+    prompt: Prompt
+
+
+def completion_prompts(prompt: str | list[int | str | list[int]]) -> list[PromptPart]:
+    """A completion's prompts: text, token ids, or a list of either (a batch,
+    one choice per prompt and sample)."""
+    if isinstance(prompt, str):
+        return [PromptPart("prompt", TextPrompt(prompt))]
+    if not prompt:
+        raise ValidationError("prompt", "must not be empty")
+    if all(isinstance(item, int) for item in prompt):
+        return [PromptPart("prompt", TokenPrompt(prompt))]  # type: ignore[arg-type]
+    if all(isinstance(item, str) for item in prompt):
+        return [PromptPart(f"prompt[{i}]", TextPrompt(text))  # type: ignore[arg-type]
+                for i, text in enumerate(prompt)]
+    if all(isinstance(item, list) for item in prompt):
+        return [PromptPart(f"prompt[{i}]", TokenPrompt(ids))  # type: ignore[arg-type]
+                for i, ids in enumerate(prompt)]
+    raise ValidationError("prompt", "text, token ids, or a list of texts or of token-id "
+                          "lists, not a mix")
 
 
 def chat_messages(messages: list[Message]) -> list[dict[str, str]]:
@@ -219,7 +283,7 @@ def sampling_params(request: ChatCompletionRequest | CompletionRequest,
         temperature=defaults.temperature if request.temperature is None else request.temperature,
         top_k=top_k,
         top_p=defaults.top_p if request.top_p is None else request.top_p,
-        seed=request.seed,
+        seed=None if request.seed == NO_SEED else request.seed,
         stop=(stop,) if isinstance(stop, str) else tuple(stop),
         stop_token_ids=tuple(request.stop_token_ids or ()),
         ignore_eos=request.ignore_eos,

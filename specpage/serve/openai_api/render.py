@@ -31,6 +31,23 @@ def usage(counts: Usage) -> Json:
     }
 
 
+def total(counts: list[Usage]) -> Usage:
+    """The usage of a batch's requests together."""
+    by_method: dict[str, list[int]] = {}
+    for one in counts:
+        for method, (drafted, accepted) in one.by_method.items():
+            summed = by_method.setdefault(method, [0, 0])
+            summed[0] += drafted
+            summed[1] += accepted
+    return Usage(
+        prompt_tokens=sum(c.prompt_tokens for c in counts),
+        completion_tokens=sum(c.completion_tokens for c in counts),
+        cached_tokens=sum(c.cached_tokens for c in counts),
+        drafted_tokens=sum(c.drafted_tokens for c in counts),
+        accepted_tokens=sum(c.accepted_tokens for c in counts),
+        by_method=by_method)
+
+
 @dataclass
 class Sample:
     """One choice's output so far (a non-streamed response collects them)."""
@@ -82,12 +99,14 @@ class Renderer:
         return self._object("chat.completion" if self.chat else "text_completion",
                             choices, counts)
 
-    def chunk(self, chunk: Chunk, opens: bool = False) -> Json:
-        """opens: the choice's first chunk, which in a chat stream carries the
-        assistant's role with the first text ("" while its tokens have none
-        yet), as vLLM's does. It goes with the first token, never before it:
-        a client that times its first chunk times the first token."""
-        choice: Json = {"index": chunk.index, "finish_reason": chunk.finish_reason,
+    def chunk(self, chunk: Chunk, index: int, opens: bool = False) -> Json:
+        """index: the choice's (prompt i's sample j is i x n + j, as OpenAI
+        numbers a batch). opens: the choice's first chunk, which in a chat
+        stream carries the assistant's role with the first text ("" while
+        its tokens have none yet), as vLLM's does. It goes with the first
+        token, never before it: a client that times its first chunk times
+        the first token."""
+        choice: Json = {"index": index, "finish_reason": chunk.finish_reason,
                         "logprobs": self._logprobs(chunk.token_ids, chunk.logprobs)}
         if self.chat:
             choice["delta"] = _delta(chunk.text, opens)
