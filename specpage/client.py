@@ -72,9 +72,15 @@ def generate_request(prompt: str | Sequence[int], request_id: str = "", chat: bo
                      priority: int = 0, timeout_s: float | None = None, spec: str = "auto",
                      cache_salt: str = "", no_suffix_cache: bool = False,
                      **sampling: Any) -> pb.GenerateRequest:
-    """A GenerateRequest; sampling keywords are SamplingParameters fields;
-    cache_salt isolates a tenant's prefix-cache and suffix-cache entries;
-    no_suffix_cache keeps the request's text out of the suffix cache."""
+    """A GenerateRequest; sampling keywords are SamplingParameters fields
+    (max_tokens, temperature, top_k, top_p, seed (-1: none), stop,
+    stop_token_ids, ignore_eos, n, logprobs, presence_penalty,
+    frequency_penalty, repetition_penalty, min_p, min_tokens, logit_bias as
+    {token id: bias}); cache_salt isolates a tenant's prefix-cache and
+    suffix-cache entries; no_suffix_cache keeps the request's text out of
+    the suffix cache."""
+    if sampling.get("seed") == -1:  # no seed, as OpenAI's and vLLM's clients say it
+        del sampling["seed"]
     message = pb.GenerateRequest(request_id=request_id, chat=chat, priority=priority,
                                  spec=SPEC[spec], cache_salt=cache_salt,
                                  no_suffix_cache=no_suffix_cache,
@@ -122,7 +128,8 @@ class Client:
         the text as it is. Token-id prompts are never wrapped.
         options: request_id, priority, timeout_s, spec ("auto", "on", "off"),
         cache_salt, no_suffix_cache and SamplingParameters fields (max_tokens,
-        temperature, n, ...)."""
+        temperature, n, presence_penalty, logit_bias, ...: see
+        `generate_request`)."""
         message = generate_request(prompt, chat=chat, **options)
         for attempt in range(self.max_retries + 1):
             call = self.stub.Generate(message, timeout=deadline_s, metadata=self.metadata)

@@ -63,6 +63,12 @@ def sampling_params(message: pb.SamplingParameters) -> SamplingParams:
         ignore_eos=message.ignore_eos,
         n=get("n", defaults.n),
         logprobs=message.logprobs,
+        presence_penalty=message.presence_penalty,
+        frequency_penalty=message.frequency_penalty,
+        repetition_penalty=get("repetition_penalty", defaults.repetition_penalty),
+        min_p=message.min_p,
+        min_tokens=message.min_tokens,
+        logit_bias=dict(message.logit_bias),
     )
 
 

@@ -24,41 +24,45 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspecpage/v1/generation.proto\x12\x0bspecpage.v1\"\x91\x02\n\x12SamplingParameters\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x0e\n\x01n\x18\t \x01(\rH\x04\x88\x01\x01\x12\x10\n\x08logprobs\x18\n \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x04\n\x02_n\"\x91\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x0c\n\x04\x63hat\x18\x04 \x01(\x08\x12\x31\n\x08sampling\x18\x05 \x01(\x0b\x32\x1f.specpage.v1.SamplingParameters\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x16\n\ttimeout_s\x18\x07 \x01(\x01H\x00\x88\x01\x01\x12#\n\x04spec\x18\x08 \x01(\x0e\x32\x15.specpage.v1.SpecMode\x12\x12\n\ncache_salt\x18\t \x01(\t\x12\x17\n\x0fno_suffix_cache\x18\n \x01(\x08\x42\x0c\n\n_timeout_s\"t\n\x05\x43hunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x10\n\x08logprobs\x18\x05 \x03(\x02\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\"m\n\x0cMethodCounts\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x16\n\x0e\x64rafted_tokens\x18\x02 \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\x04\x12\x1c\n\x14\x61\x63\x63\x65pted_by_position\x18\x04 \x03(\x04\"\xaf\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x16\n\x0e\x64rafted_tokens\x18\x04 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x05 \x01(\r\x12,\n\tby_method\x18\x06 \x03(\x0b\x32\x19.specpage.v1.MethodCounts\">\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x0f\n\x07total_s\x18\x03 \x01(\x01\"\x80\x01\n\x05\x46inal\x12!\n\x05usage\x18\x01 \x01(\x0b\x32\x12.specpage.v1.Usage\x12%\n\x07timings\x18\x02 \x01(\x0b\x32\x14.specpage.v1.Timings\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x16\n\x0e\x66inish_reasons\x18\x04 \x03(\t\"b\n\rGenerateEvent\x12#\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x12.specpage.v1.ChunkH\x00\x12#\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x12.specpage.v1.FinalH\x00\x42\x07\n\x05\x65vent\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x13\n\x11ServerInfoRequest\"^\n\x0cPoolCounters\x12\r\n\x05total\x18\x01 \x01(\r\x12\x0c\n\x04\x66ree\x18\x02 \x01(\r\x12\x0e\n\x06\x63\x61\x63hed\x18\x03 \x01(\r\x12\x0e\n\x06in_use\x18\x04 \x01(\r\x12\x11\n\ttentative\x18\x05 \x01(\r\"\x92\x03\n\nServerInfo\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x14\n\x0ctarget_model\x18\x02 \x01(\t\x12\x13\n\x0b\x64raft_model\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x13\n\x0bmax_context\x18\x05 \x01(\r\x12\'\n\x04pool\x18\x06 \x01(\x0b\x32\x19.specpage.v1.PoolCounters\x12\x11\n\tcurrent_k\x18\x07 \x01(\x01\x12\x12\n\nacceptance\x18\x08 \x01(\x01\x12\x16\n\x0e\x64rafted_tokens\x18\t \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\n \x01(\x04\x12\x0f\n\x07running\x18\x0b \x01(\r\x12\x0f\n\x07waiting\x18\x0c \x01(\r\x12\x13\n\x0bpreemptions\x18\r \x01(\x04\x12\x1c\n\x14prefix_cached_tokens\x18\x0e \x01(\x04\x12,\n\tby_method\x18\x0f \x03(\x0b\x32\x19.specpage.v1.MethodCounts\x12\x1b\n\x13suffix_cache_tokens\x18\x10 \x01(\x04*4\n\x08SpecMode\x12\r\n\tSPEC_AUTO\x10\x00\x12\x0c\n\x08SPEC_OFF\x10\x01\x12\x0b\n\x07SPEC_ON\x10\x02\x32\xde\x01\n\nGeneration\x12\x46\n\x08Generate\x12\x1c.specpage.v1.GenerateRequest\x1a\x1a.specpage.v1.GenerateEvent0\x01\x12>\n\x05\x41\x62ort\x12\x19.specpage.v1.AbortRequest\x1a\x1a.specpage.v1.AbortResponse\x12H\n\rGetServerInfo\x12\x1e.specpage.v1.ServerInfoRequest\x1a\x17.specpage.v1.ServerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspecpage/v1/generation.proto\x12\x0bspecpage.v1\"\x97\x04\n\x12SamplingParameters\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x0e\n\x01n\x18\t \x01(\rH\x04\x88\x01\x01\x12\x10\n\x08logprobs\x18\n \x01(\x08\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x02H\x05\x88\x01\x01\x12\r\n\x05min_p\x18\x0e \x01(\x02\x12\x12\n\nmin_tokens\x18\x0f \x01(\r\x12\x42\n\nlogit_bias\x18\x10 \x03(\x0b\x32..specpage.v1.SamplingParameters.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x04\n\x02_nB\x15\n\x13_repetition_penalty\"\x91\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x0c\n\x04\x63hat\x18\x04 \x01(\x08\x12\x31\n\x08sampling\x18\x05 \x01(\x0b\x32\x1f.specpage.v1.SamplingParameters\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x16\n\ttimeout_s\x18\x07 \x01(\x01H\x00\x88\x01\x01\x12#\n\x04spec\x18\x08 \x01(\x0e\x32\x15.specpage.v1.SpecMode\x12\x12\n\ncache_salt\x18\t \x01(\t\x12\x17\n\x0fno_suffix_cache\x18\n \x01(\x08\x42\x0c\n\n_timeout_s\"t\n\x05\x43hunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x10\n\x08logprobs\x18\x05 \x03(\x02\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\"m\n\x0cMethodCounts\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x16\n\x0e\x64rafted_tokens\x18\x02 \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\x04\x12\x1c\n\x14\x61\x63\x63\x65pted_by_position\x18\x04 \x03(\x04\"\xaf\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x16\n\x0e\x64rafted_tokens\x18\x04 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x05 \x01(\r\x12,\n\tby_method\x18\x06 \x03(\x0b\x32\x19.specpage.v1.MethodCounts\">\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x0f\n\x07total_s\x18\x03 \x01(\x01\"\x80\x01\n\x05\x46inal\x12!\n\x05usage\x18\x01 \x01(\x0b\x32\x12.specpage.v1.Usage\x12%\n\x07timings\x18\x02 \x01(\x0b\x32\x14.specpage.v1.Timings\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x16\n\x0e\x66inish_reasons\x18\x04 \x03(\t\"b\n\rGenerateEvent\x12#\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x12.specpage.v1.ChunkH\x00\x12#\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x12.specpage.v1.FinalH\x00\x42\x07\n\x05\x65vent\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x13\n\x11ServerInfoRequest\"^\n\x0cPoolCounters\x12\r\n\x05total\x18\x01 \x01(\r\x12\x0c\n\x04\x66ree\x18\x02 \x01(\r\x12\x0e\n\x06\x63\x61\x63hed\x18\x03 \x01(\r\x12\x0e\n\x06in_use\x18\x04 \x01(\r\x12\x11\n\ttentative\x18\x05 \x01(\r\"\x92\x03\n\nServerInfo\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x14\n\x0ctarget_model\x18\x02 \x01(\t\x12\x13\n\x0b\x64raft_model\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x13\n\x0bmax_context\x18\x05 \x01(\r\x12\'\n\x04pool\x18\x06 \x01(\x0b\x32\x19.specpage.v1.PoolCounters\x12\x11\n\tcurrent_k\x18\x07 \x01(\x01\x12\x12\n\nacceptance\x18\x08 \x01(\x01\x12\x16\n\x0e\x64rafted_tokens\x18\t \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\n \x01(\x04\x12\x0f\n\x07running\x18\x0b \x01(\r\x12\x0f\n\x07waiting\x18\x0c \x01(\r\x12\x13\n\x0bpreemptions\x18\r \x01(\x04\x12\x1c\n\x14prefix_cached_tokens\x18\x0e \x01(\x04\x12,\n\tby_method\x18\x0f \x03(\x0b\x32\x19.specpage.v1.MethodCounts\x12\x1b\n\x13suffix_cache_tokens\x18\x10 \x01(\x04*4\n\x08SpecMode\x12\r\n\tSPEC_AUTO\x10\x00\x12\x0c\n\x08SPEC_OFF\x10\x01\x12\x0b\n\x07SPEC_ON\x10\x02\x32\xde\x01\n\nGeneration\x12\x46\n\x08Generate\x12\x1c.specpage.v1.GenerateRequest\x1a\x1a.specpage.v1.GenerateEvent0\x01\x12>\n\x05\x41\x62ort\x12\x19.specpage.v1.AbortRequest\x1a\x1a.specpage.v1.AbortResponse\x12H\n\rGetServerInfo\x12\x1e.specpage.v1.ServerInfoRequest\x1a\x17.specpage.v1.ServerInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specpage.serve.grpc_stubs.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SPECMODE']._serialized_start=1889
-  _globals['_SPECMODE']._serialized_end=1941
+  _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_SPECMODE']._serialized_start=2151
+  _globals['_SPECMODE']._serialized_end=2203
   _globals['_SAMPLINGPARAMETERS']._serialized_start=46
-  _globals['_SAMPLINGPARAMETERS']._serialized_end=319
-  _globals['_GENERATEREQUEST']._serialized_start=322
-  _globals['_GENERATEREQUEST']._serialized_end=595
-  _globals['_CHUNK']._serialized_start=597
-  _globals['_CHUNK']._serialized_end=713
-  _globals['_METHODCOUNTS']._serialized_start=715
-  _globals['_METHODCOUNTS']._serialized_end=824
-  _globals['_USAGE']._serialized_start=827
-  _globals['_USAGE']._serialized_end=1002
-  _globals['_TIMINGS']._serialized_start=1004
-  _globals['_TIMINGS']._serialized_end=1066
-  _globals['_FINAL']._serialized_start=1069
-  _globals['_FINAL']._serialized_end=1197
-  _globals['_GENERATEEVENT']._serialized_start=1199
-  _globals['_GENERATEEVENT']._serialized_end=1297
-  _globals['_ABORTREQUEST']._serialized_start=1299
-  _globals['_ABORTREQUEST']._serialized_end=1333
-  _globals['_ABORTRESPONSE']._serialized_start=1335
-  _globals['_ABORTRESPONSE']._serialized_end=1365
-  _globals['_SERVERINFOREQUEST']._serialized_start=1367
-  _globals['_SERVERINFOREQUEST']._serialized_end=1386
-  _globals['_POOLCOUNTERS']._serialized_start=1388
-  _globals['_POOLCOUNTERS']._serialized_end=1482
-  _globals['_SERVERINFO']._serialized_start=1485
-  _globals['_SERVERINFO']._serialized_end=1887
-  _globals['_GENERATION']._serialized_start=1944
-  _globals['_GENERATION']._serialized_end=2166
+  _globals['_SAMPLINGPARAMETERS']._serialized_end=581
+  _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._serialized_start=454
+  _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._serialized_end=502
+  _globals['_GENERATEREQUEST']._serialized_start=584
+  _globals['_GENERATEREQUEST']._serialized_end=857
+  _globals['_CHUNK']._serialized_start=859
+  _globals['_CHUNK']._serialized_end=975
+  _globals['_METHODCOUNTS']._serialized_start=977
+  _globals['_METHODCOUNTS']._serialized_end=1086
+  _globals['_USAGE']._serialized_start=1089
+  _globals['_USAGE']._serialized_end=1264
+  _globals['_TIMINGS']._serialized_start=1266
+  _globals['_TIMINGS']._serialized_end=1328
+  _globals['_FINAL']._serialized_start=1331
+  _globals['_FINAL']._serialized_end=1459
+  _globals['_GENERATEEVENT']._serialized_start=1461
+  _globals['_GENERATEEVENT']._serialized_end=1559
+  _globals['_ABORTREQUEST']._serialized_start=1561
+  _globals['_ABORTREQUEST']._serialized_end=1595
+  _globals['_ABORTRESPONSE']._serialized_start=1597
+  _globals['_ABORTRESPONSE']._serialized_end=1627
+  _globals['_SERVERINFOREQUEST']._serialized_start=1629
+  _globals['_SERVERINFOREQUEST']._serialized_end=1648
+  _globals['_POOLCOUNTERS']._serialized_start=1650
+  _globals['_POOLCOUNTERS']._serialized_end=1744
+  _globals['_SERVERINFO']._serialized_start=1747
+  _globals['_SERVERINFO']._serialized_end=2149
+  _globals['_GENERATION']._serialized_start=2206
+  _globals['_GENERATION']._serialized_end=2428
 # @@protoc_insertion_point(module_scope)
