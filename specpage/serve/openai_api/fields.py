@@ -42,9 +42,9 @@ REFUSED = {
     "continue_final_message": "continuing the final message is not supported",
     "chat_template": "a chat template of the request's own is not supported",
 }
-# Known top-level fields that carry no meaning for generation: accepted and
-# listed whatever their value. `tools`/`functions` join them when the call
-# says "none" (see protocol.check_supported).
+# Top-level fields that carry no meaning for generation: accepted and listed
+# whatever their value. `tools`/`functions` join them when the call says
+# "none" (see protocol.check_supported).
 IGNORED = (
     "user",  # the caller's end user, for its own logs
     "metadata",  # kept with stored completions; none are stored
@@ -53,6 +53,9 @@ IGNORED = (
     "prompt_cache_key",  # OpenAI's routing hint; the prefix cache needs none
     "safety_identifier",
     "parallel_tool_calls",  # no tool is ever called
+    # vLLM's: how to constrain, which changes nothing unless a guided_* asks
+    "guided_decoding_backend",
+    "guided_whitespace_pattern",
 )
 
 
@@ -62,10 +65,25 @@ def check_refused(raw: Any) -> None:
     if not isinstance(raw, dict):
         return  # decoding names the body
     for name, value in raw.items():
+        if name in IGNORED:
+            continue
         reason = REFUSED.get(name) or next(
             (why for prefix, why in REFUSED_PREFIXES.items() if name.startswith(prefix)), None)
         if reason is not None and value not in (None, False, "", [], {}):
             raise ValidationError(name, reason)
+
+
+def take_ignored(raw: Any, kind: type[msgspec.Struct]) -> list[str]:
+    """The IGNORED fields raw gives (not null), taken out of raw where kind
+    has no field for them."""
+    if not isinstance(raw, dict):
+        return []
+    known = {field.encode_name for field in msgspec.structs.fields(kind)}
+    given = [name for name in IGNORED if raw.get(name) is not None]
+    for name in given:
+        if name not in known:
+            del raw[name]
+    return given
 
 
 def unknown_nested(raw: Any, parts: dict[str, type[msgspec.Struct]]) -> list[str]:

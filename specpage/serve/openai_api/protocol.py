@@ -121,7 +121,7 @@ class CompletionRequest(SamplingFields, frozen=True, forbid_unknown_fields=True,
     suffix: str | None = None
 
 
-T = TypeVar("T")
+T = TypeVar("T", bound=msgspec.Struct)
 # The roles a chat template knows; OpenAI's "developer" is its newer name for system.
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
@@ -170,13 +170,12 @@ def decode(body: bytes, kind: type[T]) -> tuple[T, list[str]]:
     except msgspec.DecodeError as error:
         raise ValidationError("body", f"not JSON: {error}") from None
     fields.check_refused(raw)
+    ignored = fields.take_ignored(raw, kind) + fields.unknown_nested(raw, NESTED)
     try:
         request = msgspec.convert(raw, type=kind)
     except msgspec.ValidationError as error:
         param, message = _located(str(error))
         raise ValidationError(param, message) from None
-    ignored = fields.unknown_nested(raw, NESTED)
-    ignored += [name for name in fields.IGNORED if raw.get(name) is not None]
     return request, ignored
 
 
