@@ -16,8 +16,11 @@ PROMPT_CONTEXT = 4  # prompt tokens decoded before the output, for spacing
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Any, prompt_ids: Sequence[int], stop: Sequence[str]) -> None:
+    def __init__(self, tokenizer: Any, prompt_ids: Sequence[int], stop: Sequence[str],
+                 min_tokens: int = 0) -> None:
         self.tokenizer = tokenizer
+        # a stop string completed by an output token before this one ends nothing
+        self.min_tokens = min_tokens
         self.context = list(prompt_ids[-PROMPT_CONTEXT:])
         # A prompt that ends inside a character decodes to a trailing U+FFFD
         # that the first output bytes may complete: compare without it.
@@ -37,6 +40,20 @@ class IncrementalDetokenizer:
         self.used = 0
         if self.stopped:
             return ""
+        matcher, early = self.matcher, 0
+        if matcher is not None:
+            early = max(0, min(len(token_ids), self.min_tokens - 1 - len(self.output_ids)))
+        if matcher is not None and early:
+            # below min_tokens: match past them, as if no stop string ended there
+            self.output_ids.extend(token_ids[:early])
+            self.text = self._complete_text()
+            matcher.move(matcher.scan(self.text))
+            token_ids = token_ids[early:]
+        released = self._add(token_ids)
+        self.used += early
+        return released
+
+    def _add(self, token_ids: Sequence[int]) -> str:
         base = len(self.output_ids)
         self.output_ids.extend(token_ids)
         self.used = len(token_ids)

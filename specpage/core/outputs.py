@@ -47,7 +47,7 @@ class OutputProcessor:
         if self.tokenizer is None:
             return None
         return IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
-                                      request.params.stop)
+                                      request.params.stop, request.params.min_tokens)
 
     def append(self, seq: Sequence, tokens: Seq[int], logprobs: Seq[float]) -> RequestOutput:
         """Add sampled tokens to a sequence, cut at its first stop condition."""
@@ -55,9 +55,12 @@ class OutputProcessor:
         kept: list[int] = []
         reason = None
         eos = () if params.ignore_eos else self.eos_token_ids
+        # the sampler bans EOS and stop ids below min_tokens; were one there, it ends nothing
+        done = len(seq.output_token_ids)
         for token in tokens:
             kept.append(token)
-            if token in eos or token in params.stop_token_ids:
+            if ((token in eos or token in params.stop_token_ids)
+                    and done + len(kept) > params.min_tokens):
                 reason = FinishReason.STOP
             elif (len(seq.output_token_ids) + len(kept) >= params.max_tokens
                   or seq.num_tokens + len(kept) >= self.max_context):
