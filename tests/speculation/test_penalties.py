@@ -167,16 +167,21 @@ def test_min_tokens_bans_eos_and_stop_ids_until_reached(tiny):
     assert decoder.run(PROMPTS, params, 6, oracle(plain, spoil=5, length=2)) == plain
 
 
-@pytest.fixture(scope="module")
-def small(tmp_path_factory):
+def spread_model(folder, seed):
     """An 8-token vocabulary, logits spread enough for penalties to move them."""
-    root = tmp_path_factory.mktemp("small")
-    hf = tiny_checkpoint(root / "t", vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    hf = tiny_checkpoint(folder, seed=seed, vocab_size=VOCAB, hidden_size=32,
+                         intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1)
     with torch.no_grad():
         hf.lm_head.weight.mul_(10)
-    hf.save_pretrained(root / "t")
-    return hf, load_model(root / "t")
+    hf.save_pretrained(folder)
+    return hf
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    root = tmp_path_factory.mktemp("small")
+    return spread_model(root / "t", seed=0), load_model(root / "t")
 
 
 RUNS = 4000
