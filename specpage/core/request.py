@@ -84,12 +84,6 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return self.temperature < GREEDY_BELOW
 
     @property
-    def adjusts_logits(self) -> bool:
-        """Whether anything but temperature, top-k, top-p and min-p shapes
-        its distribution: penalties, min_tokens or a logit bias."""
-        return bool(self.penalized or self.min_tokens or self.logit_bias)
-
-    @property
     def penalized(self) -> bool:
         """Whether its logits depend on the tokens it holds."""
         return (self.presence_penalty != 0 or self.frequency_penalty != 0

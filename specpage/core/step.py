@@ -49,12 +49,14 @@ class Sampling(msgspec.Struct, frozen=True, array_like=True):
 def sampling_of(seq: Sequence, eos_token_ids: tuple[int, ...]) -> Sampling:
     """How seq samples its next token, once it holds what it holds now."""
     p = seq.request.params
+    # past min_tokens (proposals only add tokens), nothing is banned any more
+    banning = seq.num_tokens - seq.num_prompt < p.min_tokens
     adjustments = None
-    if p.adjusts_logits:
+    if p.penalized or p.logit_bias or banning:
         banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
         adjustments = Adjustments(
             p.presence_penalty, p.frequency_penalty, p.repetition_penalty, dict(p.logit_bias),
-            p.min_tokens, banned if p.min_tokens else [], seq.num_prompt,
+            p.min_tokens, banned if banning else [], seq.num_prompt,
             list(seq.token_ids) if p.penalized else [])
     return Sampling(p.temperature, p.top_k, p.top_p, seq.seed, p.logprobs, p.min_p,
                     adjustments)
