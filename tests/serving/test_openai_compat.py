@@ -6,6 +6,7 @@ the field, or accepted, logged once and listed in X-Ignored-Fields)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +18,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from specpage.cli import build_parser
+from specpage.client import Client
 from specpage.commands.serve import served_names
 from specpage.config import ConfigError, load_config
 from specpage.models.fetch import SOURCE_FILE, hugging_face_id
@@ -125,6 +127,44 @@ async def test_a_batch_past_the_admission_bound_is_refused_whole(daemon: Daemon)
     reply = await post(daemon, "/v1/completions", {"prompt": [[5], [49152]], **GREEDY})
     assert reply.status_code == 400
     assert reply.json()["error"]["param"] == "prompt[1]"
+
+
+async def test_each_prompt_takes_its_place_and_a_batch_is_admitted_whole_or_not(
+        models: Path) -> None:
+    """One place running, two waiting: with one request running and one
+    waiting, a batch of two has room for its first prompt only, so it is
+    429 and the prompt admitted is aborted (the step gate holds every step,
+    so nothing ends meanwhile)."""
+    daemon = Daemon(models, engine="max_num_seqs = 1", server="max_queue = 2", http=True,
+                    gate=True)
+    daemon.wait_serving()
+    gate = daemon.gate
+    assert gate is not None
+    long = {"max_tokens": 400, "temperature": 0.0, **NO_EOS}
+    try:
+        async with httpx.AsyncClient(base_url=daemon.http_url, timeout=TIMEOUT_S) as http:
+            gate.close()
+            tasks = [asyncio.ensure_future(http.post("/v1/completions", json={
+                "prompt": [5, 6, 7, i], **long})) for i in range(2)]
+            await gate.wait_admitted(2)
+            await gate.wait_held()
+            for _ in range(2):  # a step takes what was admitted, the next schedules it all
+                await gate.step()
+            async with Client(daemon.address, max_retries=0) as client:
+                assert (await client.server_info()).waiting == 1
+                reply = await http.post("/v1/completions", json={
+                    "prompt": [[8, 9], [10, 11]], **long})
+                assert reply.status_code == 429, reply.text[:300]
+                await gate.step()  # the abort of the prompt admitted
+                info = await client.server_info()
+                assert (info.running, info.waiting) == (1, 1)
+                assert gate.admitted() == 3  # the two, and the batch's first prompt
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+    finally:
+        gate.open()
+        assert daemon.stop() == 0
 
 
 # ---------------------------------------------------------------- served names
