@@ -171,7 +171,8 @@ class OpenAIRoutes:
         the admission bound), or none: a prompt refused, or the client gone,
         aborts those already admitted."""
         engine, batch = self.frontend.engine, len(call.prompts) > 1
-        if len(call.prompts) * params.n > engine.max_queue:
+        # More places than the queue holds: a retry would find no more room.
+        if batch and len(call.prompts) * params.n > engine.max_queue:
             raise ValidationError("prompt", f"{len(call.prompts)} prompts x n = {params.n} "
                                   f"exceed the admission bound of {engine.max_queue} samples")
         field = "messages" if isinstance(call.body, protocol.ChatCompletionRequest) else "prompt"
