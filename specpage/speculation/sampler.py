@@ -70,7 +70,7 @@ def probabilities(
     probs = torch.softmax(scaled, dim=-1)
     if min_p is not None and bool((min_p > 0).any()):
         # after temperature, before top-k and top-p, as in vLLM
-        floor = probs.amax(-1, keepdim=True) * min_p[:, None]
+        floor = probs.amax(-1, keepdim=True) * min_p.to(probs.device)[:, None]
         probs = torch.where(probs < floor, 0.0, probs)
         probs = probs / probs.sum(-1, keepdim=True)
     if bool(((top_k > 0) | (top_p < 1)).any()):

@@ -55,11 +55,11 @@ def adjusted_rows(
             if added[i]:
                 counts[row] += torch.bincount(torch.tensor(added[i]), minlength=vocab)
             seen[row] = prompt_seen | (counts[row] > 0)
+    made = Adjustment(bias, counts, seen, torch.tensor([a.presence for _, a in found]),
+                      torch.tensor([a.frequency for _, a in found]),
+                      torch.tensor([a.repetition for _, a in found]))
     out = logits.clone()
-    out[which] = adjusted(logits[which], Adjustment(
-        bias, counts, seen, torch.tensor([a.presence for _, a in found]),
-        torch.tensor([a.frequency for _, a in found]),
-        torch.tensor([a.repetition for _, a in found])))
+    out[which] = adjusted(logits[which], Adjustment(*(t.to(logits.device) for t in made)))
     return out
 
 

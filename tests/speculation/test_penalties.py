@@ -21,6 +21,7 @@ from specpage.executor.model_runner import ModelRunner
 from specpage.models.loader import load_model
 from specpage.speculation.proposal import Proposal
 from specpage.speculation.sampler import probabilities
+from specpage.speculation.sampling_rows import adjusted_rows
 from specpage.speculation.verifier import Verifier
 from tests.speculation.test_sampling import ALPHA, VOCAB, chi_square_p
 from tests.support.checkpoints import tiny_checkpoint
@@ -60,6 +61,37 @@ def reference_probs(logits, params, prompt, output):
     return probabilities(adjusted[None], torch.tensor([params.temperature]),
                          torch.tensor([params.top_k]), torch.tensor([params.top_p]),
                          torch.tensor([params.min_p]))[0]
+
+
+def test_each_row_is_adjusted_as_if_the_proposal_before_it_were_accepted():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50) * 3  # positive and negative logits
+    params = SamplingParams(presence_penalty=0.5, frequency_penalty=-0.3,
+                            repetition_penalty=1.7, logit_bias={3: 5.0, 4: -2.0}, min_tokens=3,
+                            stop_token_ids=(9,), ignore_eos=False)
+    prompt, output, proposal = [1, 2, 3], [4, 5], [4, 9, 6]
+    seq = Sequence(0, Request("r", tuple(prompt), params), 0, prompt + output)
+    rows = [sampling_of(seq, EOS)] * 4
+    adjusted = adjusted_rows(logits, rows, [5 + j for j in range(4)],
+                             [proposal[:j] for j in range(4)])
+    for j in range(4):
+        expected = reference_logits(logits[j], params, prompt, output + proposal[:j])
+        torch.testing.assert_close(adjusted[j], expected)
+    assert adjusted[0, 9] == adjusted[0, 7] == -math.inf  # below min_tokens
+    assert math.isfinite(adjusted[1, 9]) and math.isfinite(adjusted[1, 7])
+    neutral = sampling_of(Sequence(1, Request("n", (1,), SamplingParams()), 0, [1]), EOS)
+    assert adjusted_rows(logits, [neutral] * 4, [1] * 4, [[]] * 4) is logits
+
+
+def test_min_p_drops_tokens_under_its_share_of_the_likeliest_after_temperature():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]] * 2)
+    probs = probabilities(logits, torch.tensor([0.5, 1.0]), torch.tensor([0, 0]),
+                          torch.tensor([1.0, 1.0]), torch.tensor([0.1, 0.1]))
+    sharp = torch.softmax(logits[0] / 0.5, -1)  # 0.867, 0.117, 0.016, 0.002
+    torch.testing.assert_close(probs[0], torch.cat([sharp[:2] / sharp[:2].sum(),
+                                                    torch.zeros(2)]))
+    flat = torch.softmax(logits[1], -1)  # 0.644, 0.237, 0.087, 0.032
+    torch.testing.assert_close(probs[1], torch.cat([flat[:3] / flat[:3].sum(), torch.zeros(1)]))
 
 
 def hf_decode(hf, prompt, params, max_new):
