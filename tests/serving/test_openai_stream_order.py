@@ -19,7 +19,8 @@ from specpage.engine import RequestOutput
 from specpage.engine.async_engine import Chunk, EngineFaultError, Final, RequestStream
 from specpage.engine.submission import Prompt, RequestOptions
 from specpage.serve.frontend import Frontend
-from specpage.serve.openai_api.app import Served, build_app
+from specpage.serve.openai_api.app import build_app
+from specpage.serve.openai_api.served import Served
 
 CHAT = {"messages": [{"role": "user", "content": "Hi"}], "stream": True, "max_tokens": 8}
 COMPLETION = {"prompt": [5, 6, 7], "stream": True, "max_tokens": 8}
@@ -127,7 +128,7 @@ async def open_stream(body: dict[str, Any], path: str) -> tuple[Exchange, Watche
     engine = HeldEngine()
     frontend = Frontend()
     frontend.attach(engine)  # type: ignore[arg-type]
-    exchange = Exchange(build_app(frontend, Served("m", None), None, None), path, body)
+    exchange = Exchange(build_app(frontend, Served(("m",), "m", None, 64), None, None), path, body)
     stream = await engine.reading()
     return exchange, stream
 
