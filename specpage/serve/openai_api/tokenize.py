@@ -94,17 +94,23 @@ class TokenizeRoutes:
         body, ignored = protocol.decode(await request.body(), DetokenizeRequest)
         self.served.model(body.model)
         tokenizer = self.frontend.engine.tokenizer
-        if tokenizer is None:
-            raise ValidationError("tokens", "the model has no tokenizer")
-        vocabulary = len(tokenizer)
-        bad = next((i for i, t in enumerate(body.tokens) if not 0 <= t < vocabulary), None)
-        if bad is not None:
-            raise ValidationError(f"tokens[{bad}]", f"token id {body.tokens[bad]} outside "
-                                  f"0..{vocabulary - 1}")
-        text = await self.frontend.off_loop(lambda: tokenizer.decode(body.tokens))
+        text = await self.frontend.off_loop(lambda: _decode(tokenizer, body.tokens))
         return self._json({"prompt": text}, ignored)
 
     def _json(self, answer: dict[str, Any], ignored: list[str]) -> Response:
         headers = {IGNORED_HEADER: ", ".join(self.ignored.note(ignored))} if ignored else None
         return Response(msgspec.json.encode(answer), 200, headers,
                         media_type="application/json")
+
+
+def _decode(tokenizer: Any, tokens: list[int]) -> str:
+    """tokens as text, each checked to be in the vocabulary (a long list
+    takes a while: not on the event loop)."""
+    if tokenizer is None:
+        raise ValidationError("tokens", "the model has no tokenizer")
+    vocabulary = len(tokenizer)
+    bad = next((i for i, t in enumerate(tokens) if not 0 <= t < vocabulary), None)
+    if bad is not None:
+        raise ValidationError(f"tokens[{bad}]", f"token id {tokens[bad]} outside "
+                              f"0..{vocabulary - 1}")
+    return str(tokenizer.decode(tokens))
