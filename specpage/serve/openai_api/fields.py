@@ -37,7 +37,6 @@ REFUSED = {
     "allowed_token_ids": "restricting the vocabulary is not supported",
     "bad_words": "banned words are not supported",
     "use_beam_search": "beam search is not supported",
-    "prompt_logprobs": "prompt log-probabilities are not supported",
     "truncate_prompt_tokens": "prompt truncation is not supported",
     "continue_final_message": "continuing the final message is not supported",
     "chat_template": "a chat template of the request's own is not supported",
