@@ -245,7 +245,9 @@ class OpenAIRoutes:
                 task.cancel()
 
     async def _collect(self, streams: list[RequestStream], samples: list[Sample],
-                       arrival: float) -> Any:
+                       arrival: float) -> Usage:
+        """Every sample's output into samples (prompt i's sample j at i x n + j);
+        the usage of all."""
         n = len(samples) // len(streams)
         finals: list[Usage] = []
         try:
