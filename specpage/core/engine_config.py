@@ -30,7 +30,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # "ngram" (prompt lookup in the sequence's own context), "suffix" (earlier
     # requests' texts of the same cache salt); "" for none
     spec_methods: str = "ngram,suffix"
-    spec_ngram_min: int = 2  # n-gram lengths matched, longest first
+    spec_ngram_min: int = 1  # n-gram lengths matched, longest first
     spec_ngram_max: int = 4
     spec_model_free_k: int = 8  # model-free proposals per step at most
     spec_suffix_cache_tokens: int = 65536  # earlier requests' tokens kept, all salts together

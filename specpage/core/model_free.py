@@ -9,9 +9,11 @@ to verify (no draft forward).
   (core/suffix_cache.py); a finished request's text goes in unless it
   opted out.
 
-Per sequence, the method whose continuation promises more accepted tokens
-proposes; the policy (core/policy.py) then decides how much of it, if any,
-is worth verifying. Pure Python; no torch.
+Each token a method finds carries its chance of acceptance, learned from
+what verification accepted of earlier tokens found on the same evidence
+(core/chance.py). Per sequence, the method whose continuation promises more
+accepted tokens proposes; the policy (core/policy.py) then decides how much
+of it, if any, is worth verifying. Pure Python; no torch.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ from __future__ import annotations
 import enum
 from typing import NamedTuple
 
+from specpage.core.chance import ChanceTable
 from specpage.core.engine_config import EngineConfig
-from specpage.core.ngram import Continuation, NgramCounts
+from specpage.core.ngram import Continuation, Evidence, NgramCounts
 from specpage.core.request import FinishReason, Sequence
 from specpage.core.suffix_cache import SuffixCache
 
@@ -41,6 +44,7 @@ class Candidate(NamedTuple):
     tokens: list[int]
     # per token: the chance that it and every token before it are accepted
     chance: list[float]
+    evidence: list[Evidence]  # per token: what it was found on
 
 
 class Speculation(NamedTuple):
@@ -50,6 +54,7 @@ class Speculation(NamedTuple):
     tokens: tuple[int, ...] = ()  # a model-free proposal's k tokens; () when the draft makes k
     method: Method = Method.DRAFT
     expected: float = 0.0  # accepted tokens its confidences promise (model-free)
+    evidence: tuple[Evidence, ...] = ()  # per model-free token: what it was found on
 
     def cut(self, k: int) -> Speculation:
         """At most k proposals."""
@@ -57,7 +62,9 @@ class Speculation(NamedTuple):
             return self
         if self.method is Method.DRAFT:
             return self._replace(k=k)
-        return Speculation(k, self.tokens[:k], self.method, self.expected) if k else NO_SPECULATION
+        if not k:
+            return NO_SPECULATION
+        return Speculation(k, self.tokens[:k], self.method, self.expected, self.evidence[:k])
 
 
 NO_SPECULATION = Speculation(0)
@@ -72,13 +79,15 @@ class ModelFreeProposer:
         self.suffix = SuffixCache(config.spec_suffix_cache_tokens, self.n_min, self.n_max)
         self.contexts: dict[int, tuple[NgramCounts, int]] = {}  # seq_id -> (counts, indexed)
         self.num_counted = 0  # n-gram counts made for contexts, all sequences
+        self.chances = ChanceTable()
 
     def propose(self, seq: Sequence, length: int | None = None,
                 methods: frozenset[Method] | None = None) -> Candidate | None:
         """The likelier of seq's continuations, up to length (max_tokens)
         tokens, by the methods on (or those of them given). A seeded
-        sample's comes from its own context only: its tokens depend on what
-        it proposes, which must not depend on other requests."""
+        sample's comes from its own context only, with its confidences as
+        chances: its tokens depend on what it proposes, which must not
+        depend on other requests."""
         methods = self.methods if methods is None else self.methods & methods
         length = min(self.max_tokens if length is None else length,
                      seq.request.params.max_tokens - len(seq.output_token_ids))
@@ -86,15 +95,22 @@ class ModelFreeProposer:
             return None
         params = seq.request.params
         across = params.seed is None or params.greedy
+        table = self.chances if across else None
         best = None
         if Method.NGRAM in methods:
-            best = _candidate(Method.NGRAM, self._context(seq).continuation(seq.token_ids, length))
+            best = _candidate(Method.NGRAM, self._context(seq).continuation(seq.token_ids, length),
+                              table)
         if across and Method.SUFFIX in methods:
             found = _candidate(Method.SUFFIX, self.suffix.continuation(
-                seq.request.cache_salt, seq.token_ids, length))
+                seq.request.cache_salt, seq.token_ids, length), table)
             if found is not None and (best is None or sum(found.chance) > sum(best.chance)):
                 best = found
         return best
+
+    def observe(self, speculation: Speculation, accepted: int) -> None:
+        """What verification accepted of a model-free proposal."""
+        if speculation.evidence:
+            self.chances.observe(speculation.method, speculation.evidence, accepted)
 
     def end(self, seq: Sequence, reason: FinishReason) -> None:
         """seq has ended: nothing of it stays but, unless it failed or its
@@ -116,11 +132,16 @@ class ModelFreeProposer:
         return counts
 
 
-def _candidate(method: Method, found: Continuation) -> Candidate | None:
+def _candidate(method: Method, found: Continuation, table: ChanceTable | None
+               ) -> Candidate | None:
+    """found with its chances: learned (table), or its confidences alone (None)."""
     if not found.tokens:
         return None
-    chance, chain = [], 1.0
-    for p in found.confidence:
-        chain *= p
-        chance.append(chain)
-    return Candidate(method, found.tokens, chance)
+    if table is not None:
+        chance = table.chain(method, found.evidence, found.confidence)
+    else:
+        chance, chain = [], 1.0
+        for p in found.confidence:
+            chain *= p
+            chance.append(chain)
+    return Candidate(method, found.tokens, chance, found.evidence)

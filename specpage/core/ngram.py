@@ -13,8 +13,9 @@ occurred before, the most frequent follower, then the same from the context
 with that token appended, while the chain stays likely. Each token's
 confidence is its follower's share of what followed that n-gram, shrunk by
 SHRINK pseudo-counts (one occurrence alone is a guess, not a certainty);
-the policy (core/policy.py) calibrates them against what verification
-accepts.
+they are priors: the proposer (core/model_free.py) learns what verification
+accepts of tokens found on the same evidence (each token's `Evidence`: the
+length of the n-gram it followed, how often it followed, whether always).
 
 Pure Python; no torch.
 """
@@ -29,17 +30,28 @@ from typing import NamedTuple
 SHRINK = 0.5
 # The chain stops where its product of confidences falls below this: past
 # it, a proposal's tokens are almost never accepted, and each costs a
-# verified position.
-MIN_CHAIN = 0.05
+# verified position. (Low, as the confidences are priors: tokens found after
+# long n-grams are accepted far more often than their counts alone say.)
+MIN_CHAIN = 0.01
+# Occurrences an Evidence tells apart: a follower seen 1, 2, or 3 or more times.
+COUNT_CAP = 3
+
+
+class Evidence(NamedTuple):
+    """What a proposed token was found on."""
+
+    n: int  # the length of the n-gram it followed
+    times: int  # how often it followed it, up to COUNT_CAP
+    always: bool  # whether it followed every occurrence of the n-gram
 
 
 class Continuation(NamedTuple):
     tokens: list[int]
     confidence: list[float]  # per token: the chance it follows, given the ones before
-    matched: int  # the n-gram length the first token was found after
+    evidence: list[Evidence]  # per token
 
 
-NO_CONTINUATION = Continuation([], [], 0)
+NO_CONTINUATION = Continuation([], [], [])
 
 
 class Followers:
@@ -126,32 +138,33 @@ class NgramCounts:
                 if not entry.total:
                     del table[key]
 
-    def next_token(self, context: Seq[int]) -> tuple[int, float, int] | None:
+    def next_token(self, context: Seq[int]) -> tuple[int, float, Evidence] | None:
         """The likeliest follower of the longest n-gram ending context that
-        occurred: (token, confidence, n), or None."""
+        occurred: (token, confidence, evidence), or None."""
         for n in range(min(self.n_max, len(context)), self.n_min - 1, -1):
             entry = self.tables[n - self.n_min].get(tuple(context[len(context) - n :]))
             if entry is not None:
-                return entry.best, entry.counts[entry.best] / (entry.total + SHRINK), n
+                count = entry.counts[entry.best]
+                return entry.best, count / (entry.total + SHRINK), Evidence(
+                    n, min(count, COUNT_CAP), count == entry.total)
         return None
 
     def continuation(self, context: Seq[int], length: int) -> Continuation:
         """Up to `length` tokens likely to follow context, by walking the
         counts while the chain's confidence stays above MIN_CHAIN."""
         tail = list(context[max(0, len(context) - self.n_max) :])
-        tokens: list[int] = []
-        confidence: list[float] = []
-        chain, matched = 1.0, 0
-        while len(tokens) < length:
+        found_after = Continuation([], [], [])
+        chain = 1.0
+        while len(found_after.tokens) < length:
             found = self.next_token(tail)
             if found is None:
                 break
-            token, p, n = found
+            token, p, evidence = found
             chain *= p
             if chain < MIN_CHAIN:
                 break
-            matched = matched or n
-            tokens.append(token)
-            confidence.append(p)
+            found_after.tokens.append(token)
+            found_after.confidence.append(p)
+            found_after.evidence.append(evidence)
             tail = tail[1:] + [token] if len(tail) == self.n_max else tail + [token]
-        return Continuation(tokens, confidence, matched)
+        return found_after

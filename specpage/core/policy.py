@@ -123,12 +123,10 @@ UNPRICED_LEAST = 4
 # some k would pay at PROBE_ACCEPTANCE.
 HEAD_PROBE_EVERY = 8
 PROBE_ACCEPTANCE = 0.9
-# A model-free proposal's confidences (core/ngram.py) are scaled by how many
-# tokens verification accepted over how many they promised: per method over
-# all sequences (from CALIBRATION_PRIOR, worth CALIBRATION_WEIGHT promised
-# tokens), and per sequence against that (SEQ_WEIGHT).
-CALIBRATION_PRIOR = 1.0
-CALIBRATION_WEIGHT = 2.0
+# A model-free proposal's chances (learned over all sequences by the evidence
+# of each token: core/chance.py) are scaled per sequence by how many tokens
+# verification accepted of its own proposals over how many they promised,
+# shrunk towards 1 by SEQ_WEIGHT promised tokens.
 # A seeded sample's model-free proposal keeps the tokens at least this
 # likely by their confidences alone: its tokens depend on what it proposes,
 # so the choice may not depend on measured costs or on other requests.
@@ -141,20 +139,12 @@ LONGEST_PAYING = -2
 class MethodCounts:
     """What one proposal method drafted and verification accepted."""
 
-    __slots__ = ("drafted", "accepted", "accepted_by_position", "recent_accepted",
-                 "recent_expected")
+    __slots__ = ("drafted", "accepted", "accepted_by_position")
 
     def __init__(self, positions: int) -> None:
         self.drafted = 0
         self.accepted = 0
         self.accepted_by_position = [0] * positions  # acceptances at proposal 1..positions
-        self.recent_accepted = 0.0  # decayed, for the model-free calibration
-        self.recent_expected = 0.0
-
-    @property
-    def calibration(self) -> float:
-        return shrunk(self.recent_accepted, self.recent_expected, CALIBRATION_PRIOR,
-                      CALIBRATION_WEIGHT)
 
 
 class CostCurve:
@@ -411,11 +401,12 @@ class SpecPolicy:
                 return Speculation(k)
             return self._model_free(candidate, len(candidate.tokens) if forced is None
                                     else forced)
-        chance = self._chance(seq, candidate)
         if params.seed is not None and not params.greedy:
             if k:
                 return Speculation(k)
-            return self._model_free(candidate, sum(c >= SEEDED_CHANCE for c in chance))
+            return self._model_free(candidate,
+                                    sum(c >= SEEDED_CHANCE for c in candidate.chance))
+        chance = self._chance(seq, candidate)
         batch = max(batch, 1)
         seconds = self._cached_seconds(batch, MODEL_FREE)
         length, rate = _best_length(chance, seconds)
@@ -445,13 +436,13 @@ class SpecPolicy:
         if length <= 0:
             return NO_SPECULATION
         return Speculation(length, tuple(candidate.tokens[:length]), candidate.method,
-                           sum(candidate.chance[:length]))
+                           sum(candidate.chance[:length]), tuple(candidate.evidence[:length]))
 
-    def _chance(self, seq: Sequence, candidate: Candidate) -> list[float]:
-        """The candidate's chances of acceptance, calibrated by what its
-        method's proposals (all sequences', then seq's own) were accepted."""
-        shared = self.by_method[candidate.method].calibration
-        scale = shrunk(seq.model_free_accepted, seq.model_free_expected, shared, SEQ_WEIGHT)
+    @staticmethod
+    def _chance(seq: Sequence, candidate: Candidate) -> list[float]:
+        """The candidate's chances of acceptance, scaled by how seq's own
+        model-free proposals were accepted against their chances."""
+        scale = shrunk(seq.model_free_accepted, seq.model_free_expected, 1.0, SEQ_WEIGHT)
         return [min(1.0, c * scale) for c in candidate.chance]
 
     def _probe_period(self, acceptance: float, seconds: list[float], best_k: int,
@@ -575,8 +566,6 @@ class SpecPolicy:
         if method is not Method.DRAFT:
             assert speculation is not None
             expected = speculation.expected
-            counts.recent_accepted = counts.recent_accepted * DECAY + accepted
-            counts.recent_expected = counts.recent_expected * DECAY + expected
             seq.model_free_accepted = seq.model_free_accepted * SEQ_DECAY + accepted
             seq.model_free_expected = seq.model_free_expected * SEQ_DECAY + expected
             return

@@ -5,12 +5,13 @@ of a sequence once it ends."""
 
 from collections import Counter
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specpage.core.engine_config import EngineConfig
-from specpage.core.model_free import Method, ModelFreeProposer
-from specpage.core.ngram import SHRINK, NgramCounts
+from specpage.core.model_free import Method, ModelFreeProposer, Speculation
+from specpage.core.ngram import COUNT_CAP, SHRINK, Evidence, NgramCounts
 from specpage.core.request import FinishReason, Request, SamplingParams, Sequence
 from specpage.core.suffix_cache import SuffixCache
 
@@ -30,7 +31,9 @@ def brute_force_next(tokens, context, n_min, n_max):
                 if best is None or followers[tokens[p]] >= followers[best]:
                     best = tokens[p]
         if followers:
-            return best, followers[best] / (sum(followers.values()) + SHRINK), n
+            count, total = followers[best], sum(followers.values())
+            return best, count / (total + SHRINK), Evidence(n, min(count, COUNT_CAP),
+                                                             count == total)
     return None
 
 
@@ -145,6 +148,34 @@ def test_a_seeded_sample_is_proposed_from_its_own_context_only():
     assert proposer.propose(seeded) is None
     greedy = sequence([5, 6, 7], params=SamplingParams(temperature=0.0, seed=3))
     assert proposer.propose(greedy) is not None
+
+
+def test_chances_follow_what_verification_accepted_of_tokens_on_the_same_evidence():
+    proposer = ModelFreeProposer(EngineConfig(spec_methods="ngram", spec_model_free_k=4,
+                                              spec_ngram_min=2, spec_ngram_max=4))
+    text = [9, 1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3]  # "1 2 3" was followed by 4, 5, 6, 7
+    before = proposer.propose(sequence(text))
+    assert before is not None and before.tokens == [4, 5, 6, 7]
+    # the first after a 3-gram, the others after 4-grams, each seen once
+    assert before.evidence == [Evidence(3, 1, True)] + [Evidence(4, 1, True)] * 3
+    assert before.chance == pytest.approx([(1 / (1 + SHRINK)) ** n for n in range(1, 5)])
+    for _ in range(50):  # verification accepts two, rejects the third, never tests the fourth
+        speculation = Speculation(4, tuple(before.tokens), Method.NGRAM, 0.0,
+                                  tuple(before.evidence))
+        proposer.observe(speculation, accepted=2)
+    table, prior = proposer.chances, 1 / (1 + SHRINK)
+    after_3gram = table.chance((Method.NGRAM, Evidence(3, 1, True)), prior)
+    after_4gram = table.chance((Method.NGRAM, Evidence(4, 1, True)), prior)
+    assert after_3gram > 0.9  # tested 50 times, accepted 50
+    assert abs(after_4gram - 0.5) < 0.05  # tested 100 times, accepted 50
+    assert table.chance((Method.SUFFIX, Evidence(3, 1, True)), 0.25) == 0.25  # untested
+    after = proposer.propose(sequence(text, seq_id=1))
+    assert after is not None and after.chance[0] == after_3gram
+    assert after.chance[1] == pytest.approx(after_3gram * after_4gram)
+    # a seeded sample's chances are its confidences alone, whatever others taught the table
+    seeded = proposer.propose(sequence(text, seq_id=2,
+                                       params=SamplingParams(temperature=1.0, seed=3)))
+    assert seeded is not None and seeded.chance == before.chance
 
 
 def sequence(tokens, seq_id=0, salt=b"", params=None):
