@@ -25,7 +25,7 @@ from specpage.core.policy import SpecPolicy
 from specpage.core.proposer_rules import ProposerRules
 from specpage.core.request import FinishReason, Request, Sequence, Usage, ValidationError
 from specpage.core.scheduler import ScheduledSeq, Scheduler, StepPlan
-from specpage.core.step import NOTHING, Sampling, SeqWork, StepBatch, StepResult
+from specpage.core.step import NOTHING, SeqWork, StepBatch, StepResult, sampling_of
 
 
 @dataclass(frozen=True)
@@ -226,8 +226,7 @@ class EngineCore:
             k=entry.k,
             draft_start=draft_start,
             draft_tokens=draft_tokens,
-            sampling=Sampling(params.temperature, params.top_k, params.top_p, seq.seed,
-                              params.logprobs),
+            sampling=sampling_of(seq, self.outputs.eos_token_ids),
             num_forks=forks,
             following=seq.token_ids[end] if end < seq.num_tokens else -1,
             draft_state=seq.draft_state,

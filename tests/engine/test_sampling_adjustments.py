@@ -28,12 +28,6 @@ from tests.speculation.test_penalties import (
 from tests.speculation.test_sampling import ALPHA, VOCAB, chi_square_p
 from tests.support.checkpoints import tiny_checkpoint
 
-# EngineCore._work builds each SeqWork's Sampling from temperature, top-k,
-# top-p, seed and logprobs alone; with `sampling=sampling_of(seq,
-# self.outputs.eos_token_ids)` (core/step.py) these pass, and strict makes
-# that a failure to notice.
-WIRED = pytest.mark.xfail(strict=True, reason="EngineCore._work does not call sampling_of")
-
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
@@ -56,7 +50,6 @@ def outputs(results):
     return [results[key][0] for key in sorted(results, key=lambda k: int(k[0].split("-")[1]))]
 
 
-@WIRED
 @pytest.mark.parametrize("adjust", list(ADJUSTED), ids=list(ADJUSTED))
 def test_greedy_speculation_equals_speculation_off_and_transformers(models, adjust):
     hf = models[0]
@@ -71,7 +64,6 @@ def test_greedy_speculation_equals_speculation_off_and_transformers(models, adju
     assert drafted.stats().by_method["draft"].drafted > 0
 
 
-@WIRED
 def test_min_tokens_holds_eos_back_with_speculation(models):
     eos = models[1].config.eos_token_ids[0]
     params = msgspec.structs.replace(GREEDY, max_tokens=12, ignore_eos=False, min_tokens=5,
@@ -88,7 +80,6 @@ def test_min_tokens_holds_eos_back_with_speculation(models):
 RUNS = 4000
 
 
-@WIRED
 @pytest.mark.parametrize("name", list(SAMPLED), ids=list(SAMPLED))
 def test_speculative_sampling_fits_the_adjusted_distribution(tmp_path, name):
     """A draft model's q, rejection sampling against the adjusted p."""
