@@ -192,7 +192,7 @@ class EngineCore:
             request = seq.request
             self.policy.observe_acceptance(seq, done.num_proposed, done.num_accepted,
                                            entry.speculation)
-            self.model_free.observe(entry.speculation, done.num_accepted)
+            self.model_free.observe(seq, entry.speculation, done.num_accepted)
             _count(request.usage, entry.speculation.method, done.num_proposed, done.num_accepted)
             if done.fork_tokens:
                 outputs += self._fork(seq, done.fork_tokens, done.fork_logprobs)

@@ -96,21 +96,23 @@ class ModelFreeProposer:
         params = seq.request.params
         across = params.seed is None or params.greedy
         table = self.chances if across else None
+        sampled = not params.greedy
         best = None
         if Method.NGRAM in methods:
             best = _candidate(Method.NGRAM, self._context(seq).continuation(seq.token_ids, length),
-                              table)
+                              table, sampled)
         if across and Method.SUFFIX in methods:
             found = _candidate(Method.SUFFIX, self.suffix.continuation(
-                seq.request.cache_salt, seq.token_ids, length), table)
+                seq.request.cache_salt, seq.token_ids, length), table, sampled)
             if found is not None and (best is None or sum(found.chance) > sum(best.chance)):
                 best = found
         return best
 
-    def observe(self, speculation: Speculation, accepted: int) -> None:
-        """What verification accepted of a model-free proposal."""
+    def observe(self, seq: Sequence, speculation: Speculation, accepted: int) -> None:
+        """What verification accepted of seq's model-free proposal."""
         if speculation.evidence:
-            self.chances.observe(speculation.method, speculation.evidence, accepted)
+            self.chances.observe(speculation.method, not seq.request.params.greedy,
+                                 speculation.evidence, accepted)
 
     def end(self, seq: Sequence, reason: FinishReason) -> None:
         """seq has ended: nothing of it stays but, unless it failed or its
@@ -132,13 +134,13 @@ class ModelFreeProposer:
         return counts
 
 
-def _candidate(method: Method, found: Continuation, table: ChanceTable | None
-               ) -> Candidate | None:
+def _candidate(method: Method, found: Continuation, table: ChanceTable | None,
+               sampled: bool) -> Candidate | None:
     """found with its chances: learned (table), or its confidences alone (None)."""
     if not found.tokens:
         return None
     if table is not None:
-        chance = table.chain(method, found.evidence, found.confidence)
+        chance = table.chain(method, sampled, found.evidence, found.confidence)
     else:
         chance, chain = [], 1.0
         for p in found.confidence:

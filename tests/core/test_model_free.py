@@ -154,7 +154,8 @@ def test_chances_follow_what_verification_accepted_of_tokens_on_the_same_evidenc
     proposer = ModelFreeProposer(EngineConfig(spec_methods="ngram", spec_model_free_k=4,
                                               spec_ngram_min=2, spec_ngram_max=4))
     text = [9, 1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3]  # "1 2 3" was followed by 4, 5, 6, 7
-    before = proposer.propose(sequence(text))
+    greedy = sequence(text)
+    before = proposer.propose(greedy)
     assert before is not None and before.tokens == [4, 5, 6, 7]
     # the first after a 3-gram, the others after 4-grams, each seen once
     assert before.evidence == [Evidence(3, 1, True)] + [Evidence(4, 1, True)] * 3
@@ -162,13 +163,15 @@ def test_chances_follow_what_verification_accepted_of_tokens_on_the_same_evidenc
     for _ in range(50):  # verification accepts two, rejects the third, never tests the fourth
         speculation = Speculation(4, tuple(before.tokens), Method.NGRAM, 0.0,
                                   tuple(before.evidence))
-        proposer.observe(speculation, accepted=2)
+        proposer.observe(greedy, speculation, accepted=2)
     table, prior = proposer.chances, 1 / (1 + SHRINK)
-    after_3gram = table.chance((Method.NGRAM, Evidence(3, 1, True)), prior)
-    after_4gram = table.chance((Method.NGRAM, Evidence(4, 1, True)), prior)
+    after_3gram = table.chance((Method.NGRAM, False, Evidence(3, 1, True)), prior)
+    after_4gram = table.chance((Method.NGRAM, False, Evidence(4, 1, True)), prior)
     assert after_3gram > 0.9  # tested 50 times, accepted 50
     assert abs(after_4gram - 0.5) < 0.05  # tested 100 times, accepted 50
-    assert table.chance((Method.SUFFIX, Evidence(3, 1, True)), 0.25) == 0.25  # untested
+    assert table.chance((Method.SUFFIX, False, Evidence(3, 1, True)), 0.25) == 0.25  # untested
+    # nor is a sampled request's chance what greedy requests accepted
+    assert table.chance((Method.NGRAM, True, Evidence(3, 1, True)), 0.25) == 0.25
     after = proposer.propose(sequence(text, seq_id=1))
     assert after is not None and after.chance[0] == after_3gram
     assert after.chance[1] == pytest.approx(after_3gram * after_4gram)
