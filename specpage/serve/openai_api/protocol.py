@@ -1,7 +1,8 @@
 """The request bodies of OpenAI's /v1/chat/completions and /v1/completions.
 
 Every field OpenAI's API reference defines is known, with vLLM's extensions
-where the engine has them (`top_k`, `ignore_eos`, `stop_token_ids`,
+where the engine has them (`top_k`, `min_p`, `min_tokens`, `repetition_penalty`,
+`ignore_eos`, `stop_token_ids`,
 `cache_salt`, `priority`, `chat_template_kwargs`), so the bodies that common
 clients send decode. What is refused and what is accepted unread follows the
 unknown-field rule (fields.py): a field that would change the output if
@@ -133,12 +134,6 @@ def _unset(value: Any) -> bool:
 
 # field -> (is the value one the engine honours?, what it may be), checked in order
 NEUTRAL: dict[str, tuple[Any, str]] = {
-    "frequency_penalty": (_unset, "0"),
-    "presence_penalty": (_unset, "0"),
-    "repetition_penalty": (lambda v: v is None or v == 1, "1"),
-    "min_p": (_unset, "0"),
-    "min_tokens": (_unset, "0"),
-    "logit_bias": (_unset, "empty"),
     "top_logprobs": (_unset, "0 (the log-probability of the chosen token only)"),
     "response_format": (lambda v: v is None or v == {"type": "text"}, '{"type": "text"}'),
     "modalities": (lambda v: v in (None, ["text"]), '["text"]'),
@@ -288,7 +283,26 @@ def sampling_params(request: ChatCompletionRequest | CompletionRequest,
         ignore_eos=request.ignore_eos,
         n=defaults.n if request.n is None else request.n,
         logprobs=logprobs,
+        presence_penalty=request.presence_penalty or 0.0,
+        frequency_penalty=request.frequency_penalty or 0.0,
+        repetition_penalty=(defaults.repetition_penalty if request.repetition_penalty is None
+                            else request.repetition_penalty),
+        min_p=request.min_p or 0.0,
+        min_tokens=request.min_tokens or 0,
+        logit_bias=_logit_bias(request.logit_bias),
     )
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's logit_bias keys are token ids written as strings; their range
+    and the biases' are SamplingParams' to check."""
+    ids = {}
+    for key, value in (bias or {}).items():
+        try:
+            ids[int(key)] = value
+        except ValueError:
+            raise ValidationError("logit_bias", f"key {key!r} is not a token id") from None
+    return ids
 
 
 # "Expected `int`, got `str` - at `$.messages[0].role`"
