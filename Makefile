@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # requirement would pull a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: install test lint typecheck clean protos serve bench llama-venv
+.PHONY: install test lint typecheck clean protos serve bench llama-server
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -35,11 +35,12 @@ bench: $(STAMP)
 	for b in $(BENCHES); do $(PY) bench/$$b.py --quick || exit 1; done
 	$(PY) bench/report.py
 
-# llama.cpp as a benchmark peer: llama-cpp-python's OpenAI server in its own
-# venv (.venv-llama), compiled from PyPI's source package (3-4 min on 2 cores here).
-# bench/serving.py adds it as a system when this venv exists.
-llama-venv: $(STAMP)
-	$(PY) bench/llama_cpp.py --quick
+# llama.cpp as a benchmark peer: its own llama-server and llama-bench, built
+# once into .llama-cpp/ from the llama.cpp that PyPI's llama-cpp-python source
+# package vendors (about 5 min on 2 cores). bench/serving.py adds it as a
+# system once it is built; bench/model_free_peers.py runs its speculation.
+llama-server:
+	bench/build_llama_server.sh
 
 # The daemon on the default pair, 127.0.0.1 only: SmolLM2-135M-Instruct
 # (fetched once, then offline) and its distilled draft (models/smollm2-draft).

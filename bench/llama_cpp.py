@@ -1,148 +1,122 @@
-"""llama.cpp as a peer: llama-cpp-python's OpenAI server (llama.cpp compiled
-from PyPI's source package for this CPU) in its own git-ignored virtual
-environment, .venv-llama, never in specpage's; it serves the very GGUF
-specpage reads its 4-bit blocks from.
+"""llama.cpp as a peer: its own OpenAI server, `llama-server`, built for this
+CPU from the llama.cpp sources that PyPI's llama-cpp-python 0.3.36 vendors,
+into the git-ignored .llama-cpp/ (bench/build_llama_server.sh). It serves the
+very GGUF specpage's q4 reads its 4-bit blocks from.
 
-    make llama-venv                   # build it once (3-4 min on 2 cores)
-    python bench/llama_cpp.py --quick # a smoke run: one request, its ms/token
+    make llama-server                  # build it once (about 5 min on 2 cores)
+    python bench/llama_cpp.py [--quick]  # llama-bench: flash attention off and on
 
 Facts of this peer, and what the benchmarks do about them:
-- Its server has no /health; GET /v1/models answers once the model is loaded.
-- It serves one request at a time (one slot, requests queue on a lock);
-  llama-cpp-python has no parallel-slot setting, so 32 streams run through
-  that one slot: its best, and only, configuration. By default a new request
-  interrupts the one streaming (interrupt_requests); 32 concurrent streams
-  would then each get a token or two, so that is turned off.
-- On a CPU with AMX, llama.cpp built with -march=native (its default) repacks
-  the Q4_1 weights for its AMX kernels, and its server died (SIGSEGV) on its
-  first request (0.3.36, an Intel Xeon with AMX). There it is built for the
-  same CPU's AVX-512 (with VNNI and BF16, as llama.cpp uses them for Q4_1
-  blocks) without AMX (build_flags): its best configuration that runs.
-- It ignores vLLM's ``ignore_eos`` extension, which the benchmarks' client
-  sends so that every request streams exactly max_tokens. The server is
-  started through ``llama_cpp_server.py``, which gives the end-of-sequence
-  token a logit bias of -inf for every request (the same effect), so the
-  figures count the same tokens as every other system's.
+- Parallel slots (-np) decode together in one batch, so 32 streams run on
+  32 slots; they share one unified KV cache (--kv-unified) of CONTEXT
+  positions, so a slot takes what its request needs.
+- Prompt caching is off (--no-cache-prompt, --cache-ram 0): the benchmarks
+  send every server a fresh cache_salt per run, so that none finds a
+  previous run's prompt cached, and llama-server has no salt.
+- It honours vLLM's ``ignore_eos``, answers GET /health once the model is
+  loaded, and reports usage in the last streamed chunk (with
+  stream_options.include_usage), so it needs no wrapper.
+- Flash attention: FLASH_ATTENTION, whichever this script measured faster
+  with llama-bench.
+- On a CPU with AMX, a build with -march=native repacks the Q4_1 weights for
+  llama.cpp's AMX kernels, and llama-cpp-python's build of it died on its
+  first request there; the build script names that CPU's instruction sets
+  without AMX instead.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
 import sys
-import time
-import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-VENV = ROOT / ".venv-llama"
-PYTHON = VENV / "bin" / "python"
-PACKAGE = "llama-cpp-python[server]==0.3.36"
-WRAPPER = Path(__file__).with_name("llama_cpp_server.py")
-HEALTH_PATH = "/v1/models"
-BUILD_JOBS = "2"  # compile jobs: the machine's cores
-N_CTX = 4096  # 32 streams share one slot, so one context is enough
+BUILD = Path(__file__).with_name("build_llama_server.sh")
+SERVER = ROOT / ".llama-cpp" / "bin" / "llama-server"
+BENCH = ROOT / ".llama-cpp" / "bin" / "llama-bench"
+SOURCE = "llama.cpp as vendored by llama-cpp-python==0.3.36 (PyPI sdist)"
+HEALTH_PATH = "/health"
+# KV positions all slots share: 32 slots of a grounded request (up to 460
+# prompt tokens and 256 output tokens, bench/workloads) fit in 32 x 1024.
+CONTEXT = 32768
+# Measured with llama-bench -fa 0,1 and 1,0 (this script writes the figures
+# to bench/results/llama_cpp.json): on an AVX2 EPYC without AVX-512 flash
+# attention on prefilled faster in every run and decoded faster in most.
+FLASH_ATTENTION = "on"
 
 
 def ready() -> bool:
-    """Whether .venv-llama exists and imports llama_cpp's server."""
-    if not PYTHON.exists():
-        return False
-    probe = subprocess.run([str(PYTHON), "-c", "import llama_cpp.server"], capture_output=True)
-    return probe.returncode == 0
+    """Whether llama-server is built."""
+    return os.access(SERVER, os.X_OK)
 
 
 def setup() -> str | None:
-    """Build .venv-llama if it is not usable yet. Returns None or why it failed."""
+    """Build llama-server if it is not built yet. Returns None or why it failed."""
     if ready():
         return None
-    steps = [[sys.executable, "-m", "venv", str(VENV)],
-             [str(PYTHON), "-m", "pip", "install", "--quiet", "--upgrade", "pip"],
-             # built here, never a wheel cached from a build with other flags
-             [str(PYTHON), "-m", "pip", "install", "--quiet", "--no-cache-dir", PACKAGE]]
-    env = {**os.environ, "CMAKE_BUILD_PARALLEL_LEVEL": BUILD_JOBS}
-    if build_flags():
-        env["CMAKE_ARGS"] = build_flags()
-    for step in steps:
-        done = subprocess.run(step, capture_output=True, text=True, env=env)
-        if done.returncode != 0:
-            return f"{' '.join(step[-2:])} failed: {(done.stdout + done.stderr)[-600:]}"
-    return None if ready() else "llama_cpp.server does not import after the install"
+    done = subprocess.run(["bash", str(BUILD)], capture_output=True, text=True)
+    if done.returncode != 0 or not ready():
+        return f"{BUILD.name} failed: {(done.stdout + done.stderr)[-600:]}"
+    return None
 
 
-def build_flags() -> str:
-    """llama.cpp's CMake options for this CPU: none (-march=native) unless it
-    has AMX, where the same instruction sets are named without AMX."""
-    from specpage.kernels.cpu.features import cpu_flags
+def gguf() -> Path:
+    """The GGUF file specpage's q4 reads (fetched and converted by specpage)."""
+    from specpage.models.fetch import SMOLLM2_GGUF_NAME, cache_dir
 
-    flags = cpu_flags()
-    if "amx_int8" not in flags:
-        return ""
-    wanted = {"GGML_AVX": "avx", "GGML_AVX2": "avx2", "GGML_FMA": "fma", "GGML_F16C": "f16c",
-              "GGML_BMI2": "bmi2", "GGML_AVX512": "avx512f", "GGML_AVX512_VBMI": "avx512_vbmi",
-              "GGML_AVX512_VNNI": "avx512_vnni", "GGML_AVX512_BF16": "avx512_bf16"}
-    return " ".join(["-DGGML_NATIVE=OFF"] + [f"-D{option}={'ON' if flag in flags else 'OFF'}"
-                                             for option, flag in wanted.items()])
+    return cache_dir() / "gguf" / SMOLLM2_GGUF_NAME
 
 
-def server_argv(gguf: Path, alias: str, port: int, threads: int) -> list[str]:
-    # -P: not bench/ first on sys.path, where this module would shadow llama_cpp
-    return [str(PYTHON), "-P", str(WRAPPER), "--model", str(gguf), "--model_alias", alias,
-            "--host", "127.0.0.1", "--port", str(port), "--n_threads", str(threads),
-            "--n_threads_batch", str(threads), "--n_ctx", str(N_CTX), "--verbose", "False",
-            "--interrupt_requests", "False"]
+def server_argv(alias: str, port: int, threads: int, slots: int,
+                extra: Sequence[str] = ()) -> list[str]:
+    """llama-server on 127.0.0.1:port with `slots` parallel slots; `extra`
+    adds options (its draft-free speculation, for one)."""
+    return [str(SERVER), "-m", str(gguf()), "--alias", alias, "--host", "127.0.0.1",
+            "--port", str(port), "-t", str(threads), "-tb", str(threads), "-np", str(slots),
+            "-c", str(CONTEXT), "--kv-unified", "-fa", FLASH_ATTENTION, "--no-cache-prompt",
+            "--cache-ram", "0", "--no-webui", *extra]
 
 
 def server_env(threads: int) -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": str(threads)}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
-    sys.path.insert(0, str(ROOT))
-    from bench.common import MODEL, finish, free_port
-    from specpage.models.fetch import SMOLLM2_GGUF_NAME, cache_dir, ensure_model
+def bench(threads: int, repetitions: int) -> list[dict[str, Any]]:
+    """llama-bench on the GGUF: prefill of 512 tokens and 128 decoded, with
+    flash attention off and on. Its JSON rows, one per test."""
+    argv = [str(BENCH), "-m", str(gguf()), "-t", str(threads), "-p", "512", "-n", "128",
+            "-fa", "0,1", "-r", str(repetitions), "-o", "json"]
+    done = subprocess.run(argv, capture_output=True, text=True, check=True,
+                          env=server_env(threads))
+    rows: list[dict[str, Any]] = json.loads(done.stdout)
+    return rows
 
+
+def main() -> None:
+    sys.path.insert(0, str(ROOT))
+    from bench.common import finish, machine, parse_args
+
+    args = parse_args(__doc__)
     error = setup()
     if error:
         finish("llama_cpp", {"error": error})
         return
-    ensure_model(MODEL)
-    port = free_port()
-    gguf = cache_dir() / "gguf" / SMOLLM2_GGUF_NAME
-    process = subprocess.Popen(server_argv(gguf, MODEL, port, args.threads),
-                               env=server_env(args.threads), stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(url + HEALTH_PATH, timeout=5):
-                    break
-            except OSError:
-                time.sleep(0.5)
-        tokens = 32 if args.quick else 128
-        body = json.dumps({"model": MODEL, "max_tokens": tokens, "temperature": 0.0,
-                           "messages": [{"role": "user", "content": "Explain tides."}]}).encode()
-        request = urllib.request.Request(url + "/v1/chat/completions", body,
-                                         {"Content-Type": "application/json"})
-        start = time.perf_counter()
-        with urllib.request.urlopen(request, timeout=300) as reply:
-            answer = json.loads(reply.read())
-        seconds = time.perf_counter() - start
-        produced = answer["usage"]["completion_tokens"]
-        finish("llama_cpp", {"package": PACKAGE, "completion_tokens": produced,
-                             "ms_per_token_incl_prefill": seconds / produced * 1e3,
-                             "text": answer["choices"][0]["message"]["content"][:120]})
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
+    rows = bench(args.threads, 2 if args.quick else 5)
+    figures: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        test = "decode_tg128" if row["n_gen"] else "prefill_pp512"
+        flash = {0: "off", 1: "on"}[row["flash_attn"]]
+        figures.setdefault(f"flash_attention_{flash}", {})[test] = {
+            "tok_s": row["avg_ts"], "stddev": row["stddev_ts"]}
+    fastest = max(figures, key=lambda k: figures[k]["decode_tg128"]["tok_s"])
+    finish("llama_cpp", {"source": SOURCE, "build": rows[0].get("cpu_info", ""),
+                         "gguf": gguf().name, "threads": args.threads, "llama_bench": figures,
+                         "fastest_decode": fastest, "flash_attention_used": FLASH_ATTENTION,
+                         "machine": machine()})
 
 
 if __name__ == "__main__":

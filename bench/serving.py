@@ -28,10 +28,11 @@ The systems:
   in the dtype this CPU runs fastest (bf16 with AVX-512 BF16, else fp32),
   eager and (full run only: compiling adds about a minute to each start)
   compiled. Its best configuration, by 32-stream throughput, is "vLLM".
-- llama.cpp (llama-cpp-python's OpenAI server, `.venv-llama`, built by
-  `make llama-venv`; left out when that venv is missing) on the very GGUF
-  specpage converts, with the same threads; one slot, so 32 streams queue
-  (bench/llama_cpp.py says why, and how ignore_eos is honoured).
+- llama.cpp's own OpenAI server, `llama-server` (built into .llama-cpp/ by
+  `make llama-server`; left out when it is not built), on the very GGUF
+  specpage's q4 reads, with the same threads and one slot per stream (32),
+  prompt caching off as the other servers' salted caches are
+  (bench/llama_cpp.py).
 
 Only one server is up at a time: each round starts every system in turn
 (rotated, so none always runs first or last), gives it the same untimed
@@ -74,7 +75,7 @@ from bench.common import (  # noqa: E402
 )
 from bench.prompts import chat_prompts  # noqa: E402
 from bench.vllm_cpu import PACKAGE, PYTHON, _env, cpu_has_bf16, setup  # noqa: E402
-from specpage.models.fetch import SMOLLM2_GGUF_NAME, cache_dir, ensure_model  # noqa: E402
+from specpage.models.fetch import ensure_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 LOADGEN = ROOT / ".venv" / "bin" / "specpage-loadgen"
@@ -160,8 +161,7 @@ def vllm_server(name: str, mode: dict[str, Any], model: Path, threads: int) -> S
 
 def llama_cpp_server(name: str, threads: int) -> ServerSpec:
     port = free_port()
-    gguf = cache_dir() / "gguf" / SMOLLM2_GGUF_NAME  # the file specpage converted
-    return ServerSpec(name, llama_cpp.server_argv(gguf, MODEL, port, threads),
+    return ServerSpec(name, llama_cpp.server_argv(MODEL, port, threads, STREAMS),
                       llama_cpp.server_env(threads), port, llama_cpp.HEALTH_PATH)
 
 
@@ -435,7 +435,8 @@ def main() -> None:
         result["outputs_vs_vllm"] = {ours: same_outputs(runs[ours], runs[best])
                                      for ours in OURS if ours in runs}
     if "llama_cpp" in runs:
-        result["llama_cpp"] = {"package": llama_cpp.PACKAGE, "slots": 1}
+        result["llama_cpp"] = {"source": llama_cpp.SOURCE, "slots": STREAMS,
+                               "flash_attention": llama_cpp.FLASH_ATTENTION}
         result["ratios_vs_llama_cpp"] = {
             ours: {job.name: ratios(spreads(runs[ours], job.name),
                                     spreads(runs["llama_cpp"], job.name)) for job in jobs}
