@@ -357,6 +357,34 @@ def compile_(r: dict) -> list[str]:
     return rows
 
 
+def model_free(r: dict) -> list[str]:
+    """Speculation AUTO over OFF on the same daemon, by system and kind."""
+    temperature = r.get("temperature", 0.0)
+    rows = []
+    for system, s in r["systems"].items():
+        sampled = f", temperature {temperature:g}" if temperature else ""
+        for case, ratio in s["auto_vs_off"].items():
+            streams, kind = case.split("/")
+            where = "single stream" if streams == "single" else "32 streams"
+            rows.append(f"| {system}, {where}, {kind}{sampled} | "
+                        f"AUTO {spread(ratio, 2)}× OFF | |")
+        for kind, c in s["drafted_accepted_by_kind"].items():
+            rows.append(f"| {system}, {kind}: drafted, accepted | {c['drafted']}, {c['accepted']} "
+                        f"({fmt(c['acceptance'])}) | |")
+        if not temperature:
+            rows.append(f"| {system}: greedy text the same as OFF | {s['greedy_same_as_off']} | |")
+    return rows
+
+
+def model_free_cost(r: dict) -> list[str]:
+    share = r["matching_and_upkeep_share"]
+    return [f"| model-free matching and upkeep, {r['streams']} streams, "
+            f"{r['context_tokens']}-token contexts | {fmt(100 * share)}% of the decoding steps' "
+            f"time (lookups {fmt(100 * r['propose_share'])}%, suffix cache inserts "
+            f"{fmt(100 * r['end_share'])}%, the policy's choice "
+            f"{fmt(100 * r['policy_share'], 3)}%) | |"]
+
+
 def rows(render: Callable[[dict], list[str]], result: dict) -> list[str]:
     try:
         return render(result)
@@ -369,7 +397,8 @@ SECTIONS = {"block_pool": block_pool, "model_runner": model_runner, "engine": en
             "overhead": overhead, "serving": serving, "serving_head": serving,
             "serving_speculation": serving,
             "quantization": quantization,
-            "compile": compile_}
+            "compile": compile_, "model_free": model_free, "model_free_t0.7": model_free,
+            "model_free_cost": model_free_cost}
 
 
 HAND_KEPT = "Recorded by hand"
