@@ -2,13 +2,15 @@
 against spec OFF on the same daemon, as `make serve` starts it.
 
     python bench/model_free.py [--quick] [--systems A,B,...] [--rounds N]
+                               [--temperature T] [--sets grounded,chat] [--no-streams]
 
 The requests: bench/workloads/grounded.jsonl (input-grounded: summaries of
 a given paragraph, rewrites, extraction into JSON, tables, code edits, answers
 from a given context, multi-turn edits) and bench/workloads/chat.jsonl (open
 chat), written for this bench; no draft was trained on them. Each is
 rendered with the model's chat template and sent as token ids over gRPC,
-greedy, with its own max_tokens (EOS ends it, as for a user).
+greedy (or sampled at --temperature, unseeded), with its own max_tokens (EOS
+ends it, as for a user).
 
 The systems are daemons (one up at a time, each started as `make serve`
 does, q4 by default): `specpage` (the default: draft model and the
@@ -26,8 +28,9 @@ proposers that need no model), `model_free` (no draft), `draft_only`
 Every (round, mode) pair sends its own cache_salt, so neither the prefix
 cache nor the suffix cache ever holds a previous run of the same request:
 AUTO's suffix cache holds only the other requests of its own round. The
-greedy answers of AUTO and OFF are compared request by request. Medians
-over the rounds of per-round ratios, with min-max spreads (bench/common.py).
+greedy answers of AUTO and OFF are compared request by request (sampled ones
+differ by chance). Medians over the rounds of per-round ratios, with min-max
+spreads (bench/common.py).
 """
 
 from __future__ import annotations
@@ -102,10 +105,12 @@ class Outcome:
         return self.last - self.first
 
 
-async def run_one(client: Client, request: dict[str, Any], spec: str, salt: str) -> Outcome:
+async def run_one(client: Client, request: dict[str, Any], spec: str, salt: str,
+                  temperature: float = 0.0) -> Outcome:
     out = Outcome()
     async for event in client.generate(request["ids"], spec=spec, cache_salt=salt,
-                                       max_tokens=request["max_tokens"], temperature=0.0):
+                                       max_tokens=request["max_tokens"],
+                                       temperature=temperature):
         now = time.perf_counter()
         if isinstance(event, Chunk):
             out.first = out.first or now
@@ -116,8 +121,8 @@ async def run_one(client: Client, request: dict[str, Any], spec: str, salt: str)
     return out
 
 
-async def single_stream(client: Client, requests: list[dict[str, Any]], r: int
-                        ) -> dict[str, dict[str, Outcome]]:
+async def single_stream(client: Client, requests: list[dict[str, Any]], r: int,
+                        temperature: float) -> dict[str, dict[str, Outcome]]:
     """Every request alone in both modes: {mode: {index: outcome}}."""
     runs: dict[str, dict[str, Outcome]] = {"auto": {}, "off": {}}
     order = list(range(len(requests)))
@@ -125,14 +130,16 @@ async def single_stream(client: Client, requests: list[dict[str, Any]], r: int
     for i in order:
         modes = ("auto", "off") if (i + r) % 2 == 0 else ("off", "auto")
         for mode in modes:
-            runs[mode][str(i)] = await run_one(client, requests[i], mode, f"s{r}-{mode}")
+            runs[mode][str(i)] = await run_one(client, requests[i], mode, f"s{r}-{mode}",
+                                               temperature)
     return runs
 
 
 async def concurrent(client: Client, requests: list[dict[str, Any]], mode: str,
-                     salt: str) -> tuple[float, list[Outcome]]:
+                     salt: str, temperature: float) -> tuple[float, list[Outcome]]:
     start = time.perf_counter()
-    outcomes = await asyncio.gather(*(run_one(client, q, mode, salt) for q in requests))
+    outcomes = await asyncio.gather(*(run_one(client, q, mode, salt, temperature)
+                                      for q in requests))
     tokens = sum(len(o.tokens) for o in outcomes)
     return tokens / (time.perf_counter() - start), list(outcomes)
 
@@ -144,7 +151,7 @@ def speed(outcomes: list[Outcome]) -> float:
 
 
 async def measure(port: int, sets: dict[str, list[dict[str, Any]]], count: int,
-                  streams: bool) -> dict[str, Any]:
+                  streams: bool, temperature: float) -> dict[str, Any]:
     ratios: dict[str, list[float]] = defaultdict(list)
     counts: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     same = total = 0
@@ -152,10 +159,11 @@ async def measure(port: int, sets: dict[str, list[dict[str, Any]]], count: int,
     async with Client(f"127.0.0.1:{port}") as client:
         for requests in sets.values():  # warm-up: every step shape, untimed
             for mode in ("auto", "off"):
-                await run_one(client, {**requests[0], "max_tokens": 16}, mode, f"w-{mode}")
+                await run_one(client, {**requests[0], "max_tokens": 16}, mode, f"w-{mode}",
+                              temperature)
         for r in range(count):
             for name, requests in sets.items():
-                runs = await single_stream(client, requests, r)
+                runs = await single_stream(client, requests, r, temperature)
                 kinds = defaultdict(list)
                 for i, q in enumerate(requests):
                     kinds[q["kind"]].append(str(i))
@@ -165,7 +173,7 @@ async def measure(port: int, sets: dict[str, list[dict[str, Any]]], count: int,
                                    "tokens": [len(auto.tokens), len(off.tokens)],
                                    "decode_s": [auto.decode_seconds, off.decode_seconds],
                                    "drafted": auto.drafted, "accepted": auto.accepted})
-                    same += auto.tokens == off.tokens
+                    same += auto.tokens == off.tokens  # by chance only, when sampled
                     total += 1
                     counts[q["kind"]][0] += auto.drafted
                     counts[q["kind"]][1] += auto.accepted
@@ -177,7 +185,7 @@ async def measure(port: int, sets: dict[str, list[dict[str, Any]]], count: int,
                     rate = {}
                     for mode in modes:
                         rate[mode], _ = await concurrent(client, (requests * 2)[:STREAMS], mode,
-                                                         f"c{r}-{mode}")
+                                                         f"c{r}-{mode}", temperature)
                     ratios[f"streams/{name}"].append(rate["auto"] / rate["off"])
                 print(f"round {r} {name}: " + ", ".join(
                     f"{k} {v[-1]:.2f}" for k, v in ratios.items() if k.endswith(name)),
@@ -193,9 +201,13 @@ def main() -> None:
     args = parse_args(__doc__, extra=lambda p: (
         p.add_argument("--systems", default="specpage,model_free,draft_only"),
         p.add_argument("--rounds", type=int, default=3),
-        p.add_argument("--no-streams", action="store_true", help="single stream only")))
+        p.add_argument("--no-streams", action="store_true", help="single stream only"),
+        p.add_argument("--temperature", type=float, default=0.0,
+                       help="sampled (unseeded) above 0: AUTO's and OFF's texts then differ, "
+                            "and the results go to model_free_t<T>.json"),
+        p.add_argument("--sets", default="grounded,chat")))
     cap = QUICK_TOKENS if args.quick else None
-    sets = {name: render(load(name), cap) for name in ("grounded", "chat")}
+    sets = {name: render(load(name), cap) for name in args.sets.split(",")}
     if args.quick:
         sets = {name: requests[:QUICK_REQUESTS] for name, requests in sets.items()}
     count = rounds(args.quick, args.rounds)
@@ -205,14 +217,16 @@ def main() -> None:
         server = Running(spec, Path(tempfile.gettempdir()) / f"model_free_{name}.log")
         try:
             results[name] = asyncio.run(measure(port, sets, count,
-                                                not (args.quick or args.no_streams)))
+                                                not (args.quick or args.no_streams),
+                                                args.temperature))
         finally:
             server.stop()
         print(json.dumps({name: results[name]["auto_vs_off"]}), file=sys.stderr, flush=True)
     headline = {f"{name}/{k}": v["median"] for name, r in results.items()
                 for k, v in r["auto_vs_off"].items()}
-    finish("model_free", {"machine": machine(), "rounds": count, "systems": results,
-                          "headline_auto_vs_off": headline})
+    name = "model_free" if args.temperature == 0 else f"model_free_t{args.temperature:g}"
+    finish(name, {"machine": machine(), "rounds": count, "temperature": args.temperature,
+                  "systems": results, "headline_auto_vs_off": headline})
 
 
 if __name__ == "__main__":
