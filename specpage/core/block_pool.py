@@ -162,11 +162,13 @@ class BlockPool:
     # ------------------------------------------------------------------ changes
 
     def allocate_prompt(
-        self, seq_id: SeqId, token_ids: Sequence[int], cache_salt: bytes = b""
+        self, seq_id: SeqId, token_ids: Sequence[int], cache_salt: bytes = b"",
+        lookup: bool = True,
     ) -> int:
         """Add a sequence for a prompt; returns how many leading tokens are
-        already computed (shared from the prefix cache). The rest of the
-        prompt gets tentative slots, committed as prefill computes them.
+        already computed (shared from the prefix cache; none unless lookup).
+        The rest of the prompt gets tentative slots, committed as prefill
+        computes them.
 
         At least the last prompt token is always left to compute, since its
         logits start the generation.
@@ -180,7 +182,8 @@ class BlockPool:
         hits: list[int] = []
         keys: list[BlockKey] = []
         parent: BlockKey | None = None
-        for start in range(0, (len(token_ids) - 1) // size * size, size):
+        looked_up = (len(token_ids) - 1) // size * size if lookup else 0
+        for start in range(0, looked_up, size):
             key = block_key(parent, token_ids[start : start + size], extra)
             entry = self._cache.get(key)
             if entry is None:

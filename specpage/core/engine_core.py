@@ -23,9 +23,16 @@ from specpage.core.model_free import Method, ModelFreeProposer, Speculation
 from specpage.core.outputs import OutputProcessor, RequestOutput
 from specpage.core.policy import SpecPolicy
 from specpage.core.proposer_rules import ProposerRules
-from specpage.core.request import FinishReason, Request, Sequence, Usage, ValidationError
+from specpage.core.request import (
+    FinishReason,
+    Request,
+    Sequence,
+    TokenLogprobs,
+    Usage,
+    ValidationError,
+)
 from specpage.core.scheduler import ScheduledSeq, Scheduler, StepPlan
-from specpage.core.step import NOTHING, SeqWork, StepBatch, StepResult, sampling_of
+from specpage.core.step import NOTHING, SeqResult, SeqWork, StepBatch, StepResult, sampling_of
 
 
 @dataclass(frozen=True)
@@ -180,6 +187,8 @@ class EngineCore:
                                        time.perf_counter() - self._scheduled_at)
         self.policy.observe_costs(result.target_cost, result.draft_costs)
         for entry, done in zip(plan.scheduled, result.seqs, strict=True):
+            if done.prompt_logprobs:
+                _keep_prompt_logprobs(entry.seq, done.prompt_logprobs)
             ledger.apply(self.pool, entry.seq, entry.num_new, entry.k, done,
                          self._rules(entry.speculation))
         outputs = []
@@ -195,9 +204,10 @@ class EngineCore:
             self.model_free.observe(seq, entry.speculation, done.num_accepted)
             _count(request.usage, entry.speculation.method, done.num_proposed, done.num_accepted)
             if done.fork_tokens:
-                outputs += self._fork(seq, done.fork_tokens, done.fork_logprobs)
+                outputs += self._fork(seq, done)
             if done.tokens:
-                outputs.append(self.outputs.append(seq, done.tokens, done.logprobs))
+                outputs.append(self.outputs.append(seq, done.tokens, done.logprobs,
+                                                   done.top_logprobs))
         for out in outputs:
             if out.usage is not None:  # the request's last output
                 del self.requests[out.request_id]
@@ -232,17 +242,20 @@ class EngineCore:
             draft_state=seq.draft_state,
             draft_on=seq.draft_on,
             proposal=list(entry.speculation.tokens),
+            prompt_logprobs=(params.prompt_logprobs if seq.owes_prompt_logprobs
+                             and params.prompt_logprobs is not None else -1),
         )
 
-    def _fork(self, parent: Sequence, first_tokens: list[int],
-              logprobs: list[float]) -> list[RequestOutput]:
+    def _fork(self, parent: Sequence, done: SeqResult) -> list[RequestOutput]:
         """Samples 1..n-1 share the parent's committed blocks from here on."""
         outputs = []
-        for index, token in enumerate(first_tokens, start=1):
+        for index, token in enumerate(done.fork_tokens, start=1):
             child = self._new_sequence(parent.request, index, list(parent.token_ids))
             ledger.fork(self.pool, parent, child)
             self.scheduler.add_running(child)
-            outputs.append(self.outputs.append(child, [token], logprobs[index - 1 : index]))
+            outputs.append(self.outputs.append(child, [token],
+                                               done.fork_logprobs[index - 1 : index],
+                                               done.fork_top_logprobs[index - 1 : index]))
         return outputs
 
     def _new_sequence(self, request: Request, index: int, token_ids: list[int]) -> Sequence:
@@ -281,6 +294,14 @@ class EngineCore:
         )
 
 
+def _keep_prompt_logprobs(seq: Sequence, found: list[TokenLogprobs]) -> None:
+    """The prompt's log-probabilities a step found, at the positions after
+    its span's first (a prompt computed again after preemption finds them again)."""
+    kept = seq.request.prompt_logprobs
+    del kept[seq.num_computed + 1 :]
+    kept.extend(found)
+
+
 def _count(usage: Usage, method: Method, drafted: int, accepted: int) -> None:
     """A request's drafted and accepted tokens, in all and by method."""
     if not drafted:
@@ -298,7 +319,8 @@ def _check_result(scheduled: list[ScheduledSeq], result: StepResult) -> None:
         raise StepResultError(f"{len(result.seqs)} results for {len(scheduled)} sequences")
     for i, (entry, done) in enumerate(zip(scheduled, result.seqs, strict=True)):
         if not entry.wants_logits:
-            ok = msgspec.structs.replace(done, draft_state=b"", draft_lag=0) == NOTHING
+            ok = msgspec.structs.replace(done, draft_state=b"", draft_lag=0,
+                                         prompt_logprobs=[]) == NOTHING
         else:
             ok = (done.num_proposed == entry.k and 0 <= done.num_accepted <= entry.k
                   and len(done.tokens) == done.num_accepted + 1)

@@ -28,8 +28,14 @@ from specpage.core.step import SeqResult
 def admit(pool: BlockPool, seq: Sequence, rules: ProposerRules) -> int:
     """Give a waiting sequence its blocks, sharing what the prefix cache
     holds under the draft's salt for it; returns the cached positions. The
-    draft starts from nothing: cached blocks vouch for the target's KV only."""
-    cached = pool.allocate_prompt(seq.seq_id, seq.token_ids, rules.cache_salt(seq))
+    draft starts from nothing: cached blocks vouch for the target's KV only.
+
+    A sequence that still owes its prompt's log-probabilities takes no hit:
+    they need the logits at every prompt position, which cached KV does not
+    give, so it computes its whole prompt again (its blocks are then cached
+    as anyone's)."""
+    cached = pool.allocate_prompt(seq.seq_id, seq.token_ids, rules.cache_salt(seq),
+                                  lookup=not seq.owes_prompt_logprobs)
     seq.num_computed = cached
     seq.num_draft_computed = 0
     seq.draft_state = b""

@@ -17,7 +17,16 @@ import msgspec
 
 from specpage.core import ledger
 from specpage.core.detokenizer import IncrementalDetokenizer
-from specpage.core.request import FinishReason, Request, Sequence, Timings, Usage
+from specpage.core.request import (
+    FinishReason,
+    Request,
+    Sequence,
+    Timings,
+    TokenLogprobs,
+    Usage,
+)
+
+Top = list[tuple[int, float]]  # (token id, log-probability), likeliest first
 
 
 class RequestOutput(msgspec.Struct):
@@ -31,6 +40,10 @@ class RequestOutput(msgspec.Struct):
     finished: bool = False
     finish_reason: str | None = None
     logprobs: list[float] | None = None
+    top_logprobs: list[Top] | None = None  # per token, with params.top_logprobs
+    # the prompt's, position by position (None at 0), with the sample's first
+    # output when params.prompt_logprobs asks for them
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     usage: Usage | None = None  # on the last output of the request
     timings: Timings | None = None
 
@@ -49,9 +62,12 @@ class OutputProcessor:
         return IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
                                       request.params.stop, request.params.min_tokens)
 
-    def append(self, seq: Sequence, tokens: Seq[int], logprobs: Seq[float]) -> RequestOutput:
-        """Add sampled tokens to a sequence, cut at its first stop condition."""
+    def append(self, seq: Sequence, tokens: Seq[int], logprobs: Seq[float],
+               top: Seq[Top] = ()) -> RequestOutput:
+        """Add sampled tokens to a sequence, cut at its first stop condition;
+        top: the likeliest tokens at each one's position, when asked for."""
         params = seq.request.params
+        first = not seq.output_token_ids
         kept: list[int] = []
         reason = None
         eos = () if params.ignore_eos else self.eos_token_ids
@@ -84,10 +100,16 @@ class OutputProcessor:
         if request.timings.first_token is None:
             request.timings.first_token = time.monotonic()
         if reason:
-            return self.finish(seq, reason, kept, text, kept_logprobs)
-        return RequestOutput(request.request_id, seq.index, kept, text,
-                             len(seq.output_token_ids),
-                             logprobs=kept_logprobs if params.logprobs else None)
+            out = self.finish(seq, reason, kept, text, kept_logprobs)
+        else:
+            out = RequestOutput(request.request_id, seq.index, kept, text,
+                                len(seq.output_token_ids),
+                                logprobs=kept_logprobs if params.logprobs else None)
+        if params.logprobs and params.top_logprobs:
+            out.top_logprobs = list(top[: len(kept)])
+        if first and params.prompt_logprobs is not None:
+            out.prompt_logprobs = request.prompt_logprobs
+        return out
 
     def finish(
         self, seq: Sequence, reason: FinishReason, tokens: list[int], text: str,

@@ -40,6 +40,9 @@ MAX_STOP_TOKEN_IDS = 256
 # vLLM's and OpenAI's bounds on these fields.
 MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty lie in [-2, 2]
 MAX_LOGIT_BIAS = 100.0  # each bias lies in [-100, 100]
+# Alternatives per position a request may ask log-probabilities of: OpenAI's
+# top_logprobs bound, and vLLM's max_logprobs default.
+MAX_TOP_LOGPROBS = 20
 
 
 class StopLimits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -51,6 +54,15 @@ class StopLimits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 DEFAULT_STOP_LIMITS = StopLimits()
+
+
+class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True):
+    """The target's log-probabilities at one position (before temperature and
+    any adjustment): the token there, its rank, and the likeliest tokens."""
+
+    logprob: float
+    rank: int  # 1 + the tokens the target found likelier
+    top: list[tuple[int, float]]  # (token id, log-probability), likeliest first
 
 
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -73,6 +85,10 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     min_p: float = 0.0  # drop tokens under min_p x the likeliest's probability
     min_tokens: int = 0  # EOS, stop token ids and stop strings end nothing before this
     logit_bias: dict[int, float] = {}  # token id -> added to its logit
+    top_logprobs: int = 0  # with logprobs: the likeliest tokens at each output position
+    # the prompt's log-probabilities with this many alternatives per position
+    # (None: none); such a request recomputes its prompt (core/ledger.py admit)
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.seed == -1:  # OpenAI's and vLLM's clients send -1 for no seed
@@ -110,6 +126,11 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             ("min_p", not math.isnan(self.min_p) and 0 <= self.min_p <= 1, "must be in [0, 1]"),
             ("min_tokens", 0 <= self.min_tokens <= self.max_tokens,
              f"must be in 0..max_tokens ({self.max_tokens})"),
+            ("top_logprobs", 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
+             f"must be in 0..{MAX_TOP_LOGPROBS}"),
+            ("prompt_logprobs", self.prompt_logprobs is None
+             or 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS,
+             f"must be in 0..{MAX_TOP_LOGPROBS}"),
         )  # fmt: skip
         for name, ok, message in checks:
             if not ok:
@@ -232,6 +253,13 @@ class Sequence:
         return len(self.token_ids)
 
     @property
+    def owes_prompt_logprobs(self) -> bool:
+        """Whether its prefill reports the prompt's log-probabilities: the
+        first sample's, before its first output token."""
+        return (self.request.params.prompt_logprobs is not None and self.index == 0
+                and len(self.token_ids) == self.num_prompt)
+
+    @property
     def num_uncomputed(self) -> int:
         return len(self.token_ids) - self.num_computed
 
@@ -265,6 +293,9 @@ class Request:
     cache_text: bool = True  # False: keep the request's text out of the suffix cache
     aborted: bool = False
     num_ended: int = 0  # samples whose final output was emitted
+    # params.prompt_logprobs: position i's, None at 0 (nothing predicts it);
+    # filled as prefill computes the prompt
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=lambda: [None])
 
     def __post_init__(self) -> None:
         self.seed = self.params.seed if self.params.seed is not None else random.getrandbits(62)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import msgspec
 
-from specpage.core.request import GREEDY_BELOW, Sequence
+from specpage.core.request import GREEDY_BELOW, Sequence, TokenLogprobs
 
 
 class Adjustments(msgspec.Struct, frozen=True, array_like=True):
@@ -40,6 +40,7 @@ class Sampling(msgspec.Struct, frozen=True, array_like=True):
     logprobs: bool  # report the chosen tokens' log-probabilities
     min_p: float = 0.0
     adjustments: Adjustments | None = None
+    top_logprobs: int = 0  # with logprobs: the likeliest tokens at each chosen one's position
 
     @property
     def greedy(self) -> bool:
@@ -59,7 +60,7 @@ def sampling_of(seq: Sequence, eos_token_ids: tuple[int, ...]) -> Sampling:
             p.min_tokens, banned if banning else [], seq.num_prompt,
             list(seq.token_ids) if p.penalized else [])
     return Sampling(p.temperature, p.top_k, p.top_p, seq.seed, p.logprobs, p.min_p,
-                    adjustments)
+                    adjustments, p.top_logprobs if p.logprobs else 0)
 
 
 class SeqWork(msgspec.Struct, frozen=True, array_like=True):
@@ -83,6 +84,10 @@ class SeqWork(msgspec.Struct, frozen=True, array_like=True):
     # the core's own proposal (core/model_free.py), k tokens, or [] when the
     # draft proposes k; the executor only verifies it, as if drawn with certainty
     proposal: list[int] = []
+    # -1, or the span is prompt only and the log-probabilities of the prompt
+    # tokens its positions predict (tokens[1:], then following) are wanted,
+    # with this many alternatives each
+    prompt_logprobs: int = -1
 
     @property
     def end(self) -> int:
@@ -105,6 +110,10 @@ class SeqResult(msgspec.Struct, frozen=True, array_like=True):
     logprobs: list[float] = []  # of tokens, when asked for
     fork_tokens: list[int] = []  # first tokens of samples 1..n-1
     fork_logprobs: list[float] = []  # theirs, when asked for
+    top_logprobs: list[list[tuple[int, float]]] = []  # per token, when asked for
+    fork_top_logprobs: list[list[tuple[int, float]]] = []
+    # of the prompt tokens the span predicts (SeqWork.prompt_logprobs), in order
+    prompt_logprobs: list[TokenLogprobs] = []
     # a head's output at the last position it absorbed, then the tapped states
     # of the draft_lag positions after it that it has not; fp32 (core/proposer_rules.py)
     draft_state: bytes = b""

@@ -30,7 +30,15 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
-from specpage.core.request import Request, SamplingParams, Timings, Usage, ValidationError
+from specpage.core.outputs import Top
+from specpage.core.request import (
+    Request,
+    SamplingParams,
+    Timings,
+    TokenLogprobs,
+    Usage,
+    ValidationError,
+)
 from specpage.engine import Engine, EngineStats, RequestOutput
 from specpage.engine.submission import Preparer, Prompt, RequestOptions
 
@@ -88,6 +96,9 @@ class Chunk:
     num_tokens: int = 0
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
+    top_logprobs: list[Top] = field(default_factory=list)  # per token, when asked for
+    # the prompt's, with the sample's first chunk when asked for (None at position 0)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass
@@ -105,9 +116,11 @@ class Final:
 class RequestStream:
     """What one request has produced and its reader has not yet taken."""
 
-    def __init__(self, request_id: str, num_samples: int = 1) -> None:
+    def __init__(self, request_id: str, num_samples: int = 1,
+                 prompt_token_ids: tuple[int, ...] = ()) -> None:
         self.request_id = request_id
         self.num_samples = num_samples
+        self.prompt_token_ids = prompt_token_ids  # as the engine runs it (echo needs it)
         self._pending: dict[int, Chunk] = {}  # per sample, merged
         self._finish_reasons: dict[int, str] = {}  # per sample, once it ended
         self._final: Final | None = None
@@ -126,6 +139,9 @@ class RequestStream:
         chunk.text += out.text
         chunk.num_tokens = out.num_tokens
         chunk.logprobs += out.logprobs or []
+        chunk.top_logprobs += out.top_logprobs or []
+        if out.prompt_logprobs is not None:
+            chunk.prompt_logprobs = out.prompt_logprobs
         if out.finished:
             chunk.finish_reason = out.finish_reason
             self._finish_reasons[out.index] = out.finish_reason or ""
@@ -299,7 +315,7 @@ class AsyncEngine:
             raise QueueFullError(self._retry_after_ms())
         if request.request_id in self.streams:
             raise ValidationError("request_id", f"{request.request_id!r} is already running")
-        stream = RequestStream(request.request_id, request.params.n)
+        stream = RequestStream(request.request_id, request.params.n, request.prompt_token_ids)
         self.streams[request.request_id] = stream
         self._submissions.append(request)
         self._work.set()

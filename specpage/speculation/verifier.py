@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import time
 
+import msgspec
 import torch
 
+from specpage.core.request import TokenLogprobs
 from specpage.core.span import Span
 from specpage.core.step import NOTHING, SeqResult, SeqWork
 from specpage.models.decoder import LayerTap
+from specpage.speculation import logprobs
 from specpage.speculation.acceptance import accept
 from specpage.speculation.proposal import Proposal
 from specpage.speculation.runner import TargetRunner
@@ -35,6 +38,8 @@ class Verifier:
         spans = []
         for w, drafted in zip(batch, proposal.tokens, strict=True):
             logits_wanted = len(drafted) + 1 if w.sample else 0
+            if w.prompt_logprobs >= 0:  # every position's, the prompt's rows first
+                logits_wanted = len(w.tokens) + len(drafted)
             spans.append(Span(w.tokens + drafted, w.start, w.block_table, logits_wanted))
         # the head's features, unless it keeps nothing for any of them
         heads = bool(self.feature_layers) and any(w.draft_on for w in batch)
@@ -47,9 +52,14 @@ class Verifier:
         decoding = all(w.sample and len(w.tokens) <= 2 for w in batch)
         cost = (sum(len(s.token_ids) for s in spans), seconds) if decoding else None
         results = [NOTHING] * len(batch)
+        found: dict[int, list[TokenLogprobs]] = {}
+        if any(w.prompt_logprobs >= 0 for w in batch):
+            logits, found = _prompt_logprobs(batch, spans, logits)
         rows = [i for i, w in enumerate(batch) if w.sample]
         if rows:
             self._accept(batch, proposal, rows, logits, results)
+        for i, prompt in found.items():
+            results[i] = msgspec.structs.replace(results[i], prompt_logprobs=prompt)
         return Verdict(results, cost, features)
 
     def _accept(
@@ -88,9 +98,12 @@ class Verifier:
         for r, (i, w, k) in enumerate(zip(rows, works, ks, strict=True)):
             a = num_accepted[r]
             new_tokens = proposal.tokens[i][:a] + [next_token[r]]
-            chosen = []
+            chosen, top = [], []
             if log_probs is not None and w.sampling.logprobs:
                 chosen = [float(log_probs[offsets[r] + j, t]) for j, t in enumerate(new_tokens)]
+                if w.sampling.top_logprobs:
+                    top = logprobs.top_of(log_probs[offsets[r] : offsets[r] + a + 1],
+                                          w.sampling.top_logprobs)
             forks = self._fork_tokens(w, adjusted[offsets[r]]) if w.num_forks else []
             fork_logprobs = [float(log_probs[offsets[r], t]) for t in forks] if chosen else []
             results[i] = SeqResult(
@@ -100,6 +113,8 @@ class Verifier:
                 logprobs=chosen,
                 fork_tokens=forks,
                 fork_logprobs=fork_logprobs,
+                top_logprobs=top,
+                fork_top_logprobs=top[:1] * len(forks),
             )
 
     @staticmethod
@@ -163,6 +178,29 @@ class Verifier:
             dtype=torch.float64,
         )
         return sample(probs.expand(work.num_forks, -1), draws).tolist()
+
+
+def _prompt_logprobs(batch: list[SeqWork], spans: list[Span], logits: torch.Tensor,
+                     ) -> tuple[torch.Tensor, dict[int, list[TokenLogprobs]]]:
+    """The sampling rows of logits (the last k + 1 of each span that
+    samples), and per sequence that asked (SeqWork.prompt_logprobs) the
+    log-probabilities of the prompt tokens its other rows predict."""
+    keep: list[int] = []  # the sampling rows, in order
+    found: dict[int, list[TokenLogprobs]] = {}
+    row = 0
+    for i, (w, span) in enumerate(zip(batch, spans, strict=True)):
+        if w.prompt_logprobs >= 0:
+            # the newest token's row samples; the rows before it predict the prompt
+            num_rows = len(w.tokens) - w.sample
+            predicted = (w.tokens + [w.following])[1 : 1 + num_rows]
+            found[i] = logprobs.of_tokens(logits[row : row + num_rows], predicted,
+                                          w.prompt_logprobs)
+            keep.extend(range(row + num_rows, row + span.num_logits))
+        else:
+            keep.extend(range(row, row + span.num_logits))
+        row += span.num_logits
+    index = torch.tensor(keep, dtype=torch.int64, device=logits.device)
+    return logits.index_select(0, index), found
 
 
 def _with_history(works: list[SeqWork], proposed: list[list[int]],
