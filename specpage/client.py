@@ -20,14 +20,14 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 
 from specpage.completion import Completion, Durations
-from specpage.core.request import Usage
+from specpage.core.request import TokenLogprobs, Usage
 from specpage.serve.grpc_stubs import generation_pb2 as pb
 from specpage.serve.grpc_stubs import generation_pb2_grpc as pb_grpc
 
@@ -43,6 +43,12 @@ class Chunk:
     num_tokens: int  # cumulative completion tokens of this sample
     logprobs: list[float]
     finish_reason: str | None
+    # with top_logprobs: per token, the likeliest (token id, log-probability) there
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # with prompt_logprobs, on the sample's first chunk: position by position
+    # (None at 0, which nothing predicts)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    prompt_token_ids: list[int] = field(default_factory=list)  # with prompt_logprobs
 
 
 @dataclass(frozen=True)
@@ -76,9 +82,12 @@ def generate_request(prompt: str | Sequence[int], request_id: str = "", chat: bo
     (max_tokens, temperature, top_k, top_p, seed (-1: none), stop,
     stop_token_ids, ignore_eos, n, logprobs, presence_penalty,
     frequency_penalty, repetition_penalty, min_p, min_tokens, logit_bias as
-    {token id: bias}); cache_salt isolates a tenant's prefix-cache and
-    suffix-cache entries; no_suffix_cache keeps the request's text out of
-    the suffix cache."""
+    {token id: bias}, top_logprobs (with logprobs: the likeliest tokens at each
+    output position), prompt_logprobs (the prompt's, with this many
+    alternatives per position; the request then takes no prefix-cache
+    hit)); cache_salt isolates a tenant's prefix-cache and suffix-cache
+    entries; no_suffix_cache keeps the request's text out of the suffix
+    cache."""
     if sampling.get("seed") == -1:  # no seed, as OpenAI's and vLLM's clients say it
         del sampling["seed"]
     message = pb.GenerateRequest(request_id=request_id, chat=chat, priority=priority,
@@ -161,6 +170,10 @@ class Client:
                 if isinstance(event, Chunk):
                     completion.add(event.index, event.token_ids, event.text, event.logprobs,
                                    event.finish_reason)
+                    sample = completion.sample(event.index)
+                    sample.top_logprobs += event.top_logprobs
+                    if event.prompt_logprobs is not None:
+                        sample.prompt_logprobs = event.prompt_logprobs
                 else:
                     for index, reason in enumerate(event.finish_reasons):
                         completion.sample(index).finish_reason = reason
@@ -186,11 +199,20 @@ class Client:
         return self.backoff_s * 2**attempt * (0.5 + random.random())
 
 
+def _top(top: Iterable[pb.TokenLogprob]) -> list[tuple[int, float]]:
+    return [(t.token_id, t.logprob) for t in top]
+
+
 def _event(event: pb.GenerateEvent) -> Chunk | Final:
     if event.HasField("chunk"):
         c = event.chunk
+        prompt = None
+        if c.prompt_token_ids:  # sent with the prompt's log-probabilities
+            prompt = [None, *(TokenLogprobs(p.logprob, p.rank, _top(p.top))
+                              for p in c.prompt_logprobs)]
         return Chunk(c.index, list(c.token_ids), c.text, c.num_tokens, list(c.logprobs),
-                     c.finish_reason or None)
+                     c.finish_reason or None, [_top(t.top) for t in c.top_logprobs], prompt,
+                     list(c.prompt_token_ids))
     f = event.final
     usage = Usage(prompt_tokens=f.usage.prompt_tokens,
                   completion_tokens=f.usage.completion_tokens,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specpage.core.request import Timings, Usage
+from specpage.core.request import Timings, TokenLogprobs, Usage
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,10 @@ class Sample:
     text: str = ""
     logprobs: list[float] = field(default_factory=list)  # when asked for
     finish_reason: str | None = None  # stop, length, abort, timeout, error
+    # with top_logprobs: per token, the likeliest (token id, log-probability) there
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # with prompt_logprobs: position by position, None at 0 (nothing predicts it)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass

@@ -69,6 +69,8 @@ def sampling_params(message: pb.SamplingParameters) -> SamplingParams:
         min_p=message.min_p,
         min_tokens=message.min_tokens,
         logit_bias=dict(message.logit_bias),
+        top_logprobs=message.top_logprobs,
+        prompt_logprobs=get("prompt_logprobs", None),
     )
 
 
@@ -103,7 +105,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             try:
                 async for event in self.frontend.events(stream, arrival):
                     if isinstance(event, Chunk):
-                        yield pb.GenerateEvent(chunk=_chunk(event))
+                        yield pb.GenerateEvent(chunk=_chunk(event, stream.prompt_token_ids))
                         continue
                     # Every sample's chunks, each with its finish reason, are
                     # sent by now; a request cut short ends with its status
@@ -194,10 +196,21 @@ def _deadline(request: pb.GenerateRequest, context: grpc.aio.ServicerContext) ->
     return time.monotonic() + min(limits) if limits else None
 
 
-def _chunk(chunk: Chunk) -> pb.Chunk:
-    return pb.Chunk(index=chunk.index, token_ids=chunk.token_ids, text=chunk.text,
-                    num_tokens=chunk.num_tokens, logprobs=chunk.logprobs,
-                    finish_reason=chunk.finish_reason or "")
+def _chunk(chunk: Chunk, prompt_token_ids: tuple[int, ...]) -> pb.Chunk:
+    """prompt_token_ids: the request's, sent with the prompt's log-probabilities."""
+    prompt = chunk.prompt_logprobs
+    return pb.Chunk(
+        index=chunk.index, token_ids=chunk.token_ids, text=chunk.text,
+        num_tokens=chunk.num_tokens, logprobs=chunk.logprobs,
+        finish_reason=chunk.finish_reason or "",
+        top_logprobs=[pb.TopLogprobs(top=_top(top)) for top in chunk.top_logprobs],
+        prompt_logprobs=[pb.PromptLogprob(logprob=p.logprob, rank=p.rank, top=_top(p.top))
+                         for p in (prompt or [])[1:] if p is not None],
+        prompt_token_ids=prompt_token_ids if prompt is not None else ())
+
+
+def _top(top: list[tuple[int, float]]) -> list[pb.TokenLogprob]:
+    return [pb.TokenLogprob(token_id=token, logprob=logprob) for token, logprob in top]
 
 
 # A request cut short (see frontend.cut_short) ends with this status, after its
