@@ -150,7 +150,7 @@ BODIES: list[tuple[str, str, str, dict[str, Any], str | None]] = [
         "temperature": 0, "stop": ["<|im_end|>"], "seed": 1234}, None),
     ("lm-eval local-completions", "loglikelihood", COMPLETIONS, {
         "model": MODEL, "prompt": [[5, 6, 7, 8]], "temperature": 0, "max_tokens": 1,
-        "logprobs": 1, "seed": 1234, "echo": True}, "echo"),
+        "logprobs": 1, "seed": 1234, "echo": True}, None),
     ("lm-eval local-chat-completions", "generate_until", CHAT, {
         "messages": [{"role": "user", "content": "Question: 2+2?\nAnswer:"}],
         "model": MODEL, "max_tokens": 8, "temperature": 0, "stop": ["<|im_end|>"],

@@ -46,7 +46,7 @@ def daemon(models: Path) -> Iterator[Daemon]:
 @pytest.fixture(scope="module")
 def hf(models: Path) -> Any:
     return AutoModelForCausalLM.from_pretrained(models / "models" / "target",
-                                                torch_dtype=torch.float32).eval()
+                                                dtype=torch.float32).eval()
 
 
 def sdk(daemon: Daemon) -> openai.AsyncOpenAI:

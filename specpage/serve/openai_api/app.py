@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import time
 import uuid
@@ -38,13 +39,13 @@ from specpage.engine.async_engine import (
     Final,
     RequestStream,
 )
-from specpage.engine.submission import ChatPrompt, RequestOptions
+from specpage.engine.submission import ChatPrompt, Prompt, RequestOptions, TextPrompt
 from specpage.serve.frontend import Frontend, LoadingError, check_request_id, cut_short
 from specpage.serve.metrics import Metrics
 from specpage.serve.openai_api import protocol
 from specpage.serve.openai_api.errors import APIError, ErrorBody, api_error, invalid
 from specpage.serve.openai_api.fields import IGNORED_HEADER, IgnoredFields
-from specpage.serve.openai_api.render import Renderer, Sample, total
+from specpage.serve.openai_api.render import ChoicePrompt, Renderer, Sample, total
 from specpage.serve.openai_api.served import Served
 from specpage.serve.openai_api.tokenize import TokenizeRoutes
 
@@ -105,6 +106,10 @@ class OpenAIRoutes:
         ignored += protocol.check_supported(body)
         # OpenAI's default for completions is 16 tokens, the engine's too.
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
+        if max_tokens == 0 and body.echo:
+            # the prompt alone (lm-eval's loglikelihoods): the engine samples
+            # one token, which the response leaves out (Renderer.echo_only)
+            max_tokens = 1
         return await self._serve(request, Call(
             body, protocol.completion_prompts(body.prompt), max_tokens, arrival, model, {},
             ignored))
@@ -143,11 +148,19 @@ class OpenAIRoutes:
         except Exception as error:  # noqa: BLE001 (api_error re-raises what it cannot map)
             raise api_error(error, renamed) from None
         tokenizer = self.frontend.engine.tokenizer
+        completion = isinstance(body, protocol.CompletionRequest)
         renderer = Renderer(
-            chat=isinstance(body, protocol.ChatCompletionRequest), request_id=request_id,
+            chat=not completion, request_id=request_id,
             model=call.model, logprobs=params.logprobs,
             token_text=(lambda t: tokenizer.decode([t])) if tokenizer is not None
-            else (lambda t: f"token_id:{t}"))
+            else (lambda t: f"token_id:{t}"),
+            top_logprobs=params.top_logprobs,
+            echo=completion and body.echo,  # type: ignore[union-attr]
+            echo_only=completion and body.echo and body.max_tokens == 0,  # type: ignore[union-attr]
+            prompt_logprobs=body.prompt_logprobs)
+        prompts = [ChoicePrompt(stream.prompt_token_ids,
+                                _echo_text(part.prompt, stream, tokenizer))
+                   for part, stream in zip(call.prompts, streams, strict=True)]
         headers = {"X-Request-Id": request_id}
         if call.ignored:
             headers[IGNORED_HEADER] = ", ".join(self.ignored.note(call.ignored))
@@ -155,14 +168,16 @@ class OpenAIRoutes:
             include_usage = (body.stream_options is not None
                              and body.stream_options.include_usage)
             return StreamingResponse(
-                self._events(streams, renderer, call.arrival, include_usage),
+                self._events(streams, renderer, call.arrival, include_usage, prompts),
                 headers=headers, media_type="text/event-stream")
         async with self._running(streams):
-            samples = [Sample() for _ in range(len(streams) * params.n)]
+            samples = [Sample(prompt) for prompt in prompts for _ in range(params.n)]
             final = await _unless_disconnected(
                 request, self._collect(streams, samples, call.arrival))
         if final is None:  # nobody is there to read a response
             return Response(b"", CLIENT_CLOSED_REQUEST)
+        if renderer.echo_only:
+            final = _nothing_generated(final)
         return _json(renderer.response(samples, final), headers)
 
     async def _admit(self, call: Call, request_id: str,
@@ -263,7 +278,8 @@ class OpenAIRoutes:
         return total(finals)
 
     async def _events(self, streams: list[RequestStream], renderer: Renderer, arrival: float,
-                      include_usage: bool) -> AsyncIterator[bytes]:
+                      include_usage: bool,
+                      prompts: list[ChoicePrompt]) -> AsyncIterator[bytes]:
         # Runs as the response's body; a client that disconnects cancels it here.
         # Nothing is sent before the engine's first output: a chat choice's
         # role goes with its first chunk (see Renderer.chunk).
@@ -276,13 +292,16 @@ class OpenAIRoutes:
                     async for place, event in events:
                         if isinstance(event, Chunk):
                             index = place * n + event.index
-                            yield _event(renderer.chunk(event, index, opens=index not in opened))
+                            yield _event(renderer.chunk(event, index, opens=index not in opened,
+                                                        prompt=prompts[place]))
                             opened.add(index)
                             continue
                         _check_complete(event.finish_reasons)
                         finals.append(event.usage)
                 if include_usage:
-                    yield _event(renderer.usage_chunk(total(finals)))
+                    counts = total(finals)
+                    yield _event(renderer.usage_chunk(
+                        _nothing_generated(counts) if renderer.echo_only else counts))
                 yield b"data: [DONE]\n\n"
             except (EngineFaultError, DrainingError, APIError) as error:
                 yield _event({"error": api_error(error).body})
@@ -293,6 +312,21 @@ class OpenAIRoutes:
         # Loading and draining first, so that clients retry whatever they sent.
         self.frontend.check_open()
         return await request.body()
+
+
+def _echo_text(prompt: Prompt, stream: RequestStream, tokenizer: Any) -> str:
+    """The prompt as echo writes it: the text given, else its tokens decoded."""
+    if isinstance(prompt, TextPrompt):
+        return prompt.text
+    if tokenizer is None:
+        return ""
+    return str(tokenizer.decode(list(stream.prompt_token_ids)))
+
+
+def _nothing_generated(counts: Usage) -> Usage:
+    """The usage of an echo of the prompt alone: the token the engine sampled
+    was never the caller's."""
+    return dataclasses.replace(counts, completion_tokens=0)
 
 
 def _check_complete(finish_reasons: list[str]) -> None:

@@ -2,7 +2,7 @@
 
 Every field OpenAI's API reference defines is known, with vLLM's extensions
 where the engine has them (`top_k`, `min_p`, `min_tokens`, `repetition_penalty`,
-`ignore_eos`, `stop_token_ids`,
+`ignore_eos`, `stop_token_ids`, `prompt_logprobs`,
 `cache_salt`, `priority`, `chat_template_kwargs`), so the bodies that common
 clients send decode. What is refused and what is accepted unread follows the
 unknown-field rule (fields.py): a field that would change the output if
@@ -25,6 +25,8 @@ from specpage.serve.openai_api import fields
 
 # vLLM's spelling of "no seed" (its default); OpenAI's API has none.
 NO_SEED = -1
+# The most alternatives a legacy completion's logprobs may ask for (OpenAI's bound).
+MAX_LOGPROBS = 5
 
 
 # Inside a message, a content part and stream_options an unknown key changes
@@ -78,6 +80,9 @@ class SamplingFields(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     cache_salt: str | None = None
     no_suffix_cache: bool = False  # keep the request's text out of the suffix cache
     priority: int = 0  # lower runs first
+    # the prompt's log-probabilities, this many alternatives per position
+    # (the request then recomputes its prompt: no prefix-cache hit)
+    prompt_logprobs: int | None = None
 
 
 class ChatCompletionRequest(SamplingFields, frozen=True, forbid_unknown_fields=True,
@@ -134,7 +139,6 @@ def _unset(value: Any) -> bool:
 
 # field -> (is the value one the engine honours?, what it may be), checked in order
 NEUTRAL: dict[str, tuple[Any, str]] = {
-    "top_logprobs": (_unset, "0 (the log-probability of the chosen token only)"),
     "response_format": (lambda v: v is None or v == {"type": "text"}, '{"type": "text"}'),
     "modalities": (lambda v: v in (None, ["text"]), '["text"]'),
     "audio": (lambda v: v is None, "null (text only)"),
@@ -142,7 +146,6 @@ NEUTRAL: dict[str, tuple[Any, str]] = {
     "reasoning_effort": (lambda v: v is None, "null"),
     "verbosity": (lambda v: v is None, "null"),
     "web_search_options": (lambda v: v is None, "null"),
-    "echo": (_unset, "false"),
     "suffix": (_unset, "empty"),
 }
 
@@ -198,11 +201,13 @@ def check_supported(request: ChatCompletionRequest | CompletionRequest) -> list[
             raise ValidationError("stream_options.continuous_usage_stats",
                                   "not supported; usage comes in the last chunk")
     if isinstance(request, CompletionRequest):
-        if request.logprobs:
-            raise ValidationError("logprobs", f"{request.logprobs} alternatives are not "
-                                  "supported; 0 gives the chosen token's log-probability")
+        if request.logprobs is not None and not 0 <= request.logprobs <= MAX_LOGPROBS:
+            raise ValidationError("logprobs", f"must be in 0..{MAX_LOGPROBS}, got "
+                                  f"{request.logprobs}")
         if request.best_of is not None and request.best_of != (request.n or 1):
             raise ValidationError("best_of", "only equal to n")
+    elif request.top_logprobs and not request.logprobs:
+        raise ValidationError("top_logprobs", "only with logprobs: true")
     return ignored
 
 
@@ -270,8 +275,17 @@ def sampling_params(request: ChatCompletionRequest | CompletionRequest,
     top_k = request.top_k or 0
     if top_k == -1:  # vLLM's spelling of "every token"
         top_k = 0
-    logprobs = (request.logprobs is not None if isinstance(request, CompletionRequest)
-                else bool(request.logprobs))
+    if isinstance(request, CompletionRequest):
+        logprobs, top_logprobs = request.logprobs is not None, request.logprobs or 0
+        # echo shows the prompt's log-probabilities with as many alternatives
+        echoed = top_logprobs if request.echo and logprobs else None
+    else:
+        logprobs, top_logprobs = bool(request.logprobs), request.top_logprobs or 0
+        echoed = None
+    prompt_logprobs = max((n for n in (request.prompt_logprobs, echoed) if n is not None),
+                          default=None)
+    if request.prompt_logprobs is not None and request.prompt_logprobs < 0:
+        prompt_logprobs = request.prompt_logprobs  # SamplingParams names it
     return SamplingParams(
         max_tokens=defaults.max_tokens if max_tokens is None else max_tokens,
         temperature=defaults.temperature if request.temperature is None else request.temperature,
@@ -290,6 +304,8 @@ def sampling_params(request: ChatCompletionRequest | CompletionRequest,
         min_p=request.min_p or 0.0,
         min_tokens=request.min_tokens or 0,
         logit_bias=_logit_bias(request.logit_bias),
+        top_logprobs=top_logprobs,
+        prompt_logprobs=prompt_logprobs,
     )
 
 
