@@ -5,8 +5,8 @@ to verify (no draft forward).
 - `ngram` (prompt lookup): each sequence's own context (prompt and output so
   far) in an n-gram table that is brought up to date with the tokens added
   since the last proposal, longest match first (core/ngram.py).
-- `suffix`: the texts of earlier requests of the same cache salt
-  (core/suffix_cache.py); a finished request's text goes in unless it
+- `suffix`: the outputs of earlier requests of the same cache salt
+  (core/suffix_cache.py); a finished request's output goes in unless it
   opted out.
 
 Each token a method finds carries its chance of acceptance, learned from
@@ -116,12 +116,19 @@ class ModelFreeProposer:
 
     def end(self, seq: Sequence, reason: FinishReason) -> None:
         """seq has ended: nothing of it stays but, unless it failed or its
-        request keeps its text out, its text in the suffix cache."""
+        request keeps its text out, its output in the suffix cache (after
+        the n_max prompt tokens before it, so that the output's first tokens
+        are found after the prompt's end). Its prompt is not: a request's
+        own prompt is looked up by prompt lookup, and counting every prompt
+        in again costs a long prompt's worth of work for each request that
+        ends; in the replay of bench/workloads the cache's proposals were
+        accepted as often without them (docs/BENCHMARKS.md)."""
         self.contexts.pop(seq.seq_id, None)
         request = seq.request
         keep = request.cache_text and reason is not FinishReason.ERROR
         if keep and Method.SUFFIX in self.methods:
-            self.suffix.add(request.cache_salt, seq.token_ids)
+            self.suffix.add(request.cache_salt,
+                            seq.token_ids[max(0, seq.num_prompt - self.n_max):])
 
     def _context(self, seq: Sequence) -> NgramCounts:
         """seq's own n-gram counts, with the tokens added since last time."""

@@ -1,6 +1,6 @@
 """What earlier requests said, for proposals that need no model.
 
-A bounded cache of finished requests' texts (prompt and output tokens),
+A bounded cache of finished requests' texts (their outputs, core/model_free.py),
 counted as n-grams (core/ngram.py) in one table per cache salt: a request
 is proposed continuations from the texts of its own salt's requests only
 (requests without a salt share one namespace), so what one tenant's

@@ -132,7 +132,7 @@ def test_the_suffix_cache_evicts_whole_texts_within_its_bound(adds, bound):
 def test_no_salt_is_proposed_another_salts_text():
     proposer = ModelFreeProposer(EngineConfig(spec_methods="suffix"))
     secret = [5, 6, 7, 8, 9, 10, 11, 12]
-    writer = sequence(secret, salt=b"tenant-a")
+    writer = sequence([1, 2], salt=b"tenant-a", output=secret)
     proposer.end(writer, FinishReason.STOP)
     for salt in (b"tenant-b", b""):
         assert proposer.propose(sequence([5, 6, 7], salt=salt)) is None
@@ -143,7 +143,7 @@ def test_no_salt_is_proposed_another_salts_text():
 def test_a_seeded_sample_is_proposed_from_its_own_context_only():
     """Its tokens depend on its proposals, which must not depend on other requests."""
     proposer = ModelFreeProposer(EngineConfig())
-    proposer.end(sequence([5, 6, 7, 8, 9]), FinishReason.STOP)
+    proposer.end(sequence([1, 2], output=[5, 6, 7, 8, 9]), FinishReason.STOP)
     seeded = sequence([5, 6, 7], params=SamplingParams(temperature=1.0, seed=3))
     assert proposer.propose(seeded) is None
     greedy = sequence([5, 6, 7], params=SamplingParams(temperature=0.0, seed=3))
@@ -181,9 +181,19 @@ def test_chances_follow_what_verification_accepted_of_tokens_on_the_same_evidenc
     assert seeded is not None and seeded.chance == before.chance
 
 
-def sequence(tokens, seq_id=0, salt=b"", params=None):
+def test_the_suffix_cache_keeps_a_finished_output_after_the_end_of_its_prompt():
+    proposer = ModelFreeProposer(EngineConfig(spec_ngram_min=2, spec_ngram_max=3))
+    prompt, output = [20, 21, 22, 23, 24, 25, 26], [30, 31, 32, 33]
+    proposer.end(sequence(prompt, output=output), FinishReason.STOP)
+    assert list(proposer.suffix.texts.values()) == [(24, 25, 26, 30, 31, 32, 33)]
+    found = proposer.propose(sequence([9, 25, 26], seq_id=1))  # after the prompt's end: 30
+    assert found is not None and found.method is Method.SUFFIX and found.tokens[:2] == [30, 31]
+
+
+def sequence(tokens, seq_id=0, salt=b"", params=None, output=()):
+    """A sequence of prompt `tokens` that has produced `output` so far."""
     params = params or SamplingParams(max_tokens=64, temperature=0.0)
     request = Request(f"r{seq_id}", tuple(tokens), params, cache_salt=salt)
-    seq = Sequence(seq_id, request, 0, list(tokens))
+    seq = Sequence(seq_id, request, 0, list(tokens) + list(output))
     request.sequences.append(seq)
     return seq

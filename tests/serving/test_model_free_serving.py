@@ -17,6 +17,8 @@ from tests.support.inprocess import serving_engine
 
 PROMPT = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16]
 GREEDY = dict(max_tokens=24, temperature=0.0, ignore_eos=True)
+# what the suffix cache keeps of each: its output after the prompt's last n_max tokens
+KEPT = min(len(PROMPT), EngineConfig().spec_ngram_max) + GREEDY["max_tokens"]
 
 
 def suffix_engine(folder: Path) -> Engine:
@@ -46,7 +48,7 @@ async def test_suffix_proposals_stay_within_their_salt(tmp_path: Path):
     assert set(counts) == {"suffix"}
     assert counts["suffix"].drafted_tokens == again.usage.drafted_tokens
     assert sum(counts["suffix"].accepted_by_position) == again.usage.accepted_tokens
-    assert info.suffix_cache_tokens == 4 * (len(PROMPT) + GREEDY["max_tokens"])
+    assert info.suffix_cache_tokens == 4 * KEPT
 
 
 @pytest.mark.asyncio
@@ -58,4 +60,4 @@ async def test_a_request_kept_out_of_the_suffix_cache_leaves_no_text(tmp_path: P
         info = await client.server_info()
     assert later.usage.drafted_tokens == 0
     assert later.samples[0].token_ids == message.samples[0].token_ids
-    assert info.suffix_cache_tokens == len(PROMPT) + GREEDY["max_tokens"]  # the later one's
+    assert info.suffix_cache_tokens == KEPT  # the later one's
