@@ -376,6 +376,18 @@ def model_free(r: dict) -> list[str]:
     return rows
 
 
+def model_free_replay(r: dict) -> list[str]:
+    """The target's greedy answers replayed through the proposers, by rule."""
+    over = ", ".join(fmt(x) for x in r["verify_over_decode"][1:6])
+    rows = [f"| verifying 2..6 positions, over a decode step (the prices used) | {over} | |"]
+    for name, rules in r["sets"].items():
+        for rule, f in rules.items():
+            kinds = ", ".join(f"{k} {fmt(v)}×" for k, v in f["by_kind"].items())
+            rows.append(f"| {name}, {rule.replace('_', ' ')} | **{fmt(f['speedup'])}×**, "
+                        f"{fmt(f['tokens_per_step'])} tokens a step | {kinds} |")
+    return rows
+
+
 def model_free_cost(r: dict) -> list[str]:
     share = r["matching_and_upkeep_share"]
     return [f"| model-free matching and upkeep, {r['streams']} streams, "
@@ -398,6 +410,7 @@ SECTIONS = {"block_pool": block_pool, "model_runner": model_runner, "engine": en
             "serving_speculation": serving,
             "quantization": quantization,
             "compile": compile_, "model_free": model_free, "model_free_t0.7": model_free,
+            "model_free_replay": model_free_replay,
             "model_free_cost": model_free_cost}
 
 

@@ -3,10 +3,10 @@ evidence it was found on.
 
 A token found after a long n-gram of the context is accepted far more
 often than one found after a single token, and a follower seen three
-times more often than one seen once: in the replay of the target's own
-greedy answers to bench/workloads' grounded requests, a unique follower was
-accepted 0.6 of the time after a 2-gram and 0.94 after a 6-gram, where its
-count alone says 2/3 for both. So each token's chance of acceptance (given
+times more often than one seen once: in a replay of the target's own
+greedy answers to bench/workloads' grounded requests (n-grams up to 6), a
+follower seen once was accepted 0.6 of the time after a 2-gram and 0.94
+after a 6-gram, where its count alone says 2/3 for both. So each token's chance of acceptance (given
 that the tokens before it were accepted) is learned per (method, whether
 the request samples, Evidence) from what verification did with earlier
 tokens of that kind (a sampled request accepts a token with the target's
