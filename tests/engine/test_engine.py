@@ -12,17 +12,14 @@ from specpage.core.model_free import Speculation
 from specpage.core.request import SamplingParams, ValidationError
 from specpage.engine import Engine, EngineConfig
 from specpage.models.loader import ModelLoadError, load_model
-from tests.support.checkpoints import tiny_checkpoint
+from tests.support.checkpoints import target_and_draft, tiny_checkpoint
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("models")
-    hf = tiny_checkpoint(root / "target")
-    tiny_checkpoint(root / "draft", seed=1, num_hidden_layers=1)
-    return hf, load_model(root / "target"), load_model(root / "draft")
+    return target_and_draft(tmp_path_factory.mktemp("models"))
 
 
 def engine(models, draft="draft", **config):

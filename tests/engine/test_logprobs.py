@@ -9,9 +9,8 @@ import pytest
 import torch
 
 from specpage.core.request import SamplingParams
-from specpage.models.loader import load_model
 from tests.engine.test_engine import engine
-from tests.support.checkpoints import tiny_checkpoint
+from tests.support.checkpoints import target_and_draft
 
 TOLERANCE = 1e-4
 PROMPT = [11, 5, 23, 9, 40, 7, 7, 31, 2, 99, 150, 3, 17, 3, 17, 8, 64, 12, 5, 23, 9]
@@ -21,10 +20,7 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("models")
-    hf = tiny_checkpoint(root / "target")
-    tiny_checkpoint(root / "draft", seed=1, num_hidden_layers=1)
-    return hf, load_model(root / "target"), load_model(root / "draft")
+    return target_and_draft(tmp_path_factory.mktemp("models"))
 
 
 def run(eng, requests):

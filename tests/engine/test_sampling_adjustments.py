@@ -26,15 +26,12 @@ from tests.speculation.test_penalties import (
     spread_model,
 )
 from tests.speculation.test_sampling import ALPHA, VOCAB, chi_square_p
-from tests.support.checkpoints import tiny_checkpoint
+from tests.support.checkpoints import target_and_draft
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("models")
-    hf = tiny_checkpoint(root / "target")
-    tiny_checkpoint(root / "draft", seed=1, num_hidden_layers=1)
-    return hf, load_model(root / "target"), load_model(root / "draft")
+    return target_and_draft(tmp_path_factory.mktemp("models"))
 
 
 def arrivals(params, method="suffix"):

@@ -15,7 +15,7 @@ from specpage.core.model_free import Method, Speculation
 from specpage.core.request import SamplingParams
 from specpage.models.loader import load_model
 from tests.engine.test_engine import drain, engine, hf_greedy, prompts
-from tests.support.checkpoints import tiny_checkpoint
+from tests.support.checkpoints import target_and_draft, tiny_checkpoint
 from tests.support.head import tiny_head
 
 ROUTES = {"draft": None, "ngram": Method.NGRAM, "suffix": Method.SUFFIX}
@@ -23,10 +23,7 @@ ROUTES = {"draft": None, "ngram": Method.NGRAM, "suffix": Method.SUFFIX}
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("models")
-    hf = tiny_checkpoint(root / "target")
-    tiny_checkpoint(root / "draft", seed=1, num_hidden_layers=1)
-    return hf, load_model(root / "target"), load_model(root / "draft")
+    return target_and_draft(tmp_path_factory.mktemp("models"))
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ from transformers import (
 from specpage.core.block_pool import BlockPool
 from specpage.core.span import Span
 from specpage.models.fetch import ensure_model
+from specpage.models.loader import load_model
 
 FAMILIES = {
     "llama": (LlamaConfig, LlamaForCausalLM),
@@ -49,6 +50,14 @@ def tiny_checkpoint(
 
 
 SMOLLM2_VOCAB = 49152  # the vocabulary of SmolLM2's tokenizer
+
+
+def target_and_draft(root: Path):
+    """A tiny target (with its transformers model) and a one-layer draft,
+    written under root and loaded: (hf, target, draft)."""
+    hf = tiny_checkpoint(root / "target")
+    tiny_checkpoint(root / "draft", seed=1, num_hidden_layers=1)
+    return hf, load_model(root / "target"), load_model(root / "draft")
 
 
 def tokenizer_pair(folder: Path) -> None:
