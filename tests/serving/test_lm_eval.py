@@ -2,7 +2,10 @@
 local-completions` runs a tiny multiple-choice task made here (a YAML task
 over a JSONL dataset) to its end, and its loglikelihoods, which come from
 echo'd prompt log-probabilities, equal lm-eval's own `hf` backend on the same
-fp32 checkpoint within 1e-4."""
+fp32 checkpoint within 1e-4. `lm_eval --model local-chat-completions
+--apply_chat_template` runs a tiny generate_until task to its end, and each
+greedy answer it logs is what the openai SDK's chat completion returns for
+the same messages, stop and max_tokens."""
 
 from __future__ import annotations
 
@@ -12,9 +15,12 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import openai
 import pytest
 
+from tests.serving.test_openai_api import TIMEOUT_S
 from tests.support.checkpoints import tokenizer_pair
 from tests.support.daemon import Daemon, http_daemon
 
@@ -42,6 +48,31 @@ doc_to_target: answer
 metric_list:
   - metric: acc
 """
+GEN_TASK = "specpage_tiny_gen"
+GEN_DOCS = [
+    {"question": "What is the capital of France?", "answer": "Paris"},
+    {"question": "Tell me a story.", "answer": "Once"},
+    {"question": "Hello there", "answer": "Hello"},
+]
+MAX_GEN_TOKENS = 8
+STOP = "."  # lm-eval's `until`: the daemon stops at it and leaves it out
+GEN_YAML = """task: {task}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{question}}}}"
+doc_to_target: answer
+generation_kwargs:
+  until: ["{stop}"]
+  max_gen_toks: {max_tokens}
+  temperature: 0
+  do_sample: false
+metric_list:
+  - metric: exact_match
+"""
 
 
 @pytest.fixture(scope="module")
@@ -52,32 +83,45 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
 
 
 def task_folder(root: Path) -> Path:
+    """Both tasks and their datasets, in the folder given to --include_path."""
     folder = root / "tasks"
     folder.mkdir()
-    data = folder / "docs.jsonl"
-    data.write_text("".join(json.dumps(doc) + "\n" for doc in DOCS))
-    (folder / f"{TASK}.yaml").write_text(YAML.format(task=TASK, data=data))
+    for task, docs, yaml in ((TASK, DOCS, YAML), (GEN_TASK, GEN_DOCS, GEN_YAML)):
+        data = folder / f"{task}.jsonl"
+        data.write_text("".join(json.dumps(doc) + "\n" for doc in docs))
+        (folder / f"{task}.yaml").write_text(
+            yaml.format(task=task, data=data, stop=STOP, max_tokens=MAX_GEN_TOKENS))
     return folder
 
 
-def lm_eval(root: Path, name: str, model: str, *args: str) -> dict[int, list[float]]:
-    """Runs the task; doc id -> the loglikelihood of each choice."""
+def run_lm_eval(root: Path, name: str, task: str, model: str,
+                *args: str) -> dict[int, dict[str, Any]]:
+    """Runs the task to its end; doc id -> its logged sample."""
     out = root / name
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
            "HF_DATASETS_CACHE": str(root / "datasets"), "TOKENIZERS_PARALLELISM": "false"}
     command = [sys.executable, "-m", "lm_eval", "run", "--model", model, *args,
-               "--tasks", TASK, "--include_path",
+               "--tasks", task, "--include_path",
                str(root / "tasks"), "--output_path", str(out), "--log_samples",
                "--batch_size", "1"]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    [samples] = out.rglob(f"samples_{TASK}_*.jsonl")
+    [results] = out.rglob("results_*.json")
+    assert task in json.loads(results.read_text())["results"]
+    [samples] = out.rglob(f"samples_{task}_*.jsonl")
     found = {}
     for line in samples.read_text().splitlines():
         sample = json.loads(line)
-        found[sample["doc_id"]] = [float(ll) for ll, _ in sample["filtered_resps"]]
-    assert sorted(found) == list(range(len(DOCS)))
+        found[sample["doc_id"]] = sample
     return found
+
+
+def lm_eval(root: Path, name: str, model: str, *args: str) -> dict[int, list[float]]:
+    """Runs the multiple-choice task; doc id -> the loglikelihood of each choice."""
+    found = run_lm_eval(root, name, TASK, model, *args)
+    assert sorted(found) == list(range(len(DOCS)))
+    return {doc_id: [float(ll) for ll, _ in sample["filtered_resps"]]
+            for doc_id, sample in found.items()}
 
 
 def test_local_completions_equal_the_hf_backend(daemon: Daemon, tmp_path: Path) -> None:
@@ -91,3 +135,22 @@ def test_local_completions_equal_the_hf_backend(daemon: Daemon, tmp_path: Path) 
                     "--device", "cpu")
     for doc_id, expected in local.items():
         assert served[doc_id] == pytest.approx(expected, abs=TOLERANCE), doc_id
+
+
+def test_local_chat_completions_answer_as_the_sdk(daemon: Daemon, tmp_path: Path) -> None:
+    task_folder(tmp_path)
+    target = str(daemon.config.parent / "models" / "target")
+    found = run_lm_eval(tmp_path, "chat", GEN_TASK, "local-chat-completions", "--model_args",
+                        f"base_url={daemon.http_url}/v1/chat/completions,model={target},"
+                        "num_concurrent=1,max_retries=1", "--apply_chat_template")
+    assert sorted(found) == list(range(len(GEN_DOCS)))
+    with openai.OpenAI(base_url=f"{daemon.http_url}/v1", api_key="unused", max_retries=0,
+                       timeout=TIMEOUT_S) as sdk:
+        for doc_id, doc in enumerate(GEN_DOCS):
+            [sent] = found[doc_id]["arguments"]["gen_args_0"]["arg_0"]  # the messages' JSON
+            messages = json.loads(sent)
+            assert messages == [{"role": "user", "content": doc["question"]}]
+            reply = sdk.chat.completions.create(model=target, messages=messages, temperature=0,
+                                                max_tokens=MAX_GEN_TOKENS, stop=[STOP])
+            assert reply.choices[0].message.content is not None
+            assert found[doc_id]["filtered_resps"] == [reply.choices[0].message.content], doc_id
