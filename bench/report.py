@@ -207,7 +207,7 @@ def serving(r: dict) -> list[str]:
              "specpage_q4_no_draft": "specpage q4 (auto), target alone",
              "specpage_head": "specpage, EAGLE-3 head as the draft (adaptive k)",
              "specpage_q4_head": "specpage q4 (auto), EAGLE-3 head as the draft",
-             "llama_cpp": "llama.cpp (llama-cpp-python server, one slot), same GGUF"}
+             "llama_cpp": "llama.cpp's own llama-server (a slot per stream), same GGUF"}
     names.update({key: f"vLLM CPU OpenAI server, {key.removeprefix('vllm_').replace('_', ', ')}"
                   for key in r["systems"] if key.startswith("vllm_")})
     workloads = {"streams32": "32 concurrent streams", "single": "single stream"}
@@ -388,6 +388,19 @@ def model_free_replay(r: dict) -> list[str]:
     return rows
 
 
+def model_free_peers(r: dict) -> list[str]:
+    """The peers' draft-free speculation against themselves without it."""
+    rows = []
+    for peer, p in r["peers"].items():
+        for case, ratio in p["spec_vs_off"].items():
+            setting, streams, kind = case.rsplit("/", 2)
+            where = "single stream" if streams == "single" else "32 streams"
+            rows.append(f"| {peer} {setting}, {where}, {kind} | | on {spread(ratio, 2)}× off |")
+        same = ", ".join(f"{k} {v}" for k, v in p["greedy_same_as_off"].items())
+        rows.append(f"| {peer}: greedy text the same as without speculation | | {same} |")
+    return rows
+
+
 def model_free_cost(r: dict) -> list[str]:
     share = r["matching_and_upkeep_share"]
     return [f"| model-free matching and upkeep, {r['streams']} streams, "
@@ -410,7 +423,7 @@ SECTIONS = {"block_pool": block_pool, "model_runner": model_runner, "engine": en
             "serving_speculation": serving,
             "quantization": quantization,
             "compile": compile_, "model_free": model_free, "model_free_t0.7": model_free,
-            "model_free_replay": model_free_replay,
+            "model_free_replay": model_free_replay, "model_free_peers": model_free_peers,
             "model_free_cost": model_free_cost}
 
 
