@@ -31,7 +31,7 @@ COMPLETIONS_PATH = "/v1/completions"
 MODELS_PATH = "/v1/models"
 HEALTH_PATH = "/health"  # specpage and vLLM; a server without it is checked on MODELS_PATH
 HEALTH_POLL_S = 0.2
-PROBE_TIMEOUT_S = 1.0  # one health or models request
+PROBE_TIMEOUT_S = 1.0  # one health request
 # google.rpc's HTTP mapping, so that a run over either API counts errors under one name.
 HTTP_STATUS_NAMES = {
     400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED",
@@ -141,10 +141,14 @@ class OpenAIClient:
             await asyncio.sleep(HEALTH_POLL_S)
 
     async def _first_model(self) -> str:
+        """The first model GET /v1/models lists. The server has answered its
+        health check by now, so this is a request like the run's, bounded by
+        the request timeout (a probe's second fails it on a busy machine)."""
         try:
-            reply = await self._http.get(MODELS_PATH, timeout=PROBE_TIMEOUT_S)
+            reply = await self._http.get(MODELS_PATH, timeout=self.target.request_timeout_s)
         except httpx.TransportError as error:
-            raise TargetError(f"{self.target.address}{MODELS_PATH}: {error}") from None
+            raise TargetError(f"{self.target.address}{MODELS_PATH}: "
+                              f"{type(error).__name__}: {error}") from None
         if reply.status_code != httpx.codes.OK:
             raise TargetError(f"{self.target.address}{MODELS_PATH}: HTTP {reply.status_code} "
                               f"{_message(reply.content)}; name the model with --model")
