@@ -199,6 +199,14 @@ def ms(seconds: dict) -> dict:
     return {key: 1000 * seconds[key] for key in ("median", "min", "max")}
 
 
+def llama_cpp_name(setup: dict) -> str:
+    """The llama.cpp peer as the run had it: llama-cpp-python's one-slot
+    server in results from before llama-server replaced it."""
+    if "package" in setup:
+        return f"llama.cpp ({setup['package']} server, {setup.get('slots', 1)} slot), same GGUF"
+    return f"llama.cpp's own llama-server ({setup.get('slots', 'a')} slots), same GGUF"
+
+
 def serving(r: dict) -> list[str]:
     """Servers through one client (loadgen's OpenAI backend), one at a time."""
     names = {"specpage": "specpage, default pair (adaptive k)",
@@ -207,7 +215,7 @@ def serving(r: dict) -> list[str]:
              "specpage_q4_no_draft": "specpage q4 (auto), target alone",
              "specpage_head": "specpage, EAGLE-3 head as the draft (adaptive k)",
              "specpage_q4_head": "specpage q4 (auto), EAGLE-3 head as the draft",
-             "llama_cpp": "llama.cpp's own llama-server (a slot per stream), same GGUF"}
+             "llama_cpp": llama_cpp_name(r.get("llama_cpp", {}))}
     names.update({key: f"vLLM CPU OpenAI server, {key.removeprefix('vllm_').replace('_', ', ')}"
                   for key in r["systems"] if key.startswith("vllm_")})
     workloads = {"streams32": "32 concurrent streams", "single": "single stream"}
