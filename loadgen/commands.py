@@ -225,11 +225,14 @@ async def _maybe_selfcheck(settings: RunSettings, disabled: bool) -> SelfCheck |
 
 
 def _selfcheck_line(check: SelfCheck) -> str:
-    sustained = (f"{check.sustained_rate:.4g} req/s" if check.sustained_rate is not None
-                 else "not confirmed")
-    return (f"self-check: this client sustains {sustained} on schedule against a null target "
-            f"(burst {check.burst_rate:.4g} req/s, {check.mean_output_tokens:g} one-token "
-            "chunks per request)")
+    if check.sustained_rate is not None:
+        kept = (f"this client sustains {check.sustained_rate:.4g} req/s on schedule "
+                "against a null target")
+    else:
+        kept = ("no probed rate stayed on schedule against a null target (the machine may be "
+                "busy), so no rate warning is given")
+    return (f"self-check: {kept} (burst {check.burst_rate:.4g} req/s, "
+            f"{check.mean_output_tokens:g} one-token chunks per request)")
 
 
 def _client(settings: RunSettings) -> Backend:

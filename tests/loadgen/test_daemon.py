@@ -106,7 +106,11 @@ def test_short_run_accounts_for_every_request(daemon, tmp_path, capsys):
     finished = counts["completed"] + counts["errors"] + counts["cancelled"]
     assert finished == counts["sent"] == REQUESTS
     assert counts["errors"] == 0, counts["errors_by_status"]
-    assert report["selfcheck"]["sustained_rate"] > 0
+    # Whether a probed rate stays on schedule depends on how busy the machine is; the
+    # rules that pick it are tested in test_measure.py.
+    selfcheck = report["selfcheck"]
+    assert selfcheck["burst_rate"] > 0
+    assert selfcheck["sustained_rate"] is None or selfcheck["sustained_rate"] <= selfcheck["burst_rate"]
     records = report["records"]
     assert len(records) == REQUESTS + 2
     planned_cancels = [r for r in records if r["cancel_after_s"] is not None]

@@ -31,6 +31,7 @@ from loadgen.prompts import TokenPrompts
 from loadgen.record import RequestRecord
 from loadgen.runner import RunCounters, run_closed_loop, run_open_loop
 from loadgen.schedule import Bounds, closed_loop_specs, plan_open_loop
+from loadgen import selfcheck
 from loadgen.selfcheck import SelfCheck, run_selfcheck
 from loadgen.slo import parse_slo
 from loadgen.workload import CancelPolicy, Workload
@@ -308,12 +309,31 @@ async def test_closed_loop_duration_bound():
 
 
 @pytest.mark.asyncio
-async def test_selfcheck_measures_a_rate_and_warns_near_it():
+async def test_selfcheck_confirms_the_burst_rate_when_every_probe_is_on_schedule(monkeypatch):
+    # Limits no probe can miss: the first constant-rate probe, at the burst rate, holds.
+    monkeypatch.setattr(selfcheck, "LAG_LIMIT_S", math.inf)
+    monkeypatch.setattr(selfcheck, "E2E_LIMIT_S", math.inf)
     check = await run_selfcheck(workload(), probe_s=0.3)
-    assert check.burst_rate > 20
-    assert check.sustained_rate is not None and check.sustained_rate <= check.burst_rate
+    assert check.burst_rate > 0 and check.sustained_rate == check.burst_rate
     assert check.warning(0.4 * check.sustained_rate) is None
     assert "self-check" in check.warning(0.8 * check.sustained_rate)
+
+
+@pytest.mark.asyncio
+async def test_selfcheck_steps_down_and_gives_no_rate_when_none_holds(monkeypatch):
+    probed = []
+    real_probe = selfcheck._probe
+
+    async def counting_probe(client, specs):
+        probed.append(len(specs))
+        return await real_probe(client, specs)
+
+    monkeypatch.setattr(selfcheck, "LAG_LIMIT_S", -1.0)  # no send lag is below it
+    monkeypatch.setattr(selfcheck, "_probe", counting_probe)
+    check = await run_selfcheck(workload(), probe_s=0.3)
+    assert check.sustained_rate is None and check.warning(1e9) is None
+    assert len(probed) == 1 + selfcheck.MAX_PROBES  # the burst, then each step down
+    assert probed[1:] == sorted(probed[1:], reverse=True)
 
 
 def test_selfcheck_warning_threshold():
