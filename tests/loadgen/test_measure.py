@@ -40,6 +40,7 @@ from specpage.serve.grpc_stubs import generation_pb2_grpc as pb_grpc
 from tests.support.loop_watch import LoopWatch
 
 TOLERANCE_S = 0.015  # one event loop serves client and server on a shared 2-core machine
+HANG_GUARD_S = 60.0  # a wait for what must happen: a bound on a hang, not on the speed
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -112,9 +113,9 @@ async def start(servicer: ScriptedGeneration, stack: AsyncExitStack) -> Client:
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     stack.push_async_callback(server.stop, None)
-    client = Client(TargetOptions(f"127.0.0.1:{port}", request_timeout_s=10), RequestOptions(), "t")
+    client = Client(TargetOptions(f"127.0.0.1:{port}", request_timeout_s=60), RequestOptions(), "t")
     stack.push_async_callback(client.close)
-    await client.wait_healthy(5.0)  # no health service here: this just opens the connection
+    await client.wait_healthy(HANG_GUARD_S)  # no health service here: this opens the connection
     return client
 
 
@@ -212,11 +213,19 @@ async def test_open_loop_exposes_queueing_behind_a_stall():
         # Exactly: the wait for the server's lock plus the scripted first-chunk delay...
         waited = servicer.started[i] - clock.start - rec.scheduled_s
         assert near(rec.ttft_s, waited + (STALL_S if i == 2 else 0.05), TOLERANCE_S + late)
-        # ...which follows the queueing model (chained sleeps drift a few ms each).
-        assert modelled - 0.01 <= rec.ttft_s <= modelled + 0.01 + 0.012 * i + late
+        # ...and never less than the queueing model: a sleep is never shorter than asked.
+        # (A busy machine lengthens the service of each request, and so the wait of the
+        # next: how much more than the model is what the line above checks, on the
+        # server's recorded times.)
+        assert rec.ttft_s >= modelled - 0.01
     summary = summarize(records, parse_slo("ttft=200ms"))
     assert summary.latency["ttft_s"].p50 > 0.4
-    assert summary.slo_attainment == pytest.approx(2 / 8)
+    # From the stall on every request is queued past the SLO, whatever the machine's
+    # speed; the two before it met it if the machine did not hold them 150 ms.
+    assert [rec.ttft_s <= 0.2 for rec in records[2:]] == [False] * 6
+    met_before = sum(rec.ttft_s <= 0.2 for rec in records[:2])
+    assert summary.slo_met == met_before
+    assert summary.slo_attainment == pytest.approx(met_before / 8)
 
 
 @pytest.mark.asyncio
@@ -228,7 +237,10 @@ async def test_closed_loop_hides_the_same_stall():
     ttfts, late = [rec.ttft_s for rec in records], watch.late_s
     assert near(ttfts[2], STALL_S, 0.02 + late)
     assert all(near(t, 0.05, TOLERANCE_S + late) for i, t in enumerate(ttfts) if i != 2)
-    summary = summarize(records, parse_slo("ttft=200ms"))
+    # An SLO the unstalled requests meet, widened by the loop's lateness (as the bounds
+    # above are), short of the stall's first chunk, which comes at 500 ms at the soonest
+    slo_ms = min(200 + math.ceil(1000 * late), 450)
+    summary = summarize(records, parse_slo(f"ttft={slo_ms}ms"))
     assert summary.latency["ttft_s"].p50 < 0.07 + late
     assert summary.slo_attainment == pytest.approx(7 / 8)  # looks fine, is not
 
@@ -263,7 +275,7 @@ async def test_errors_are_counted_by_status_with_retry_after():
     assert [r.outcome for r in records] == ["completed", "error", "error", "completed"]
     assert records[1].status == "RESOURCE_EXHAUSTED" and records[1].retry_after_ms == 250
     assert "scripted" in records[2].error
-    summary = summarize(records, parse_slo("e2e=5s"))
+    summary = summarize(records, parse_slo("e2e=60s"))  # met by whatever completes
     assert summary.counts.errors_by_status == {"INVALID_ARGUMENT": 1, "RESOURCE_EXHAUSTED": 1}
     assert summary.slo_attainment == pytest.approx(2 / 4)
 
@@ -280,9 +292,8 @@ async def test_planned_cancellations_end_the_stream_on_time():
         # A request cancelled well after it started streaming must be seen cancelled by
         # the server (one cancelled at once may never have reached the handler).
         streaming = {r.index for r in records if r.cancel_after_s > 0.05}
-        for _ in range(100):  # bounded wait for the server's side of the cancellations
-            if streaming <= set(servicer.cancelled):
-                break
+        end = time.monotonic() + HANG_GUARD_S  # the server's side of the cancellations
+        while not streaming <= set(servicer.cancelled) and time.monotonic() < end:
             await asyncio.sleep(0.01)
     for rec in records:
         assert rec.outcome == "cancelled" and rec.status == "CANCELLED"
@@ -295,17 +306,49 @@ async def test_planned_cancellations_end_the_stream_on_time():
     assert summary.slo_attainment == 0.0  # nothing eligible
 
 
+class ServedClock(RunClock):
+    """A run clock that moves only as the scripted server answers: each
+    request's first_s is added when its first chunk is sent. A duration bound
+    read on it ends after a number of requests, however fast the machine."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
+class ClockedGeneration(ScriptedGeneration):
+    clock: ServedClock = field(default_factory=ServedClock)
+
+    async def _answer(self, script: Script, context):
+        await asyncio.sleep(script.first_s)
+        self.clock.now += script.first_s
+        for position, size in enumerate(script.chunks):
+            yield pb.GenerateEvent(chunk=pb.Chunk(token_ids=[7] * size, num_tokens=position + 1))
+        yield pb.GenerateEvent(final=pb.Final(usage=pb.Usage(prompt_tokens=4, completion_tokens=1),
+                                              finish_reason="length"))
+
+
 @pytest.mark.asyncio
 async def test_closed_loop_duration_bound():
-    quick = Script(first_s=0.02, chunks=(1,), gap_s=0.0)
+    # 1/32 s a request (exact in binary), 0.3 s: after the 9th answer 9/32 s have
+    # passed and a worker still sends; after the 10th, 10/32 s, none does. Two
+    # workers: the two first requests, one more after each of the first 8
+    # answers, and one after the 9th unless the other worker's answer came first.
+    quick = Script(first_s=1 / 32, chunks=(1,), gap_s=0.0)
+    servicer = ClockedGeneration(default=quick)
     async with AsyncExitStack() as stack:
-        client = await start(ScriptedGeneration(default=quick), stack)
+        client = await start(servicer, stack)
         specs = closed_loop_specs(workload(), Bounds(None, 0.3))
-        records = await run_closed_loop(client, specs, RunClock(), RunCounters(None), 2, 0.3)
-    assert 10 <= len(records) <= 40
+        records = await run_closed_loop(client, specs, servicer.clock, RunCounters(None), 2, 0.3)
+    assert len(records) in (10, 11), len(records)
     assert all(r.outcome == "completed" for r in records)
     first = records[0].scheduled_s
     assert max(r.scheduled_s for r in records) < first + 0.3
+    assert servicer.clock.now >= first + 0.3  # it stopped because the time was up
 
 
 @pytest.mark.asyncio
