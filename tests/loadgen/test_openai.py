@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +35,9 @@ from tests.support.daemon import Daemon
 MODEL = "replayed-model"
 CONNECTIONS = 8
 CANCEL_AFTER_S = 0.1
-SLOW_GAP_S = 5.0  # a replayed stream that would outlast any cancel by far
+SLOW_GAP_S = 60.0  # a replayed stream that would outlast any cancel by far
+NEVER_S = 600.0  # a planned cancel that a finished stream never meets
+HANG_GUARD_S = 60.0  # a wait for what must happen: a bound on a hang, not on the speed
 
 
 def completion_chunk(text: str, finish: str | None = None) -> dict:
@@ -78,6 +81,7 @@ class ReplayServer:
     bodies: dict[int, dict] = field(default_factory=dict)
     paths: dict[int, str] = field(default_factory=dict)
     closed_early: list[int] = field(default_factory=list)  # streams the client closed
+    pieces_sent: dict[int, int] = field(default_factory=dict)  # written before the stream ended
 
     def app(self) -> Starlette:
         return Starlette(routes=[
@@ -112,6 +116,7 @@ class ReplayServer:
                 yield piece
                 sent += 1
         finally:
+            self.pieces_sent[index] = sent
             if sent < len(reply.pieces):
                 self.closed_early.append(index)
 
@@ -138,7 +143,7 @@ async def run_specs(
     loop = asyncio.get_running_loop()
     start = loop.time()
     try:
-        await client.connect(health_timeout_s=5.0)
+        await client.connect(health_timeout_s=HANG_GUARD_S)
         records = [client.new_record(spec) for spec in specs]
         await asyncio.gather(*(client.generate(spec, record, lambda: loop.time() - start)
                                for spec, record in zip(specs, records, strict=True)))
@@ -293,7 +298,7 @@ async def test_http_errors_are_counted_under_the_grpc_status_names():
 async def test_a_planned_cancel_closes_the_stream():
     pieces = sse(completion_chunk("a"), completion_chunk("b"), usage_chunk(3, 2), "[DONE]")
     replies = {0: Reply(pieces, gap_s=SLOW_GAP_S), 1: Reply(pieces)}
-    specs = [spec(0, cancel_after_s=CANCEL_AFTER_S), spec(1, cancel_after_s=SLOW_GAP_S)]
+    specs = [spec(0, cancel_after_s=CANCEL_AFTER_S), spec(1, cancel_after_s=NEVER_S)]
     replay = ReplayServer(replies)
     records, _ = await run_specs(replay, specs)
     assert [(r.outcome, r.status) for r in records] == [
@@ -301,11 +306,13 @@ async def test_a_planned_cancel_closes_the_stream():
     ]
     assert records[0].num_tokens == 1  # the first chunk came before the cancel
     assert records[0].end_s - records[0].sent_s < SLOW_GAP_S
-    for _ in range(100):  # the server notices the closed connection at its next write
-        if replay.closed_early:
-            break
-        await asyncio.sleep(0.05)
+    end = time.monotonic() + HANG_GUARD_S
+    while not replay.closed_early and time.monotonic() < end:
+        await asyncio.sleep(0.05)  # the server notices the closed connection at its next write
     assert replay.closed_early == [0]
+    # the client closed the stream before the server's second piece, due SLOW_GAP_S
+    # after the first: it did not wait for the stream (a piece counts once written)
+    assert replay.pieces_sent[0] == 1
 
 
 @pytest.mark.asyncio
