@@ -118,11 +118,14 @@ def test_short_run_accounts_for_every_request(daemon, tmp_path, capsys):
     for record in records:
         if record["outcome"] == "cancelled":
             assert record["cancel_after_s"] is not None and record["status"] == "CANCELLED"
+            # never before its time (1 ms: the timer's clock and the run's are read apart)
+            assert record["end_s"] - record["sent_s"] >= record["cancel_after_s"] - 0.001
         elif record["outcome"] == "completed":
-            # ignore_eos: exactly the asked length, as counted by the server's num_tokens
+            # ignore_eos: exactly the asked length, as counted by the server's num_tokens.
+            # With a cancel planned, this shows it finished before the cancel came: one
+            # that took effect would have cut the stream and counted it cancelled. (How
+            # long after the planned moment its end was seen is the machine's speed.)
             assert record["num_tokens"] == record["max_tokens"] == record["completion_tokens"]
-            if record["cancel_after_s"] is not None:  # it finished before its cancel came
-                assert record["end_s"] - record["sent_s"] <= record["cancel_after_s"] + 0.05
     assert report["summary"]["latency"]["ttft_s"]["count"] == counts["completed"]
 
 
