@@ -394,7 +394,7 @@ class ChatServer:
 
     def __enter__(self) -> str:
         self.thread.start()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60  # a bound on a hang, not on the speed
         while not self.server.started:
             assert time.monotonic() < deadline and self.thread.is_alive()
             time.sleep(0.01)
@@ -403,7 +403,7 @@ class ChatServer:
 
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True
-        self.thread.join(timeout=10)
+        self.thread.join(timeout=60)
 
     async def complete(self, request: Request) -> Response:
         body = await request.json()
