@@ -418,6 +418,24 @@ def model_free_cost(r: dict) -> list[str]:
             f"{fmt(100 * r['policy_share'], 3)}%) | |"]
 
 
+def deterministic(r: dict) -> list[str]:
+    """engine.deterministic against the same server without it."""
+    names = {"streams32": "32 streams", "single": "single stream"}
+    rows = []
+    for system, jobs in r["deterministic_vs_default"].items():
+        for job, c in jobs.items():
+            ours = r["systems"][system][job]["tok_s"]
+            rows.append(f"| {system.removesuffix('_deterministic')}, {names.get(job, job)}, "
+                        f"deterministic | {spread(ours)} tok/s | {verdict(c['tok_s'])} the "
+                        "default's speed |")
+        same = r["outputs_vs_default"][system]
+        again = r["outputs_between_rounds"][system]
+        rows.append(f"| {system}: greedy answers | {again['exact']} of {again['prompts']} the "
+                    f"same in its first and last round | {same['exact']} of {same['prompts']} "
+                    "the same as the default's |")
+    return rows
+
+
 def rows(render: Callable[[dict], list[str]], result: dict) -> list[str]:
     try:
         return render(result)
@@ -432,7 +450,7 @@ SECTIONS = {"block_pool": block_pool, "model_runner": model_runner, "engine": en
             "quantization": quantization,
             "compile": compile_, "model_free": model_free, "model_free_t0.7": model_free,
             "model_free_replay": model_free_replay, "model_free_peers": model_free_peers,
-            "model_free_cost": model_free_cost}
+            "model_free_cost": model_free_cost, "deterministic": deterministic}
 
 
 HAND_KEPT = "Recorded by hand"

@@ -51,21 +51,30 @@ class CpuMetadata(TorchMetadata):
 
 class CpuAttention(TorchAttention):
     """TorchAttention with short spans on the native kernel. Select it only
-    where `native_kernels()` is not None and the head_dim is in NATIVE_HEAD_DIMS."""
+    where `native_kernels()` is not None and the head_dim is in NATIVE_HEAD_DIMS.
 
-    def __init__(self) -> None:
+    every_span: every span on the kernel, however long (engine.deterministic).
+    The kernel computes each query row from that row's q and the K/V it sees,
+    in an order that depends on neither the span nor the rest of the context
+    (positions it does not see add exact zeros), so a position's output is the
+    same whether it is decoded, verified or prefilled, in any chunk; the
+    reference's padded batches are not (they sum in SDPA's blocks)."""
+
+    def __init__(self, every_span: bool = False) -> None:
         super().__init__()
         kernels = native_kernels()
         assert kernels is not None, "CpuAttention needs the native kernel"
         self._kernel = kernels.paged_attention
+        self.native_span = None if every_span else NATIVE_SPAN
 
     def build_metadata(
         self, spans: Sequence[Span], block_size: int, groups: int, device: torch.device
     ) -> CpuMetadata:
         layout = lay_out_spans(spans, block_size)
         query_lens = [len(s.token_ids) for s in spans]
-        short_members = [i for i, n in enumerate(query_lens) if n <= NATIVE_SPAN]
-        long = [i for i, n in enumerate(query_lens) if n > NATIVE_SPAN]
+        limit = self.native_span
+        short_members = [i for i, n in enumerate(query_lens) if limit is None or n <= limit]
+        long = [i for i, n in enumerate(query_lens) if limit is not None and n > limit]
         rest = [[long[j] for j in members]
                 for members in _group_by_span([query_lens[i] for i in long])]
         short = None

@@ -19,6 +19,7 @@ SHORTCUTS = {"host": "server.host", "port": "server.port", "http_port": "server.
              "draft": "model.draft", "spec_k": "engine.spec_k",
              "spec_methods": "engine.spec_methods",
              "tensor_parallel_size": "engine.tensor_parallel_size",
+             "deterministic": "engine.deterministic",
              "quantization": "model.quantization"}
 
 
@@ -40,6 +41,9 @@ def add_parser(sub: Any, name: str) -> None:
                         "salt); empty: none (default ngram,suffix)")
     parser.add_argument("--quantization", help="both models' linears: none, q4, q4-g64, "
                         "q4-g128 or auto (default: q4 where a model is a Q4_0/Q4_1 GGUF)")
+    parser.add_argument("--deterministic", action="store_const", const="true", default=None,
+                        help="a request's tokens the same bit for bit whatever else runs "
+                        "(engine.deterministic; its cost: docs/BENCHMARKS.md)")
     parser.add_argument("--served-model-name", nargs="+", metavar="NAME",
                         help="the names the HTTP API serves the target as (default: its "
                         "model name and its Hugging Face id where known)")

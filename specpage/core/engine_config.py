@@ -40,6 +40,14 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_stop_token_ids: int = MAX_STOP_TOKEN_IDS
     # ranks the target's forward is split over (specpage.executor.parallel)
     tensor_parallel_size: int = 1
+    # A request's tokens the same bit for bit whatever else runs: other
+    # requests, speculation (on or off, any k, any proposer), prefill chunks,
+    # prefix-cache hits, preemption; in every dtype. The target's products
+    # and attention compute each position alone (executor/model_runner.py),
+    # and a sampled token is the seeded draw from the target's distribution
+    # at its position, which a proposal must equal to be accepted
+    # (speculation/verifier.py). Its cost: docs/BENCHMARKS.md, "Deterministic mode".
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_step_tokens", "max_context",
@@ -60,6 +68,8 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 self.spec_model_free_k)
         require(self.spec_suffix_cache_tokens >= 0,
                 "engine.spec_suffix_cache_tokens must be >= 0", self.spec_suffix_cache_tokens)
+        require(not (self.deterministic and self.tensor_parallel_size > 1),
+                "engine.deterministic takes tensor_parallel_size 1", self.tensor_parallel_size)
         require(0 <= self.admission_watermark < 1,
                 "engine.admission_watermark must be in [0, 1)", self.admission_watermark)
 

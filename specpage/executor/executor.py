@@ -34,13 +34,14 @@ Built = tuple[ModelRunner | HeadRunner, Proposer, tuple[int, ...]]
 
 def _draft_model(target: LoadedModel, draft: Any, config: EngineConfig) -> Built:
     runner = ModelRunner(draft, config.num_blocks, config.block_size)
-    return runner, DraftProposer(runner), ()
+    return runner, DraftProposer(runner, config.deterministic), ()
 
 
 def _head(target: LoadedModel, draft: Any, config: EngineConfig) -> Built:
     # the head reads the target's hidden states (at feature layers) and embedding
     runner = HeadRunner(draft, target.model.embed_tokens, config.num_blocks, config.block_size)
-    return runner, HeadProposer(runner), draft.config.layers_of(target.config.num_layers)
+    layers = draft.config.layers_of(target.config.num_layers)
+    return runner, HeadProposer(runner, config.deterministic), layers
 
 
 # The runner, proposer and target layers each kind of loaded draft needs.
@@ -52,7 +53,8 @@ class Executor:
     def __init__(self, target: LoadedModel, draft: LoadedModel | LoadedHead | None,
                  config: EngineConfig, target_runner: ModelRunner | None = None) -> None:
         # target_runner: one built already (tensor parallelism: rank 0's shard)
-        self.target = target_runner or ModelRunner(target, config.num_blocks, config.block_size)
+        self.target = target_runner or ModelRunner(target, config.num_blocks, config.block_size,
+                                                   deterministic=config.deterministic)
         self.runners: list[ModelRunner | HeadRunner] = [self.target]
         self.draft: ModelRunner | HeadRunner | None = None
         self.proposer: Proposer | None = None
@@ -61,7 +63,7 @@ class Executor:
             self.draft, self.proposer, feature_layers = PROPOSERS[type(draft)](
                 target, draft, config)
             self.runners.append(self.draft)
-        self.verifier = Verifier(self.target, feature_layers)
+        self.verifier = Verifier(self.target, feature_layers, coupled=config.deterministic)
         self._identities = (target.identity, draft.identity if draft else b"")
 
     def execute(self, batch: StepBatch) -> StepResult:

@@ -34,10 +34,10 @@ class KvShape:
 
 class KvCache:
     def __init__(self, shape: KvShape, dtype: torch.dtype, device: torch.device,
-                 backend: AttentionBackend | None = None) -> None:
+                 backend: AttentionBackend | None = None, row_invariant: bool = False) -> None:
         if device.type == "cpu":
             native_kernels()  # built (once per machine) or loaded now, not in a timed forward
-        self.backend = backend or select_backend(device, shape.head_dim)
+        self.backend = backend or select_backend(device, shape.head_dim, row_invariant)
         self.block_size = shape.block_size
         self.device = device
         # [layers, 2 (K, V), num_blocks, block_size, kv_heads, head_dim]

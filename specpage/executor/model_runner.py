@@ -16,6 +16,7 @@ import torch
 from specpage.attention.backend import AttentionBackend
 from specpage.core.span import Span
 from specpage.executor.kv_cache import KvCache, KvShape
+from specpage.layers.products import row_invariant
 from specpage.models.decoder import DecoderModel, LayerTap
 from specpage.models.loader import LoadedModel
 from specpage.models.native_step import NativeStep
@@ -30,14 +31,20 @@ class ModelRunner:
         num_blocks: int,
         block_size: int,
         backend: AttentionBackend | None = None,
+        deterministic: bool = False,
     ) -> None:
+        """deterministic: each position's logits the same whatever else its
+        forward computes (other sequences, the span it is in, the chunk):
+        row-invariant products (layers/products.py row_invariant) and every
+        span on the native attention kernel (attention/cpu.py)."""
         self.model = loaded.model
         self.config = c = loaded.config
         self.block_size = block_size
+        self.deterministic = deterministic
         weight = self.model.embed_tokens.weight
         self.device, self.dtype = weight.device, weight.dtype
         self.kv = KvCache(KvShape(c.num_layers, num_blocks, block_size, c.num_kv_heads,
-                                  c.head_dim), self.dtype, self.device, backend)
+                                  c.head_dim), self.dtype, self.device, backend, deterministic)
         self.groups = c.num_heads // c.num_kv_heads  # query heads per KV head
         self.native_step = self._native_step(loaded)
 
@@ -62,6 +69,10 @@ class ModelRunner:
         [sum of num_logits, vocab], spans in order. A tap collects the
         hidden states entering its layers, for every token of the spans."""
         self.check(spans)
+        with row_invariant(self.deterministic):
+            return self._forward(spans, tap)
+
+    def _forward(self, spans: Sequence[Span], tap: LayerTap | None) -> torch.Tensor:
         if self.native_step is not None:
             logits = self.native_step(spans, tap)
             if logits is not None:

@@ -6,8 +6,10 @@ the figures are in docs/BENCHMARKS.md, "CPU products"."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -148,9 +150,76 @@ def native_product(weight: torch.Tensor, packed: PackedWeight, rows: int) -> Pro
     return None
 
 
+# Row-invariant products (engine.deterministic): each row of x @ W.T comes out
+# bit for bit the same whatever other rows share the call, so a sequence's
+# logits do not depend on the batch, the prefill chunks or the proposals
+# verified beside it. The ways above are chosen by row count, and they sum
+# in different orders (the few-row kernel, the panels, oneDNN, BLAS's gemv
+# and gemm), so in this mode every product of a weight takes one way:
+# - bf16 on the native few-row kernel, in passes of at most GEMV_MAX_PASS
+#   rows: each output's dot product runs along the weight's row in one
+#   order whatever the rows (kernels/cpu/bf16_gemv.cpp);
+# - bf16 where neither that kernel nor oneDNN runs it, on torch's own
+#   product, which sums each output along its row alone;
+# - every other product in tiles of INVARIANT_TILE rows, the last one padded
+#   with zero rows: BLAS and oneDNN then always see one shape, so one
+#   kernel and one summation order, which does not depend on where in
+#   the tile a row sits.
+# int4 layers keep their own kernels (layers/quant.py). tests/layers/
+# test_row_invariance.py checks every way against each row computed alone.
+GEMV_MAX_PASS = 16  # bf16_gemv's most rows a call
+INVARIANT_TILE = 16
+
+
+class _Mode(threading.local):
+    row_invariant = False
+
+
+_mode = _Mode()
+
+
+@contextlib.contextmanager
+def row_invariant(on: bool) -> Iterator[None]:
+    """Products of this thread in the block are row-invariant (on) or the fastest (off)."""
+    before = _mode.row_invariant
+    _mode.row_invariant = on
+    try:
+        yield
+    finally:
+        _mode.row_invariant = before
+
+
+def row_invariant_on() -> bool:
+    return _mode.row_invariant
+
+
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+                     ) -> torch.Tensor:
+    """x [rows, in] @ weight.T [+ bias], each row as if it were alone (see above)."""
+    rows = x.shape[0]
+    if x.dtype == torch.bfloat16 and gemv_takes(weight, 1) and not torch.is_grad_enabled():
+        kernel = bf16_kernels().bf16_gemv  # type: ignore[union-attr]
+        x = x.contiguous()
+        y = torch.cat([kernel(x[r : r + GEMV_MAX_PASS], weight)
+                       for r in range(0, rows, GEMV_MAX_PASS)]) if rows else x.new_empty(
+            0, weight.shape[0])
+    elif weight.dtype == torch.bfloat16 and not _onednn_usable(torch.bfloat16):
+        y = F.linear(x, weight)  # torch's own bf16 product: one order per output
+    else:
+        padded = cdiv(rows, INVARIANT_TILE) * INVARIANT_TILE
+        if padded != rows:
+            x = torch.cat([x, x.new_zeros(padded - rows, x.shape[1])])
+        y = torch.cat([F.linear(x[r : r + INVARIANT_TILE], weight)
+                       for r in range(0, padded, INVARIANT_TILE)])[:rows]
+    return y if bias is None else y + bias
+
+
 def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                packed: PackedWeight) -> torch.Tensor:
-    """x [rows, in] @ weight.T [+ bias] the fastest way this CPU has for the rows."""
+    """x [rows, in] @ weight.T [+ bias] the fastest way this CPU has for the
+    rows, or row-invariant where the thread asked for it (row_invariant)."""
+    if _mode.row_invariant and x.device.type == "cpu":
+        return invariant_linear(x, weight, bias)
     if x.device.type == "cpu" and x.dtype == torch.bfloat16 and not torch.is_grad_enabled():
         call = native_product(weight, packed, x.shape[0])
         if call is not None:
@@ -168,6 +237,10 @@ def direct_bf16_product(weight: torch.Tensor, packed: PackedWeight,
                         rows: int) -> Product | None:
     """The one kernel call cpu_linear makes for bf16 x of `rows` rows by this
     weight (no bias), with its weight operands; None where it makes another."""
+    if _mode.row_invariant:  # the native stack then only where one pass takes the rows
+        if rows <= GEMV_MAX_PASS and gemv_takes(weight, rows):
+            return bf16_kernels().bf16_gemv.default, (weight,)  # type: ignore[union-attr]
+        return None
     call = native_product(weight, packed, rows)
     if call is None and weight.dtype == torch.bfloat16 and uses_onednn(weight, rows):
         call = (torch.ops.mkldnn._linear_pointwise.default,

@@ -56,6 +56,7 @@ from specpage.layers.products import (
     bf16_kernels,
     cpu_linear,
     direct_bf16_product,
+    row_invariant_on,
     uses_onednn,
 )
 
@@ -183,12 +184,17 @@ class Int4Linear(nn.Module):
                              persistent=False)
         self._dense_packed = PackedWeight()
 
+    def _takes_dense(self, rows: int) -> bool:
+        """Whether a product of `rows` rows takes the dense copy: never where
+        products are row-invariant (layers/products.py row_invariant), since
+        the int4 kernels are (they sum each row alone: int4_gemv.cpp, and
+        torch's int4 kernel, measured in tests/layers/test_row_invariance.py)."""
+        return (self.dense is not None and rows >= dense_from_rows(self.int8x)
+                and not row_invariant_on())
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dense is not None and x.shape[0] >= dense_from_rows(self.int8x):
-            y = self.dense_product(x)
-        else:
-            y = self.int4_product(x)
-        y = y.to(x.dtype)
+        dense = self._takes_dense(x.shape[0])
+        y = (self.dense_product(x) if dense else self.int4_product(x)).to(x.dtype)
         return y if self.bias is None else y + self.bias
 
     def direct_product(self, rows: int) -> Product | None:
@@ -196,7 +202,7 @@ class Int4Linear(nn.Module):
         (layers/native_stack.py)."""
         if self.bias is not None:
             return None
-        if self.dense is not None and rows >= dense_from_rows(self.int8x):
+        if self._takes_dense(rows):
             return direct_bf16_product(self.dense, self._dense_packed, rows)
         if not self.native:
             return None
@@ -368,7 +374,12 @@ class Q8Head(nn.Module):
                 and in_features % Q8_GROUP == 0)
 
     def takes(self, x: torch.Tensor) -> bool:
-        return x.dtype == KERNEL_DTYPE and 1 <= x.shape[0] <= Q8_HEAD_MAX_ROWS
+        """Whether it computes these rows; any number where products are
+        row-invariant (its kernels sum each row alone), so that the dense head
+        never takes some of a sequence's rows."""
+        rows = x.shape[0]
+        return x.dtype == KERNEL_DTYPE and rows >= 1 and (rows <= Q8_HEAD_MAX_ROWS
+                                                         or row_invariant_on())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in_features] bf16 -> [rows, out_features] bf16."""

@@ -13,7 +13,7 @@ from specpage.attention.backend import AttentionBackend, AttentionMetadata
 from specpage.layers import fused, native_stack
 from specpage.layers.linear import Linear
 from specpage.layers.norm import RMSNorm
-from specpage.layers.products import PackedWeight, cpu_linear
+from specpage.layers.products import PackedWeight, cpu_linear, row_invariant_on
 from specpage.layers.rope import cos_sin, inverse_frequencies
 from specpage.models.config import ModelConfig
 
@@ -83,7 +83,7 @@ class DecoderModel(nn.Module):
         self.q8_head: nn.Module | None = None
         # native_stack.stack_plan by row count, made on first use; cleared
         # when the model's tensors are replaced (.to() and the like).
-        self._stack_plans: dict[int, native_stack.StackPlan | None] = {}
+        self._stack_plans: dict[tuple[int, bool], native_stack.StackPlan | None] = {}
         # (the inv_freq it was made from, cos, sin): DecoderModel.rope_rows
         self._rope_table: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         # A draft may propose from part of the vocabulary only: its projection
@@ -136,7 +136,8 @@ class DecoderModel(nn.Module):
             _, x = self.norm.after_add(branch, x)
         if self.q8_head is not None and self.output_vocab is None and self.q8_head.takes(x):
             logits = self.q8_head(x).float()
-        elif x.shape[0] == 1 and head.device.type == "cpu" and head.dtype == torch.float32:
+        elif (x.shape[0] == 1 and head.device.type == "cpu" and head.dtype == torch.float32
+              and not row_invariant_on()):
             logits = (x @ self._transposed_head(head)).float()
         else:
             logits = cpu_linear(x, head, None, self._head_packed).float()
@@ -164,8 +165,9 @@ class DecoderModel(nn.Module):
         return table[1].index_select(0, positions), table[2].index_select(0, positions)
 
     @property
-    def stack_plans(self) -> dict[int, native_stack.StackPlan | None]:
-        """The native stack plans made so far, by row count. A new dict
+    def stack_plans(self) -> dict[tuple[int, bool], native_stack.StackPlan | None]:
+        """The native stack plans made so far, by row count and whether the
+        products are row-invariant. A new dict
         whenever the model's tensors are replaced (.to() and the like), so
         its identity tells a caller that caches the tensors when to look
         them up again."""
@@ -180,9 +182,10 @@ class DecoderModel(nn.Module):
 
     def stack_plan(self, rows: int) -> native_stack.StackPlan | None:
         """The layers' native call for `rows` rows (layers/native_stack.py)."""
-        if rows not in self._stack_plans:
-            self._stack_plans[rows] = native_stack.stack_plan(self.layers, rows)
-        return self._stack_plans[rows]
+        key = (rows, row_invariant_on())  # the products differ by mode
+        if key not in self._stack_plans:
+            self._stack_plans[key] = native_stack.stack_plan(self.layers, rows)
+        return self._stack_plans[key]
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True
                ) -> DecoderModel:

@@ -18,14 +18,18 @@ from specpage.core.span import Span
 from specpage.core.step import Cost, SeqResult, SeqWork
 from specpage.speculation.proposal import Proposal, drafts, draw
 from specpage.speculation.runner import SpanRunner
+from specpage.speculation.sampler import Purpose
 from specpage.speculation.verdict import Verdict
 
 
 class DraftProposer:
     """A draft model as a proposer (speculation/proposal.py's Proposer)."""
 
-    def __init__(self, runner: SpanRunner) -> None:
+    def __init__(self, runner: SpanRunner, coupled: bool = False) -> None:
+        """coupled: samples propose with the draws the target's tokens take
+        (a coupled verifier, speculation/verifier.py)."""
         self.runner = runner
+        self.purpose = Purpose.SAMPLE if coupled else Purpose.DRAFT
 
     def _forward(self, spans: list[Span], costs: list[Cost]) -> torch.Tensor:
         start = time.perf_counter()
@@ -46,7 +50,7 @@ class DraftProposer:
         depth = 0
         while active:
             draw(logits, [batch[i] for i in active], depth, [tokens[i] for i in active],
-                 [probs[i] for i in active])
+                 [probs[i] for i in active], self.purpose)
             depth += 1
             active = [i for i in active if batch[i].k > depth]
             if not active:

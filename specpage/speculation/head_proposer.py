@@ -36,6 +36,7 @@ from specpage.core.span import Span
 from specpage.core.step import Cost, SeqResult, SeqWork
 from specpage.speculation.proposal import Proposal, drafts, draw
 from specpage.speculation.runner import DraftHead
+from specpage.speculation.sampler import Purpose
 from specpage.speculation.verdict import Verdict
 
 
@@ -44,8 +45,10 @@ def decode_state(state: bytes) -> torch.Tensor:
 
 
 class HeadProposer:
-    def __init__(self, runner: DraftHead) -> None:
+    def __init__(self, runner: DraftHead, coupled: bool = False) -> None:
+        """coupled: as DraftProposer's."""
         self.runner = runner
+        self.purpose = Purpose.SAMPLE if coupled else Purpose.DRAFT
         self.hidden = runner.hidden_size
         self.taps = runner.tap_width  # a position's tapped states, concatenated
 
@@ -86,7 +89,7 @@ class HeadProposer:
         depth = 0
         while True:
             draw(logits, [batch[i] for i in active], depth, [tokens[i] for i in active],
-                 [probs[i] for i in active])
+                 [probs[i] for i in active], self.purpose)
             # the first proposal projects the state the last absorb left: that
             # absorb's forward, finished (absorb counts it with its own)
             costs.append((0 if depth == 0 else len(active), time.perf_counter() - start))

@@ -50,9 +50,11 @@ class Proposer(Protocol):
 
 
 def draw(logits: torch.Tensor, works: list[SeqWork], depth: int, tokens: list[list[int]],
-         probs: list[list[torch.Tensor]]) -> None:
+         probs: list[list[torch.Tensor]], purpose: Purpose = Purpose.DRAFT) -> None:
     """Each row's proposal at this depth from its logits [rows, vocab],
-    appended to its tokens (and its distribution to its probs, when sampling)."""
+    appended to its tokens (and its distribution to its probs, when sampling).
+    purpose SAMPLE: the draw the target's token at that position takes
+    (a coupled verifier's), so that the proposal is likelier to equal it."""
     rows = [w.sampling for w in works]
     if all(r.greedy for r in rows):
         # Greedy acceptance compares tokens only; no distributions needed.
@@ -61,6 +63,6 @@ def draw(logits: torch.Tensor, works: list[SeqWork], depth: int, tokens: list[li
         return
     positions = [w.end + depth for w in works]  # where each proposal goes
     p = row_probabilities(logits, rows)
-    for row, token in enumerate(sample(p, uniforms(rows, positions, Purpose.DRAFT)).tolist()):
+    for row, token in enumerate(sample(p, uniforms(rows, positions, purpose)).tolist()):
         tokens[row].append(token)
         probs[row].append(p[row])

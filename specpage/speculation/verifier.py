@@ -26,9 +26,20 @@ from specpage.speculation.verdict import Verdict
 
 
 class Verifier:
-    def __init__(self, runner: TargetRunner, feature_layers: tuple[int, ...] = ()) -> None:
+    def __init__(self, runner: TargetRunner, feature_layers: tuple[int, ...] = (),
+                 coupled: bool = False) -> None:
+        """coupled (engine.deterministic): a sampled row's token is the draw
+        that sampling without speculation takes at its position (the seeded
+        uniform, inverse CDF of the target's distribution), and a proposal
+        is accepted while it equals those tokens, as greedy acceptance does
+        with the argmax. Each position's token is then an exact sample of
+        the target's distribution, the same with speculation on or off; a
+        one-hot proposal x is accepted with probability p(x), as rejection
+        sampling accepts it, a draft's distribution q less often than
+        rejection sampling's sum of min(p, q)."""
         self.runner = runner
         self.feature_layers = feature_layers  # the target layers a draft head reads
+        self.coupled = coupled
 
     def verify(self, batch: list[SeqWork], proposal: Proposal) -> Verdict:
         """Per sequence what it sampled, the forward's cost when it decoded
@@ -85,7 +96,11 @@ class Verifier:
             decisions.append((greedy, self._greedy(
                 [rows[r] for r in greedy], [ks[r] for r in greedy],
                 [offsets[r] for r in greedy], proposal, adjusted)))
-        if sampled:
+        if sampled and self.coupled:
+            decisions.append((sampled, self._coupled(
+                [rows[r] for r in sampled], [works[r] for r in sampled],
+                [ks[r] for r in sampled], [offsets[r] for r in sampled], proposal, adjusted)))
+        elif sampled:
             decisions.append((sampled, self._sampled(
                 [rows[r] for r in sampled], [works[r] for r in sampled],
                 [ks[r] for r in sampled], [offsets[r] for r in sampled], proposal, adjusted)))
@@ -128,6 +143,28 @@ class Verifier:
             while a < k and proposal.tokens[i][a] == argmax[base + a]:
                 a += 1
             decided.append((a, argmax[base + a]))
+        return decided
+
+    @staticmethod
+    def _coupled(rows: list[int], works: list[SeqWork], ks: list[int], offsets: list[int],
+                 proposal: Proposal, logits: torch.Tensor) -> list[tuple[int, int]]:
+        """Accept while the proposal equals the token sampling draws at its
+        position (see __init__)."""
+        index = torch.tensor([base + j for base, k in zip(offsets, ks, strict=True)
+                              for j in range(k + 1)])
+        row_params = [w.sampling for w, k in zip(works, ks, strict=True) for _ in range(k + 1)]
+        draws = torch.tensor([uniform(w.sampling.seed, w.end + j, Purpose.SAMPLE)
+                              for w, k in zip(works, ks, strict=True) for j in range(k + 1)],
+                             dtype=torch.float64)
+        drawn = sample(row_probabilities(logits[index], row_params), draws).tolist()
+        decided = []
+        start = 0
+        for i, k in zip(rows, ks, strict=True):
+            a = 0
+            while a < k and proposal.tokens[i][a] == drawn[start + a]:
+                a += 1
+            decided.append((a, drawn[start + a]))
+            start += k + 1
         return decided
 
     @staticmethod

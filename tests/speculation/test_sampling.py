@@ -28,14 +28,14 @@ RUNS = 4000
 ALPHA = 1e-3
 
 
-def peaked_model(folder, seed):
+def peaked_model(folder, seed, hidden_size=32, peak=40.0):
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden_size, intermediate_size=64,
                          num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                          max_position_embeddings=64, tie_word_embeddings=False)
     model = LlamaForCausalLM(config).eval()
     with torch.no_grad():
-        model.lm_head.weight.mul_(40)  # peaked, distinct distributions
+        model.lm_head.weight.mul_(peak)  # peaked, distinct distributions
     model.save_pretrained(folder)
     return model
 
@@ -56,12 +56,15 @@ def exact_joint(model, params, prompt=PROMPT):
     return joint.flatten()
 
 
-def sampled_joint(target, draft, params, proposed=None, prompt=PROMPT, methods=""):
+def sampled_joint(target, draft, params, proposed=None, prompt=PROMPT, methods="",
+                  deterministic=False, outputs=None):
     """Counts of (x2, x3) over RUNS seeded requests; `proposed` collects
-    every token the draft proposed; methods: the model-free proposers on."""
+    every token the draft proposed; methods: the model-free proposers on;
+    outputs, a dict: each request's tokens, by seed."""
     engine = Engine(target, draft, None, EngineConfig(
         block_size=4, num_blocks=2048, max_num_seqs=256, max_step_tokens=2048,
-        spec_k=2, adaptive_k=False, spec_methods=methods))
+        spec_k=2 if draft is not None or methods else 0, adaptive_k=False, spec_methods=methods,
+        deterministic=deterministic))
     if proposed is not None:
         propose = engine.executor.proposer.propose
         engine.executor.proposer.propose = lambda scheduled: record(propose(scheduled), proposed)
@@ -69,7 +72,7 @@ def sampled_joint(target, draft, params, proposed=None, prompt=PROMPT, methods="
         engine.add_request(str(seed), prompt, SamplingParams(
             max_tokens=4, temperature=params.temperature, top_k=params.top_k,
             top_p=params.top_p, seed=seed, ignore_eos=True))
-    outputs = {}
+    outputs = {} if outputs is None else outputs
     while engine.has_unfinished():
         for out in engine.step():
             outputs.setdefault(out.request_id, []).extend(out.token_ids)
@@ -130,6 +133,34 @@ def test_speculative_sampling_preserves_the_target_distribution(tmp_path, params
     assert chi_square_p(speculative, exact) > ALPHA
     assert chi_square_p(plain, exact) > ALPHA
     assert chi_square_p(speculative, draft_exact) < ALPHA  # the test has power
+
+
+@pytest.mark.parametrize("params", PARAMS, ids=["plain", "top-k-top-p"])
+def test_coupled_acceptance_keeps_the_distribution_and_each_seed_its_tokens(tmp_path, params):
+    """engine.deterministic: a proposal is accepted while it equals the token
+    the seeded draw takes from the target's distribution at its position, so
+    each seed's tokens are those of sampling without speculation, and their
+    distribution is the target's; with a draft model and with prompt lookup.
+    (head_dim 32: the native attention kernel takes it.)"""
+    target_hf = peaked_model(tmp_path / "t", seed=0, hidden_size=64, peak=10.0)
+    peaked_model(tmp_path / "d", seed=1, hidden_size=64, peak=10.0)
+    target, draft = load_model(tmp_path / "t"), load_model(tmp_path / "d")
+    # prompt lookup: after any first token v, the context's n-grams propose 2, v + 1, 2, ...
+    lookup = [t for v in range(VOCAB) for t in (2, v)] + [2]
+    for proposer, methods, prompt in ((draft, "", PROMPT), (None, "ngram", lookup)):
+        exact = exact_joint(target_hf, params, prompt)
+        assert (exact > 0).sum() > 1  # the chi-square test has cells to tell
+        plain: dict = {}
+        counts, _ = sampled_joint(target, None, params, prompt=prompt, deterministic=True,
+                                  outputs=plain)
+        assert chi_square_p(counts, exact) > ALPHA
+        speculative: dict = {}
+        counts, engine = sampled_joint(target, proposer, params, prompt=prompt, methods=methods,
+                                       deterministic=True, outputs=speculative)
+        stats = engine.stats()
+        assert stats.drafted_tokens > RUNS and 0 < stats.accepted_tokens < stats.drafted_tokens
+        assert speculative == plain
+        assert chi_square_p(counts, exact) > ALPHA
 
 
 def test_seeded_draws_are_uniform_and_independent():
