@@ -95,7 +95,7 @@ class Daemon:
     def health(self) -> int:
         with grpc.insecure_channel(self.address) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
-            return int(stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status)
+            return int(stub.Check(health_pb2.HealthCheckRequest(), timeout=30).status)
 
     def stop(self, timeout: float = 60.0) -> int:
         if self.process.poll() is None:
