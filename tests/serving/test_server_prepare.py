@@ -33,7 +33,7 @@ from tests.support.checkpoints import tiny_checkpoint, tokenizer_pair
 from tests.support.inprocess import serving_engine
 
 CALLS = PREPARE_CONCURRENCY + 4
-STARTED_WAIT_S = 0.5  # how long a call may take to start preparing (only the test's pace)
+STARTED_WAIT_S = 0.5  # how long a call with no free thread is given to start one anyway
 RELEASE_TIMEOUT_S = 60.0  # a prepare that is never released fails the test
 
 
@@ -88,9 +88,14 @@ async def cancel_while_preparing(address: str, prepare: BlockingPrepare) -> None
         for i in range(CALLS):
             call = asyncio.create_task(client.complete([1, 2, 3], max_tokens=2,
                                                        request_id=f"r{i}"))
-            # cancelled once its prompt is being prepared, or after a while
-            # if none of the pool's threads is free to take it
-            await asyncio.to_thread(prepare.started.acquire, True, STARTED_WAIT_S)
+            # cancelled once its prompt is being prepared: the first ones take every
+            # thread, however long they take to get there; those after them find none
+            # free, and are cancelled after a while (if one started a prepare anyway,
+            # `most` counts it)
+            free = i < PREPARE_CONCURRENCY
+            started = await asyncio.to_thread(prepare.started.acquire, True,
+                                              RELEASE_TIMEOUT_S if free else STARTED_WAIT_S)
+            assert started or not free, f"r{i} never started preparing"
             call.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await call
