@@ -1,6 +1,7 @@
 """Start-up measurement of forward costs: sizes, the fitted curve, and an
 engine that measures before it serves (and serves exactly afterwards)."""
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -25,6 +26,13 @@ from tests.support.checkpoints import tiny_checkpoint
 def _own_cache(monkeypatch, tmp_path):
     """Each test measures, or reads only what it wrote itself."""
     monkeypatch.setenv("SPECPAGE_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def unbounded(monkeypatch) -> None:
+    """Engines measure every size, however long the machine takes: what the
+    start-up budget leaves out on a slow machine is tested on a fake clock."""
+    monkeypatch.setattr("specpage.executor.executor.measure",
+                        lambda runners, plan: measure(runners, plan, math.inf))
 
 
 def test_sizes_run_from_one_position_to_the_most_a_step_verifies():
@@ -76,7 +84,8 @@ def engine(models, draft: bool, **config) -> Engine:
     return Engine(target, other if draft else None, None, EngineConfig(**options))
 
 
-def test_an_adaptive_engine_measures_both_models_and_then_serves_exactly(models):
+def test_an_adaptive_engine_measures_both_models_and_then_serves_exactly(models, monkeypatch):
+    unbounded(monkeypatch)
     eng = engine(models, draft=True)
     policy = eng.policy
     assert policy.calibrated
@@ -173,6 +182,7 @@ def test_a_short_budget_leaves_out_repeats_then_sizes_and_starts_no_forward_past
 
 
 def test_a_second_engine_reads_the_costs_the_first_one_measured(models, monkeypatch):
+    unbounded(monkeypatch)  # a measurement the budget cut short would not be cached
     first = engine(models, draft=True)
     files = list((cost_cache.cache_dir() / "costs").glob("*.json"))
     assert len(files) == 1
