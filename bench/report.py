@@ -436,6 +436,22 @@ def deterministic(r: dict) -> list[str]:
     return rows
 
 
+def soak(r: dict) -> list[str]:
+    """The daemon's resident set and pool over a long mixed run."""
+    curve = ", ".join(f"{s['requests']}: {fmt(s['rss_mb'], 0)}" for s in r["samples"])
+    outcomes = ", ".join(f"{k} {v}" for k, v in sorted(r["outcomes"].items()))
+    after = r["after"]
+    return [f"| {r['requests']} mixed requests, {r['concurrency']} at a time: resident set "
+            f"(MB) by requests finished | {curve} | |",
+            f"| resident set growth, first half and second half of the run | "
+            f"{fmt(r['rss_growth_first_half_mb'], 1)} MB, "
+            f"{fmt(r['rss_growth_second_half_mb'], 1)} MB | |",
+            f"| pool once all ended: in use, tentative, cached, free | "
+            f"{fmt(after['blocks_in_use'], 0)}, {fmt(after['blocks_tentative'], 0)}, "
+            f"{fmt(after['blocks_cached'], 0)}, {fmt(after['blocks_free'], 0)} | |",
+            f"| outcomes | {outcomes} | |"]
+
+
 def rows(render: Callable[[dict], list[str]], result: dict) -> list[str]:
     try:
         return render(result)
@@ -450,7 +466,8 @@ SECTIONS = {"block_pool": block_pool, "model_runner": model_runner, "engine": en
             "quantization": quantization,
             "compile": compile_, "model_free": model_free, "model_free_t0.7": model_free,
             "model_free_replay": model_free_replay, "model_free_peers": model_free_peers,
-            "model_free_cost": model_free_cost, "deterministic": deterministic}
+            "model_free_cost": model_free_cost, "deterministic": deterministic,
+            "soak": soak}
 
 
 HAND_KEPT = "Recorded by hand"
