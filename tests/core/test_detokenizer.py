@@ -4,7 +4,7 @@ against the scanning detokenizer it replaced, on a byte-level toy vocabulary."""
 import random
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from specpage.core.detokenizer import PROMPT_CONTEXT, IncrementalDetokenizer
@@ -139,7 +139,7 @@ def first_hit(text, stops, start):
 token_ids = st.integers(0, len(ByteTokenizer.PIECES) - 1)
 
 
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     prompt=st.lists(token_ids, max_size=5),
     steps=st.lists(st.lists(token_ids, max_size=4), max_size=12),

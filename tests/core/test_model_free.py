@@ -6,7 +6,7 @@ of a sequence once it ends."""
 from collections import Counter
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from specpage.core.engine_config import EngineConfig
@@ -37,7 +37,7 @@ def brute_force_next(tokens, context, n_min, n_max):
     return None
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(texts, st.lists(st.integers(1, 7), max_size=10), st.integers(1, 3), st.integers(0, 2))
 def test_counts_added_piece_by_piece_equal_a_rescan(tokens, cuts, n_min, extra):
     n_max = n_min + extra
@@ -56,7 +56,7 @@ def test_counts_added_piece_by_piece_equal_a_rescan(tokens, cuts, n_min, extra):
         assert counts.next_token(context) == brute_force_next(tokens, context, n_min, n_max)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(texts, max_size=6), st.integers(0, 5))
 def test_removing_a_text_takes_out_exactly_its_counts(many, which):
     counts = NgramCounts(2, 4)
@@ -118,7 +118,7 @@ def test_a_request_can_keep_its_text_out_of_the_suffix_cache():
     assert proposer.suffix.num_tokens == 0
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.tuples(st.sampled_from([b"", b"a", b"b"]), texts), max_size=30),
        st.integers(4, 80))
 def test_the_suffix_cache_evicts_whole_texts_within_its_bound(adds, bound):

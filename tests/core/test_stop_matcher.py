@@ -2,7 +2,7 @@
 
 import random
 
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from specpage.core.stop_matcher import ROOT, StopAutomaton, StopMatcher, automaton_for
@@ -27,7 +27,7 @@ stop_lists = st.lists(st.text("abc", min_size=1, max_size=5), min_size=1, max_si
 edits = st.lists(st.tuples(st.integers(0, 3), st.text("abcd", max_size=6)), max_size=12)
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(stop_lists, edits)
 def test_matches_a_brute_force_search_as_the_text_grows_and_its_tail_changes(stops, edits):
     matcher = StopMatcher(StopAutomaton(stops))
