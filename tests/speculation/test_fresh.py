@@ -5,6 +5,7 @@ costs. Greedy requests decide alike with or without a seed."""
 
 from __future__ import annotations
 
+import math
 import random
 from pathlib import Path
 
@@ -63,8 +64,10 @@ def perturbed(noise: int | str):
             return 0.5 if (model, size) == (0, 1) else 1.5
         return rng.uniform(0.5, 1.5)
 
-    def noisy(*args, **kwargs):
-        results = measure(*args, **kwargs)
+    def noisy(runners, plan):
+        # every size measured, however long a busy machine takes (the start-up budget
+        # could otherwise leave the draft unmeasured, and the engine uncalibrated)
+        results = measure(runners, plan, math.inf)
         for model, result in enumerate(results):
             for size in result:
                 result[size] *= factor(model, size)
