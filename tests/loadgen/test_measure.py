@@ -21,6 +21,7 @@ import grpc
 import numpy as np
 import pytest
 
+from loadgen import selfcheck
 from loadgen.arrivals import arrival_offsets
 from loadgen.backend import RequestOptions, TargetOptions
 from loadgen.client import Client
@@ -31,7 +32,6 @@ from loadgen.prompts import TokenPrompts
 from loadgen.record import RequestRecord
 from loadgen.runner import RunCounters, run_closed_loop, run_open_loop
 from loadgen.schedule import Bounds, closed_loop_specs, plan_open_loop
-from loadgen import selfcheck
 from loadgen.selfcheck import SelfCheck, run_selfcheck
 from loadgen.slo import parse_slo
 from loadgen.workload import CancelPolicy, Workload
