@@ -160,15 +160,17 @@ def native_product(weight: torch.Tensor, packed: PackedWeight, rows: int) -> Pro
 #   rows: each output's dot product runs along the weight's row in one
 #   order whatever the rows (kernels/cpu/bf16_gemv.cpp);
 # - bf16 where neither that kernel nor oneDNN runs it, on torch's own
-#   product, which sums each output along its row alone;
+#   product as cpu_linear takes it (few_rows_linear), which sums each output
+#   along its row alone in both of its forms;
 # - every other product in tiles of INVARIANT_TILE rows, the last one padded
-#   with zero rows: BLAS and oneDNN then always see one shape, so one
-#   kernel and one summation order, which does not depend on where in
-#   the tile a row sits.
+#   with zero rows, as weight @ tile.T: BLAS then always sees one shape, so
+#   one kernel and one summation order, which does not depend on where in
+#   the tile a row sits (measured: the tests below check it on the CPU they
+#   run on; x @ weight.T in tiles of 2 did depend on it for a 64 x 211 weight).
 # int4 layers keep their own kernels (layers/quant.py). tests/layers/
 # test_row_invariance.py checks every way against each row computed alone.
 GEMV_MAX_PASS = 16  # bf16_gemv's most rows a call
-INVARIANT_TILE = 16
+INVARIANT_TILE = 4  # a decode step's one row costs four; a large weight's read dominates
 
 
 class _Mode(threading.local):
@@ -204,12 +206,15 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
                        for r in range(0, rows, GEMV_MAX_PASS)]) if rows else x.new_empty(
             0, weight.shape[0])
     elif weight.dtype == torch.bfloat16 and not _onednn_usable(torch.bfloat16):
-        y = F.linear(x, weight)  # torch's own bf16 product: one order per output
+        # torch's own bf16 product, in either of few_rows_linear's forms: one
+        # order per output
+        y = few_rows_linear(x, weight)
     else:
         padded = cdiv(rows, INVARIANT_TILE) * INVARIANT_TILE
         if padded != rows:
             x = torch.cat([x, x.new_zeros(padded - rows, x.shape[1])])
-        y = torch.cat([F.linear(x[r : r + INVARIANT_TILE], weight)
+        # weight @ tile.T: BLAS's fast form for few columns (few_rows_linear's)
+        y = torch.cat([(weight @ x[r : r + INVARIANT_TILE].T).T
                        for r in range(0, padded, INVARIANT_TILE)])[:rows]
     return y if bias is None else y + bias
 

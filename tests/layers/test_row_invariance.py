@@ -23,7 +23,8 @@ from specpage.models.loader import load_model
 from tests.support.checkpoints import tiny_checkpoint
 
 ROWS = (1, 2, 3, 5, 8, 9, 16, 17, 24, 33, 65, 130)
-SHAPES = ((576, 1536), (1536, 576), (128, 256))  # (in, out)
+# (in, out): SmolLM2's projections, a vocabulary projection's tall shape, a tiny one
+SHAPES = ((576, 1536), (1536, 576), (576, 8192), (128, 256), (64, 211))
 
 
 def each_row_alone(product, x: torch.Tensor) -> None:
@@ -44,7 +45,7 @@ def test_dense_products_compute_each_row_as_if_alone(dtype, shape):
         each_row_alone(layer, x)
 
 
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("shape", [s for s in SHAPES if s[1] % 16 == 0])  # int4's outputs
 def test_int4_products_compute_each_row_as_if_alone(shape):
     torch.manual_seed(0)
     n_in, n_out = shape
