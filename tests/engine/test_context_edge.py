@@ -26,8 +26,7 @@ from specpage.core.request import SamplingParams, ValidationError
 from specpage.core.span import Span
 from specpage.engine import Engine, EngineConfig
 from specpage.executor.model_runner import ModelRunner
-from specpage.models.loader import draft_dtype, load_model
-from tests.support.checkpoints import tiny_checkpoint
+from tests.support.checkpoints import models_by_dtype, tiny_checkpoint
 from tests.support.head import tiny_head
 
 K = 3  # the engine's proposals at most, and a forced request's k
@@ -55,20 +54,7 @@ def root(tmp_path_factory):
 @pytest.fixture(scope="module")
 def loaded(root):
     """Each dtype's models, loaded once: {dtype: (target, {draft: model})}."""
-    cache: dict = {}
-
-    def get(dtype: str):
-        if dtype not in cache:
-            chosen = {"fp32": None, "bf16": "bf16", "q4": None}[dtype]
-            quantization = "q4" if dtype == "q4" else None
-            target = load_model(root / "target", chosen, quantization=quantization)
-            drafts = {name: load_model(root / name, draft_dtype(chosen, target),
-                                       quantization=quantization)
-                      for name in ("draft", "head")}
-            cache[dtype] = (target, drafts)
-        return cache[dtype]
-
-    return get
+    return models_by_dtype(root)
 
 
 def make_engine(loaded, dtype: str, draft: str | None, **config) -> Engine:

@@ -18,7 +18,7 @@ from transformers import (
 from specpage.core.block_pool import BlockPool
 from specpage.core.span import Span
 from specpage.models.fetch import ensure_model
-from specpage.models.loader import load_model
+from specpage.models.loader import draft_dtype, load_model
 
 FAMILIES = {
     "llama": (LlamaConfig, LlamaForCausalLM),
@@ -110,3 +110,22 @@ def greedy_through_pool(runner, prompts, max_new, chunk, block_size):
             outputs[i].append(token)
     pool.check_integrity()
     return [outputs[i] for i in range(len(prompts))]
+
+
+def models_by_dtype(root: Path, drafts: tuple[str, ...] = ("draft", "head")):
+    """A getter of root/target and each root/<draft> loaded in a dtype
+    ("fp32", "bf16" or "q4"), each dtype loaded once: dtype -> (target,
+    {draft: model})."""
+    cache: dict = {}
+
+    def get(dtype: str):
+        if dtype not in cache:
+            chosen = {"fp32": None, "bf16": "bf16", "q4": None}[dtype]
+            quantization = "q4" if dtype == "q4" else None
+            target = load_model(root / "target", chosen, quantization=quantization)
+            cache[dtype] = (target, {name: load_model(root / name, draft_dtype(chosen, target),
+                                                      quantization=quantization)
+                                     for name in drafts})
+        return cache[dtype]
+
+    return get
