@@ -426,8 +426,8 @@ def deterministic(r: dict) -> list[str]:
         for job, c in jobs.items():
             ours = r["systems"][system][job]["tok_s"]
             rows.append(f"| {system.removesuffix('_deterministic')}, {names.get(job, job)}, "
-                        f"deterministic | {spread(ours)} tok/s | {verdict(c['tok_s'])} the "
-                        "default's speed |")
+                        f"deterministic | {spread(ours)} tok/s | against the default: "
+                        f"{verdict(c['tok_s'])} |")
         same = r["outputs_vs_default"][system]
         again = r["outputs_between_rounds"][system]
         rows.append(f"| {system}: greedy answers | {again['exact']} of {again['prompts']} the "
