@@ -109,6 +109,10 @@ class PackedWeight:
 # weight packed once more into panels of outputs (bound by the multiplies).
 # oneDNN's prepacked product takes more rows. The bounds are where each was
 # measured fastest (docs/BENCHMARKS.md, "CPU products: native bf16 kernels").
+# Where the CPU has AMX, oneDNN runs bf16 on its tiles and beats the panels
+# at every row count past the few-row kernel's (2.3x at 32 rows, 3.8x at 64
+# with SmolLM2-135M's layers; the same section), so there no product takes
+# the panels.
 GEMV_MAX_ROWS = 8
 PANELS_MAX_ROWS = 64
 
@@ -128,7 +132,7 @@ def panels_take(weight: torch.Tensor, rows: int) -> bool:
     return (GEMV_MAX_ROWS < rows <= PANELS_MAX_ROWS and weight.dtype == torch.bfloat16
             and weight.device.type == "cpu" and weight.shape[0] % 16 == 0
             and weight.shape[1] % 2 == 0 and weight.is_contiguous()
-            and bf16_kernels() is not None)
+            and bf16_kernels() is not None and not cpu.has_amx())
 
 
 @functools.cache

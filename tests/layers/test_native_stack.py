@@ -15,6 +15,7 @@ import torch
 from specpage.attention.cpu import NATIVE_SPAN
 from specpage.core.span import Span
 from specpage.executor.model_runner import ModelRunner
+from specpage.kernels.cpu import features as cpu
 from specpage.layers import native_stack, quant
 from specpage.layers.products import bf16_kernels
 from specpage.layers.quant import DENSE_FROM_ROWS, INT8X_DENSE_FROM_ROWS, keeps_dense_copy
@@ -94,14 +95,15 @@ def test_the_direct_loop_gives_the_modules_logits_and_kv(
         "verify 5": [Span([9, 8, 7, 6, 5], 40, table(1), 5)],
         "verify 2 + decode 2": [Span([9, 8], 40, table(0), 2), Span([5], 40, table(1)),
                                 Span([4], 40, table(2))],
-        "decode 20": [Span([7 + s], 40, table(s)) for s in range(20)],  # the panel kernel
+        "decode 20": [Span([7 + s], 40, table(s)) for s in range(20)],  # panels (oneDNN on AMX)
         "decode 66": [Span([7 + s], 40, table(s)) for s in range(66)],  # oneDNN
     }[shape]
     rows = sum(len(s.token_ids) for s in spans)
     plan = runner.model.stack_plan(rows)
     assert plan is not None  # the native call applies to these rows
     expected = {1: native_stack.GEMV, 3: native_stack.GEMV, 5: native_stack.GEMV,
-                4: native_stack.GEMV, 20: native_stack.PANELS, 66: native_stack.ONEDNN}[rows]
+                4: native_stack.GEMV, 66: native_stack.ONEDNN,
+                20: native_stack.ONEDNN if cpu.has_amx() else native_stack.PANELS}[rows]
     if quantization is None or (quantization == "q4 bf16 products" and rows >= DENSE_FROM_ROWS):
         assert plan.kinds[0] == expected
     elif quantization == "q4" and quant.int8x_kernels():

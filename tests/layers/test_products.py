@@ -66,7 +66,8 @@ gemv = pytest.mark.skipif(bf16_kernels() is None, reason="no AVX-512 BF16 kernel
 def test_few_bf16_rows_on_the_native_kernel_give_f_linear(rows, out, inputs):
     """bf16 products of up to GEMV_MAX_ROWS rows run on the native kernel
     (fp32 sums of exact bf16 products, then rounded): F.linear's result in
-    fp32, rounded to bf16, within a bf16 step of the output's size."""
+    fp32, rounded to bf16, within a bf16 step of the output's size. More
+    rows take the panels, or oneDNN where the CPU has AMX."""
     torch.manual_seed(rows + out)
     x = torch.randn(rows, inputs).bfloat16()
     weight, bias = (torch.randn(out, inputs) * 0.05).bfloat16(), torch.randn(out).bfloat16()
@@ -74,7 +75,10 @@ def test_few_bf16_rows_on_the_native_kernel_give_f_linear(rows, out, inputs):
     gemv_op = bf16_kernels().bf16_gemv.default  # type: ignore[union-attr]
     with torch.inference_mode():
         call = native_product(weight, packed, rows)  # what cpu_linear runs for bf16 x
-        assert call is not None and (call[0] == gemv_op) == (rows <= GEMV_MAX_ROWS)
+        if rows <= GEMV_MAX_ROWS:
+            assert call is not None and call[0] == gemv_op
+        else:
+            assert (call is None) == cpu.has_amx() and (call is None or call[0] != gemv_op)
         ours = cpu_linear(x, weight, bias, packed)
     ref = torch.nn.functional.linear(x.float(), weight.float()) + bias.float()
     assert ours.shape == (rows, out) and ours.dtype == torch.bfloat16
@@ -85,24 +89,31 @@ def test_few_bf16_rows_on_the_native_kernel_give_f_linear(rows, out, inputs):
 @pytest.mark.parametrize("rows", [9, 17, 24, 31, 64])
 @pytest.mark.parametrize(("out", "inputs"), [(208, 96), (224, 64), (576, 1536)])
 def test_a_few_dozen_bf16_rows_on_the_panel_kernel_give_f_linear(rows, out, inputs):
-    """Past GEMV_MAX_ROWS, up to PANELS_MAX_ROWS bf16 rows run on the panel
-    kernel (panels of 48 outputs, the last one 16 or 32 here): F.linear's
-    result in fp32, rounded to bf16, within a bf16 step of the output's size;
-    the panels are packed once per weight."""
+    """The panel kernel (panels of 48 outputs, the last one 16 or 32 here)
+    gives F.linear's result in fp32, rounded to bf16, within a bf16 step of
+    the output's size; the panels are packed once per weight. Past
+    GEMV_MAX_ROWS, up to PANELS_MAX_ROWS bf16 rows run on it where the CPU
+    has no AMX; with AMX oneDNN takes them (its tiles beat the panels)."""
     torch.manual_seed(rows + out)
     x = torch.randn(rows, inputs).bfloat16()
     weight, bias = (torch.randn(out, inputs) * 0.05).bfloat16(), torch.randn(out).bfloat16()
     packed = PackedWeight()
-    panels_op = bf16_kernels().bf16_panels_product.default  # type: ignore[union-attr]
+    kernels = bf16_kernels()
+    panels_op = kernels.bf16_panels_product.default  # type: ignore[union-attr]
     with torch.inference_mode():
         call = native_product(weight, packed, rows)  # what cpu_linear runs for bf16 x
-        assert call is not None and call[0] == panels_op and panels_take(weight, rows)
-        ours = cpu_linear(x, weight, bias, packed)
+        if cpu.has_amx():
+            assert call is None and not panels_take(weight, rows)
+        else:
+            assert call is not None and call[0] == panels_op and panels_take(weight, rows)
+        dispatched = cpu_linear(x, weight, bias, packed)
         panels = packed.panels(weight)
         assert packed.panels(weight) is panels
+        ours = kernels.bf16_panels_product(x, panels, out) + bias  # type: ignore[union-attr]
     ref = torch.nn.functional.linear(x.float(), weight.float()) + bias.float()
-    assert ours.shape == (rows, out) and ours.dtype == torch.bfloat16
-    assert float((ours.float() - ref).abs().max()) <= float(ref.abs().max()) * 2**-7
+    for y in (ours, dispatched):
+        assert y.shape == (rows, out) and y.dtype == torch.bfloat16
+        assert float((y.float() - ref).abs().max()) <= float(ref.abs().max()) * 2**-7
     assert not panels_take(weight, PANELS_MAX_ROWS + 1)
 
 

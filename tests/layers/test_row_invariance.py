@@ -63,7 +63,7 @@ def test_the_q8_head_computes_each_row_as_if_alone():
         pytest.skip("the Q8_0 head runs on the native int4 kernels, which need AVX-512 BF16")
     torch.manual_seed(0)
     head = Q8Head(torch.randint(-127, 128, (256, 128), dtype=torch.int8),
-                  torch.rand(256, 4) / 100)
+                  (torch.rand(256, 4) / 100).half().float())  # float16 values, as Q8_0 holds
     x = torch.randn(max(ROWS), 128).bfloat16()
     with torch.inference_mode(), row_invariant(True):
         assert head.takes(x)  # every row count: the dense head never takes some
