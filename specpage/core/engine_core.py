@@ -191,6 +191,7 @@ class EngineCore:
                 _keep_prompt_logprobs(entry.seq, done.prompt_logprobs)
             ledger.apply(self.pool, entry.seq, entry.num_new, entry.k, done,
                          self._rules(entry.speculation))
+            self.model_free.index(entry.seq)
         outputs = []
         for seq in plan.dropped:
             reason = seq.finish_reason or FinishReason.ABORT

@@ -130,14 +130,28 @@ class ModelFreeProposer:
             self.suffix.add(request.cache_salt,
                             seq.token_ids[max(0, seq.num_prompt - self.n_max):])
 
-    def _context(self, seq: Sequence) -> NgramCounts:
-        """seq's own n-gram counts, with the tokens added since last time."""
+    def index(self, seq: Sequence) -> None:
+        """Bring seq's own n-gram counts up to its committed tokens, as a step
+        commits them: a prompt is counted in by the steps that compute it,
+        chunk by chunk, rather than all at once by the first step that
+        decodes it (where, at 32 streams of 2,000-token prompts, it was
+        most of the proposers' cost: docs/BENCHMARKS.md, model_free_cost).
+        Nothing for a sequence that cannot propose from its context."""
+        if Method.NGRAM in self.methods and seq.request.spec_k != 0:
+            # (a step that ends a sequence inside an accepted run computed
+            # positions past the tokens it keeps)
+            self._context(seq, min(seq.num_computed, seq.num_tokens))
+
+    def _context(self, seq: Sequence, end: int | None = None) -> NgramCounts:
+        """seq's own n-gram counts, with the tokens added since last time (up
+        to end; all of them if not given)."""
+        end = seq.num_tokens if end is None else end
         entry = self.contexts.get(seq.seq_id)
         counts, indexed = entry if entry is not None else (
             NgramCounts(self.n_min, self.n_max), 0)
-        if indexed < seq.num_tokens:
-            self.num_counted += counts.add(seq.token_ids, indexed)
-            self.contexts[seq.seq_id] = (counts, seq.num_tokens)
+        if indexed < end:
+            self.num_counted += counts.add(seq.token_ids, indexed, end)
+            self.contexts[seq.seq_id] = (counts, end)
         return counts
 
 

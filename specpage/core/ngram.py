@@ -106,11 +106,12 @@ class NgramCounts:
             {} for _ in range(n_max - n_min + 1)]
         self.num_entries = 0  # (n-gram, follower) pairs held: the memory they take
 
-    def add(self, tokens: Seq[int], start: int) -> int:
-        """Count the followers at positions start.. of tokens (each after the
-        n-grams ending just before it). Returns the counts made."""
+    def add(self, tokens: Seq[int], start: int, end: int | None = None) -> int:
+        """Count the followers at positions start..end - 1 of tokens (each
+        after the n-grams ending just before it; end: all of them). Returns
+        the counts made."""
         made = 0
-        for position in range(max(start, self.n_min), len(tokens)):
+        for position in range(max(start, self.n_min), len(tokens) if end is None else end):
             follower = tokens[position]
             for n, table in enumerate(self.tables, start=self.n_min):
                 if n > position:

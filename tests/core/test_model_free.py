@@ -3,17 +3,23 @@ n-gram counts against a brute-force reference, the work they do per step,
 the suffix cache's bound and its isolation by cache salt, and nothing left
 of a sequence once it ends."""
 
+import random
 from collections import Counter
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from specpage.core.block_pool import BlockPool
 from specpage.core.engine_config import EngineConfig
-from specpage.core.model_free import Method, ModelFreeProposer, Speculation
+from specpage.core.engine_core import EngineCore
+from specpage.core.model_free import NO_SPECULATION, Method, ModelFreeProposer, Speculation
 from specpage.core.ngram import COUNT_CAP, SHRINK, Evidence, NgramCounts
+from specpage.core.policy import SpecPolicy
+from specpage.core.proposer_rules import NO_MODEL
 from specpage.core.request import FinishReason, Request, SamplingParams, Sequence
 from specpage.core.suffix_cache import SuffixCache
+from tests.core.test_core_stateful import EOS, FakeExecutor
 
 texts = st.lists(st.integers(0, 5), max_size=60)
 
@@ -197,3 +203,34 @@ def sequence(tokens, seq_id=0, salt=b"", params=None, output=()):
     seq = Sequence(seq_id, request, 0, list(tokens) + list(output))
     request.sequences.append(seq)
     return seq
+
+
+def test_a_prompt_is_counted_in_by_the_steps_that_compute_it():
+    """Prompt lookup's counts follow the committed tokens: a prompt
+    prefilled in chunks is counted in chunk by chunk by the steps that
+    compute it, so a decoding step counts only the tokens it adds, however
+    long the prompt (counted operations, not time); nothing stays once the
+    request ends."""
+    config = EngineConfig(block_size=4, num_blocks=64, max_num_seqs=4, max_step_tokens=8,
+                          spec_ngram_min=2, spec_ngram_max=4, spec_model_free_k=4)
+    policy = SpecPolicy(0, NO_MODEL, adaptive=False, model_free_k=4)
+    core = EngineCore(config, BlockPool(64, 4), policy, 64, eos_token_ids=(EOS,))
+    core.scheduler.speculate = lambda seq, batch: NO_SPECULATION  # sampled tokens only
+    executor = FakeExecutor(random.Random(0))
+    prompt = [(7 * i) % 13 + 1 for i in range(20)]
+    core.submit(Request("r", tuple(prompt), SamplingParams(max_tokens=6, temperature=0.0)))
+    proposer, seq = core.model_free, core.scheduler.waiting[0][1]
+    for computed in (8, 16):  # chunks of max_step_tokens
+        core.apply(executor.execute(core.schedule()))
+        assert proposer.contexts[seq.seq_id][1] == seq.num_computed == computed
+    whole = NgramCounts(2, 4)
+    whole.add(prompt, 0)
+    core.apply(executor.execute(core.schedule()))  # the prompt's last 4, and a token
+    counts, indexed = proposer.contexts[seq.seq_id]
+    assert indexed == seq.num_computed == 20 and counts.tables == whole.tables
+    before = proposer.num_counted
+    core.apply(executor.execute(core.schedule()))  # a decoding step: one token in
+    assert proposer.num_counted - before == 3  # one count per n-gram length
+    while core.has_unfinished():
+        core.apply(executor.execute(core.schedule()))
+    assert proposer.contexts == {}
