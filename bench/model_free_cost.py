@@ -12,13 +12,14 @@ prompts, bench/workloads/grounded.jsonl) and a question of its own, so the
 prefix cache spares most of the prefill; the proposers index every
 sequence's whole context all the same (they count what each sequence holds,
 not what the pool computed). The wrapped calls are timed with the step they
-run in: ModelFreeProposer.propose (lookup and upkeep) and .end (the suffix
-cache's insert and evictions), SpecPolicy.speculate (the choice), and
-Engine.step (the whole step). Half of the requests finish before the other
+run in: ModelFreeProposer.propose (lookup and upkeep), .index (a step's
+committed tokens counted in, prompts by the steps that compute them) and
+.end (the suffix cache's insert and evictions), SpecPolicy.speculate (the
+choice), and Engine.step (the whole step). Half of the requests finish before the other
 half starts, so the second half runs against a suffix cache that holds the
 first's texts. The figures are shares of the decoding steps' time (steps
-in which no prompt is computed; a sequence's first lookup, which indexes
-its whole context, falls in one); a share does not depend on how fast the
+in which no prompt is computed), and of every step's (prefill included,
+where a prompt is counted in); a share does not depend on how fast the
 machine is as a time would.
 """
 
@@ -82,6 +83,7 @@ def main() -> None:
     propose = core.model_free.propose = Timed(core.model_free.propose)
     end = core.model_free.end = Timed(core.model_free.end)
     speculate = core.policy.speculate = Timed(core.policy.speculate)
+    index = core.model_free.index = Timed(core.model_free.index)
     params = SamplingParams(max_tokens=decode, temperature=0.0, ignore_eos=True)
 
     def prompt(i: int) -> list[int]:
@@ -92,10 +94,11 @@ def main() -> None:
     while engine.has_unfinished():
         engine.step()
     scheduler = core.scheduler
-    timed = (propose, end, speculate)
-    spent = [0.0, 0.0, 0.0]  # in decoding steps: propose, end, speculate
-    step_seconds = 0.0
+    timed = (propose, end, speculate, index)
+    spent = [0.0, 0.0, 0.0, 0.0]  # in decoding steps: propose, end, speculate, index
+    step_seconds = all_seconds = 0.0
     steps = 0
+    at_start = [t.seconds for t in timed]
     for half in range(2):
         for i in range(streams // 2 * half, streams // 2 * (half + 1)):
             engine.add_request(f"r{i}", prompt(i), params)
@@ -106,19 +109,25 @@ def main() -> None:
             before = [t.seconds for t in timed]
             start = time.perf_counter()
             engine.step()
+            all_seconds += time.perf_counter() - start
             if decoding:
                 step_seconds += time.perf_counter() - start
                 steps += 1
                 for j, t in enumerate(timed):
                     spent[j] += t.seconds - before[j]
     stats = engine.stats()
-    upkeep = spent[0] + spent[1]
+    upkeep = spent[0] + spent[1] + spent[3]
+    in_all = [t.seconds - first for t, first in zip(timed, at_start, strict=True)]
     result = {
         "machine": machine(), "streams": streams, "context_tokens": len(prompt(0)),
         "decode_tokens": decode, "decoding_steps": steps, "step_seconds": step_seconds,
         "matching_and_upkeep_share": upkeep / step_seconds,
         "propose_share": spent[0] / step_seconds, "end_share": spent[1] / step_seconds,
-        "policy_share": spent[2] / step_seconds,
+        "policy_share": spent[2] / step_seconds, "index_share": spent[3] / step_seconds,
+        # every step, the prompts' prefill included: where prompts are counted in
+        "all_steps_seconds": all_seconds,
+        "all_steps_upkeep_share": (in_all[0] + in_all[1] + in_all[3]) / all_seconds,
+        "all_steps_index_share": in_all[3] / all_seconds,
         "counts_made": core.model_free.num_counted,
         "suffix_cache_tokens": stats.suffix_cache_tokens,
         "drafted": stats.drafted_tokens, "accepted": stats.accepted_tokens,

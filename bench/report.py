@@ -415,7 +415,10 @@ def model_free_cost(r: dict) -> list[str]:
             f"{r['context_tokens']}-token contexts | {fmt(100 * share)}% of the decoding steps' "
             f"time (lookups {fmt(100 * r['propose_share'])}%, suffix cache inserts "
             f"{fmt(100 * r['end_share'])}%, the policy's choice "
-            f"{fmt(100 * r['policy_share'], 3)}%) | |"]
+            f"{fmt(100 * r['policy_share'], 3)}%) | |"] + ([
+        f"| the same, every step (prefill included, where prompts are counted in) | "
+        f"{fmt(100 * r['all_steps_upkeep_share'])}% (counting prompts in "
+        f"{fmt(100 * r['all_steps_index_share'])}%) | |"] if "all_steps_upkeep_share" in r else [])
 
 
 def deterministic(r: dict) -> list[str]:
