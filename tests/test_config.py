@@ -127,6 +127,7 @@ def test_env_errors_name_the_variable(env: dict[str, str], message: str) -> None
         ({"port": 1}, "override: unknown key 'port'"),
         ({"srever.port": 1}, "override: unknown key 'srever.port'"),
         ({"engine.spec_k": "many"}, "override: 'engine.spec_k': Expected `int`, got `str`"),
+        ({"engine.spec_ngram_max": 33}, "engine.spec_ngram_max must be at most 32, got 33"),
     ],
 )
 def test_override_errors_name_the_key(overrides: dict[str, object], message: str) -> None:

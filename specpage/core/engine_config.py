@@ -10,6 +10,7 @@ from __future__ import annotations
 import msgspec
 
 from specpage.core.config_error import require
+from specpage.core.ngram import MAX_NGRAM
 from specpage.core.request import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, StopLimits
 
 # Fraction of the pool kept free when admitting a request while others run,
@@ -64,6 +65,8 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 f"{', '.join(MODEL_FREE_METHODS)}", self.spec_methods)
         require(1 <= self.spec_ngram_min <= self.spec_ngram_max,
                 "engine.spec_ngram_min must be in 1..spec_ngram_max", self.spec_ngram_min)
+        require(self.spec_ngram_max <= MAX_NGRAM,
+                f"engine.spec_ngram_max must be at most {MAX_NGRAM}", self.spec_ngram_max)
         require(self.spec_model_free_k >= 0, "engine.spec_model_free_k must be >= 0",
                 self.spec_model_free_k)
         require(self.spec_suffix_cache_tokens >= 0,

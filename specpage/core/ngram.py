@@ -68,6 +68,13 @@ class Followers:
         self.total = 1
         self.best = token
 
+    @classmethod
+    def pair(cls, first: int, second: int) -> Followers:
+        """What followed an n-gram seen twice: first, then second."""
+        followers = cls(first)
+        followers.add(second)
+        return followers
+
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Followers) and self.counts == other.counts
 
@@ -93,16 +100,29 @@ class Followers:
         return int(count == 0)
 
 
+# An n-gram's key is its tokens packed into one integer, BITS apiece, the
+# latest lowest: built a token at a time for n = 1, 2, ... ending at the same
+# place, with no tuple made (a prompt's counting is most of the proposers'
+# cost: docs/BENCHMARKS.md, model_free_cost). Exact for token ids below
+# 2**BITS (every vocabulary specpage loads); larger ids would alias n-grams,
+# which costs proposals, never outputs (verification decides).
+BITS = 21
+MAX_NGRAM = 32  # the longest n-gram matched (engine.spec_ngram_max at most)
+_MASKS = [(1 << (BITS * n)) - 1 for n in range(MAX_NGRAM + 1)]  # an n-gram's key in a longer one's
+
+
 class NgramCounts:
-    """n-gram -> {follower: count} for n in n_min..n_max."""
+    """n-gram -> {follower: count} for n in n_min..n_max. An n-gram seen
+    once maps to its follower alone (most of a text's longer n-grams occur
+    once), one seen more often to its Followers."""
 
     __slots__ = ("n_min", "n_max", "tables", "num_entries")
 
     def __init__(self, n_min: int, n_max: int) -> None:
         assert 1 <= n_min <= n_max, (n_min, n_max)
         self.n_min, self.n_max = n_min, n_max
-        # per n (index n - n_min): n-gram -> what followed it
-        self.tables: list[dict[tuple[int, ...], Followers]] = [
+        # per n (index n - n_min): n-gram key -> what followed it
+        self.tables: list[dict[int, int | Followers]] = [
             {} for _ in range(n_max - n_min + 1)]
         self.num_entries = 0  # (n-gram, follower) pairs held: the memory they take
 
@@ -110,17 +130,22 @@ class NgramCounts:
         """Count the followers at positions start..end - 1 of tokens (each
         after the n-grams ending just before it; end: all of them). Returns
         the counts made."""
-        made = 0
-        for position in range(max(start, self.n_min), len(tokens) if end is None else end):
+        made, n_min, n_max, tables = 0, self.n_min, self.n_max, self.tables
+        for position in range(max(start, n_min), len(tokens) if end is None else end):
             follower = tokens[position]
-            for n, table in enumerate(self.tables, start=self.n_min):
-                if n > position:
-                    break
-                key = tuple(tokens[position - n : position])
+            key = 0
+            for n in range(1, min(n_max, position) + 1):
+                key |= tokens[position - n] << (BITS * (n - 1))
+                if n < n_min:
+                    continue
+                table = tables[n - n_min]
                 entry = table.get(key)
                 if entry is None:
-                    table[key] = Followers(follower)
+                    table[key] = follower
                     self.num_entries += 1
+                elif isinstance(entry, int):
+                    table[key] = Followers.pair(entry, follower)
+                    self.num_entries += entry != follower
                 else:
                     self.num_entries += entry.add(follower)
                 made += 1
@@ -128,26 +153,40 @@ class NgramCounts:
 
     def remove(self, tokens: Seq[int]) -> None:
         """Take out the counts `add(tokens, 0)` made."""
-        for position in range(self.n_min, len(tokens)):
+        n_min, n_max, tables = self.n_min, self.n_max, self.tables
+        for position in range(n_min, len(tokens)):
             follower = tokens[position]
-            for n, table in enumerate(self.tables, start=self.n_min):
-                if n > position:
-                    break
-                key = tuple(tokens[position - n : position])
+            key = 0
+            for n in range(1, min(n_max, position) + 1):
+                key |= tokens[position - n] << (BITS * (n - 1))
+                if n < n_min:
+                    continue
+                table = tables[n - n_min]
                 entry = table[key]
-                self.num_entries -= entry.remove(follower)
-                if not entry.total:
+                if isinstance(entry, int):
                     del table[key]
+                    self.num_entries -= 1
+                    continue
+                self.num_entries -= entry.remove(follower)
+                if entry.total == 1:
+                    table[key] = next(iter(entry.counts))
 
     def next_token(self, context: Seq[int]) -> tuple[int, float, Evidence] | None:
         """The likeliest follower of the longest n-gram ending context that
         occurred: (token, confidence, evidence), or None."""
-        for n in range(min(self.n_max, len(context)), self.n_min - 1, -1):
-            entry = self.tables[n - self.n_min].get(tuple(context[len(context) - n :]))
-            if entry is not None:
-                count = entry.counts[entry.best]
-                return entry.best, count / (entry.total + SHRINK), Evidence(
-                    n, min(count, COUNT_CAP), count == entry.total)
+        longest, end = min(self.n_max, len(context)), len(context)
+        key = 0
+        for back in range(longest, 0, -1):  # the longest n-gram's key, oldest token first
+            key = key << BITS | context[end - back]
+        for n in range(longest, self.n_min - 1, -1):
+            entry = self.tables[n - self.n_min].get(key & _MASKS[n])
+            if entry is None:
+                continue
+            if isinstance(entry, int):
+                return entry, 1 / (1 + SHRINK), Evidence(n, 1, True)
+            count = entry.counts[entry.best]
+            return entry.best, count / (entry.total + SHRINK), Evidence(
+                n, min(count, COUNT_CAP), count == entry.total)
         return None
 
     def continuation(self, context: Seq[int], length: int) -> Continuation:
