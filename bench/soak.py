@@ -20,10 +20,14 @@ some with a shared system prefix, are of these kinds:
 - http: the same as plain through the OpenAI API, streamed.
 
 Every `--every` finished requests it records the daemon's resident set
-(VmRSS, from /proc) and the pool's blocks by state and the running and
-waiting counts (from the metrics endpoint). Headline: the resident set's growth over
-the second half of the run against the first, and whether the pool came
-back whole (no block in use, none tentative) once all had ended.
+(VmRSS, from /proc) and the pool's blocks by state, the running and
+waiting counts and the suffix cache's tokens (from the metrics endpoint).
+Headline: the resident set's growth over the second half of the run
+against the first, and whether the pool came back whole (no block in use,
+none tentative) once all had ended. The suffix cache and the prefix
+cache's blocks fill towards their bounds (engine.spec_suffix_cache_tokens,
+the pool) while the run goes on: the resident set levels off once both
+are full.
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ PREFIX = ("You are a careful assistant. Answer briefly and plainly, in full sent
 STARTUP_TIMEOUT_S = 900.0
 BLOCKS = re.compile(r'^specpage_kv_blocks\{state="(\w+)"\} (\S+)$', re.M)
 GAUGE = re.compile(r"^specpage_requests_(running|waiting) (\S+)$", re.M)
+SUFFIX = re.compile(r"^specpage_(suffix_cache_tokens) (\S+)$", re.M)
 
 
 def rss_mb(pid: int) -> float:
@@ -72,7 +77,7 @@ def scrape(metrics: str) -> dict[str, float]:
     with urllib.request.urlopen(f"{metrics}/metrics", timeout=30) as response:
         text = response.read().decode()
     found = {f"blocks_{state}": float(value) for state, value in BLOCKS.findall(text)}
-    found.update({name: float(value) for name, value in GAUGE.findall(text)})
+    found.update({name: float(value) for name, value in GAUGE.findall(text) + SUFFIX.findall(text)})
     return found
 
 

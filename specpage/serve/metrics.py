@@ -55,6 +55,7 @@ class EngineStatsLike(Protocol):
     sequences_without_draft: int
     # method -> (drafted, accepted, accepted_by_position), cumulative
     by_method: Mapping[str, tuple[int, int, tuple[int, ...]]]
+    suffix_cache_tokens: int  # earlier requests' tokens the suffix cache holds (bounded)
 
 
 class _CumulativeCounter:
@@ -182,6 +183,9 @@ class Metrics:
         # (method, position or "", drafted?) -> the cumulative count last seen
         self._method_counts: dict[tuple[str, str, bool], _CumulativeCounter] = {}
         self.spec_k = Gauge("spec_k", "Current proposal length k", namespace=ns, registry=r)
+        self.suffix_cache_tokens = Gauge(
+            "suffix_cache_tokens", "Earlier requests' tokens the suffix cache holds "
+            "(at most engine.spec_suffix_cache_tokens)", namespace=ns, registry=r)
         self.acceptance = Gauge(
             "acceptance_ratio", "Accepted / drafted tokens, since start", namespace=ns, registry=r
         )
@@ -247,6 +251,7 @@ class Metrics:
         self.acceptance.set(stats.acceptance)
         self.per_token_acceptance.set(stats.per_token_acceptance)
         self.spec_k.set(stats.current_k)
+        self.suffix_cache_tokens.set(stats.suffix_cache_tokens)
         for method, (drafted, accepted, by_position) in stats.by_method.items():
             self._method_count(method, "", True).set(drafted)
             self._method_count(method, "", False).set(accepted)

@@ -39,6 +39,7 @@ class Stats:
     aborts: int = 0
     sequences_without_draft: int = 0
     by_method: dict = field(default_factory=dict)
+    suffix_cache_tokens: int = 0
 
 
 def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -109,7 +110,7 @@ def test_update_engine_sets_gauges_and_adds_counter_growth(metrics: Metrics) -> 
               drafted_tokens=100, accepted_tokens=60, acceptance=0.6,
               per_token_acceptance=0.7, current_k=3,
               preemptions=3, prefix_cached_tokens=64, prompt_tokens=256, total_blocks=20,
-              aborts=5, sequences_without_draft=9)
+              aborts=5, sequences_without_draft=9, suffix_cache_tokens=1200)
     )  # fmt: skip
     got = samples(metrics.render().decode())
 
@@ -130,6 +131,7 @@ def test_update_engine_sets_gauges_and_adds_counter_growth(metrics: Metrics) -> 
     assert got["specpage_acceptance_ratio", ()] == 0.6
     assert got["specpage_per_token_acceptance_ratio", ()] == 0.7
     assert got["specpage_spec_k", ()] == 3
+    assert got["specpage_suffix_cache_tokens", ()] == 1200
     assert got["specpage_kv_cache_usage_ratio", ()] == 0.0
 
 
