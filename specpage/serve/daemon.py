@@ -38,6 +38,7 @@ from specpage.engine.async_engine import AsyncEngine, step_thread
 from specpage.engine.builder import ModelChoice
 from specpage.models.config import ModelLoadError
 from specpage.serve import systemd
+from specpage.serve.allocator import fix_mmap_threshold
 from specpage.serve.frontend import Frontend
 from specpage.serve.grpc_server import BearerTokenInterceptor, GenerationService
 from specpage.serve.grpc_stubs import generation_pb2 as pb
@@ -234,6 +235,7 @@ def startup_failed(error: BaseException) -> int:
 async def serve(config: Config) -> int:
     s = config.server
     systemd.status("starting")
+    fix_mmap_threshold()  # before the models load (serve/allocator.py)
     metrics = Metrics(model_name=config.model.target)
     try:
         listeners = await listen(config, metrics)
