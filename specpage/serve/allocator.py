@@ -35,5 +35,5 @@ def fix_mmap_threshold() -> bool:
     libc = ctypes.CDLL(None)  # the process's own C library
     set_ = bool(libc.mallopt(ctypes.c_int(M_MMAP_THRESHOLD), ctypes.c_int(MMAP_THRESHOLD)))
     if set_:
-        log.info("C allocator: mmap threshold fixed", extra={"bytes": MMAP_THRESHOLD})
+        log.debug("C allocator: mmap threshold fixed", extra={"bytes": MMAP_THRESHOLD})
     return set_
