@@ -95,3 +95,61 @@ def test_int8x_takes_a_group_that_is_not_finite_to_nan() -> None:
     x[0, 5], x[1, 40] = float("inf"), float("nan")
     y = bf16_kernels().int8x_gemv(x, tiles)  # type: ignore[union-attr]
     assert bool(y[:2].isnan().all()) and bool(y[2].isfinite().all())
+
+
+amx = pytest.mark.skipif(not quant.amx_int8(), reason="no AMX int8 tiles on this CPU")
+
+
+@native
+@amx
+@pytest.mark.parametrize("inputs", [64, 96, 576])  # 2, 3 and 18 groups (odd and even)
+def test_q8_products_on_amx_tiles_are_the_vpdpbusd_kernels_bits(inputs: int) -> None:
+    """int8x_gemv's q8 products on AMX tiles (from 5 rows) give the
+    vpdpbusd kernel's bits for every row count up to past two tiles of 16
+    rows: the int32 sums are exact and the epilogue runs in the same order,
+    so the head's choice of kernel by row count changes no token. A group
+    that is not finite is NaN there too, and reading on into a next
+    product's tiles changes nothing."""
+    kernels = bf16_kernels()
+    torch.manual_seed(5)
+    q = torch.randint(-127, 128, (48, inputs), dtype=torch.int8)
+    d = (torch.rand(48, inputs // 32) * 0.01).half().float()
+    tiles = quant.q8_stream(q, d)
+    weights = (q.float().view(48, -1, 32) * d[..., None]).view(48, inputs)
+    for rows in (*range(1, 18), 24, 31, 32, 33, 40):
+        x = torch.randn(rows, inputs).bfloat16()
+        if rows == 7:
+            x[2, 3], x[5, inputs - 1] = float("inf"), float("nan")
+        on_tiles = kernels.int8x_gemv_on(x, tiles, "amx")  # type: ignore[union-attr]
+        vnni = kernels.int8x_gemv_on(x, tiles, "vnni")  # type: ignore[union-attr]
+        assert torch.equal(on_tiles.view(torch.int16), vnni.view(torch.int16)), rows
+        chained = kernels.int8x_gemv(x, tiles, tiles[:1])  # type: ignore[union-attr]
+        assert torch.equal(chained.view(torch.int16), vnni.view(torch.int16)), rows
+        finite = on_tiles.float().isfinite().all(dim=1)
+        expected = int8_x(x) @ weights.T
+        error = (on_tiles.float() - expected)[finite].abs().max() / expected[finite].abs().max()
+        assert error < 2**-7, (rows, float(error))
+        if rows == 7:
+            assert finite.tolist() == [True, True, False, True, True, False, True]
+
+
+@native
+@amx
+def test_the_amx_kernel_refuses_q4_tiles_by_name() -> None:
+    blocks = Int4Blocks(torch.randint(0, 16, (16, 64), dtype=torch.uint8),
+                        torch.full((16, 2), 0.25), torch.full((16, 2), -2.0), 32)  # fp16's
+    x = torch.randn(5, 64).bfloat16()
+    with pytest.raises(RuntimeError, match=r"the AMX kernel takes q8 tiles \(544 bytes\), got 320"):
+        bf16_kernels().int8x_gemv_on(x, quant.int8x_stream(blocks), "amx")  # type: ignore[union-attr]
+    with pytest.raises(RuntimeError, match=r"kernel must be 'vnni' or 'amx', got 'tiles'"):
+        bf16_kernels().int8x_gemv_on(x, quant.int8x_stream(blocks), "tiles")  # type: ignore[union-attr]
+
+
+@native
+@amx
+def test_the_q8_head_takes_up_to_16_rows_where_the_tiles_run_it() -> None:
+    head = quant.Q8Head(torch.randint(-127, 128, (256, 128), dtype=torch.int8),
+                        (torch.rand(256, 4) * 0.01).half().float())
+    assert head.amx
+    assert head.takes(torch.zeros(16, 128, dtype=torch.bfloat16))
+    assert not head.takes(torch.zeros(17, 128, dtype=torch.bfloat16))

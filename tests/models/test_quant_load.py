@@ -181,8 +181,8 @@ def test_the_q8_head_computes_the_vocabulary_projection_on_its_exact_weights(
     """A q4 load of a GGUF whose tied embedding is Q8_0 (and whose vocabulary
     is in blocks of 16) projects a few rows on those blocks: within bf16 of
     the fp32 weights' product (of x as int8x takes it, where it does) for 1-8
-    rows, a row's logits the same bits alone or among others; past 8 rows,
-    or in fp32, the dense head."""
+    rows, a row's logits the same bits alone or among others; past 8 rows
+    (16 where its products run on AMX tiles), or in fp32, the dense head."""
     monkeypatch.setattr(quant, "INT8X_PRODUCTS", int8x)
     path = ggufs["Q4_1 vocab 272"]
     weight = loaded(path).model.embed_tokens.weight.detach()
@@ -202,7 +202,9 @@ def test_the_q8_head_computes_the_vocabulary_projection_on_its_exact_weights(
         error = (actual - expected[:rows]).abs().max() / expected[:rows].abs().max()
         assert error < 2**-7, (rows, float(error))
         assert torch.equal(head(x[rows - 1 : rows]), head(x[:rows])[rows - 1 :])
-    assert not head.takes(torch.zeros(9, HIDDEN, dtype=torch.bfloat16))
+    limit = quant.Q8_HEAD_AMX_MAX_ROWS if head.amx else quant.Q8_HEAD_MAX_ROWS
+    assert head.takes(torch.zeros(limit, HIDDEN, dtype=torch.bfloat16))
+    assert not head.takes(torch.zeros(limit + 1, HIDDEN, dtype=torch.bfloat16))
     assert not head.takes(x.float())
     assert loaded(path, "q4", "fp32").model.q8_head is None  # fp32 activations: dense
     assert loaded(path).model.q8_head is None  # no quantization: the exact dense head

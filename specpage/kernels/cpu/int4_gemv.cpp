@@ -60,6 +60,11 @@
 
 #include <cmath>
 
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #include "vec.h"
 
 namespace {
@@ -219,9 +224,15 @@ struct alignas(64) Cursor {
 // block taken while its tiles are in cache; `ahead` tells a thread's reads
 // where its share ends and where (`next`: the next product's tiles, split
 // alike) they go on.
-template <typename F>
+// No setting up on a thread's part (for_blocks' `enter`).
+struct Plain {
+  template <typename Body>
+  void operator()(Body&& body) const { body(); }
+};
+
+template <typename F, typename Enter = Plain>
 void for_blocks(int64_t rows, const at::Tensor& tiles, const std::optional<at::Tensor>& next,
-                F&& block) {
+                F&& block, int64_t max_rows = kMaxRows, Enter&& enter = Plain{}) {
   const int64_t blocks = tiles.size(0), block_bytes = tiles.size(1) * tiles.size(2);
   const int64_t grain = std::max<int64_t>(1, (32 << 10) / block_bytes);
   // parallel_for's split: `used` threads, shares of `chunk` blocks
@@ -241,8 +252,8 @@ void for_blocks(int64_t rows, const at::Tensor& tiles, const std::optional<at::T
     return ahead;
   };
   auto run = [&](int64_t b, const Ahead& ahead) {
-    for (int64_t row0 = 0; row0 < rows; row0 += kMaxRows) {
-      block(b, row0, std::min(kMaxRows, rows - row0), ahead);
+    for (int64_t row0 = 0; row0 < rows; row0 += max_rows) {
+      block(b, row0, std::min(max_rows, rows - row0), ahead);
     }
   };
   // Each thread takes its own share front to back, then helps the shares
@@ -257,6 +268,7 @@ void for_blocks(int64_t rows, const at::Tensor& tiles, const std::optional<at::T
   std::vector<Cursor> cursors(used);
   for (int64_t t = 0; t < used; ++t) cursors[t].next.store(t * chunk, std::memory_order_relaxed);
   at::parallel_for(0, used, 1, [&](int64_t first, int64_t last) {
+    enter([&] {
     for (int64_t t = first; t < last; ++t) {
       const Ahead ahead = ahead_for(t * chunk, std::min(blocks, (t + 1) * chunk));
       for (int64_t s = 0; s < used; ++s) {
@@ -268,6 +280,7 @@ void for_blocks(int64_t rows, const at::Tensor& tiles, const std::optional<at::T
         }
       }
     }
+    });
   });
 }
 
@@ -354,10 +367,11 @@ struct QuantizedX {
 
 // x [rows, in] bf16 to Q8 blocks of 32. A group that is not finite gets a
 // NaN scale, so that its products come out NaN as the bf16 kernel's do.
-QuantizedX quantize_x(const c10::BFloat16* x, int64_t rows, int64_t in) {
+// Rows past `rows`, up to `padded` (the AMX kernel's whole tiles), are 0.
+QuantizedX quantize_x(const c10::BFloat16* x, int64_t rows, int64_t in, int64_t padded) {
   const int64_t groups = in / kGroup;
-  QuantizedX out{std::vector<int8_t>(rows * in), std::vector<float>(rows * groups),
-                 std::vector<float>(rows * groups)};
+  QuantizedX out{std::vector<int8_t>(padded * in), std::vector<float>(padded * groups),
+                 std::vector<float>(padded * groups)};
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t at = r * groups + g;
@@ -441,6 +455,142 @@ void block_rows_int8x(const Int8xOperands& p, int64_t b, int64_t row0, const Ahe
     }
   });
 }
+
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+// ---- q8 products on AMX tiles (int8x_gemv from kAmxFromRows rows) ----
+//
+// One tdpbsud multiplies up to 16 rows of x's int8 group by a block's 32 x
+// 16 levels: C [rows, 16] int32 += A [rows, 32] int8 . B [8, 64] uint8, B
+// holding four inputs of each output in a 32-bit word, which is a q8 tile
+// as it is stored (vpdpbusd takes 8 instructions a row for the same sums).
+// The int32 sums are exact and the epilogue per row and group is
+// block_rows_int8x's, in its order, so a row's outputs are bit for bit the
+// vpdpbusd kernel's: which kernel a call takes does not change a token.
+// SmolLM2-135M's Q8_0 vocabulary projection (49,152 x 576, 2 threads):
+//   rows        1     4     5     8    16    32
+//   vpdpbusd  632   699  1204  1600  3100  5744 us
+//   AMX       730   808   887   959  1415  2422 us
+// q4 tiles would need their nibbles unpacked to memory for the tile loads;
+// done so, they ran level with vpdpbusd at 5-8 rows and slower elsewhere.
+
+constexpr int64_t kAmxRows = 16;     // rows of a tile
+constexpr int64_t kAmxFromRows = 5;  // int8x_gemv takes the tiles from this many rows
+
+// The kernel asks Linux for the tiles' state once per process.
+bool amx_permitted() {
+  static const bool permitted = [] {
+    constexpr long kRequestPermission = 0x1023;  // ARCH_REQ_XCOMP_PERM
+    constexpr long kTileData = 18;               // XFEATURE_XTILEDATA
+    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  }();
+  return permitted;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// for_blocks' `enter`: each thread configures its tiles for `rows` rows of x
+// (others' configurations, oneDNN's, come and go between calls) and
+// releases them when its share is done.
+struct AmxTiles {
+  int64_t rows;
+  template <typename Body>
+  void operator()(Body&& body) const {
+    TileConfig config;
+    for (int t = 0; t < 4; ++t) {  // C
+      config.rows[t] = static_cast<uint8_t>(rows);
+      config.bytes_per_row[t] = kBlock * 4;
+    }
+    for (int t = 4; t < 6; ++t) {  // A
+      config.rows[t] = static_cast<uint8_t>(rows);
+      config.bytes_per_row[t] = kGroup;
+    }
+    for (int t = 6; t < 8; ++t) {  // B
+      config.rows[t] = kGroup / 4;
+      config.bytes_per_row[t] = kBlock * 4;
+    }
+    _tile_loadconfig(&config);
+    body();
+    _tile_release();
+  }
+};
+
+template <int64_t kRows>
+void block_rows_amx(const Int8xOperands& p, int64_t b, int64_t row0, const Ahead& ahead) {
+  constexpr int64_t kTileBytes = kQ8TileBytes;
+  constexpr int64_t kSumBytes = kRows * kBlock * 4;  // one group's C, stored
+  thread_local std::vector<int32_t> buffer;  // C of every group
+  const size_t sums_words = p.groups * kAmxRows * kBlock;
+  if (buffer.size() < sums_words + 16) buffer.resize(sums_words + 16);
+  uint8_t* sums = reinterpret_cast<uint8_t*>(
+      (reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t{63});
+  const uint8_t* block = p.tiles + b * p.groups * kTileBytes;
+  const int8_t* xq = p.x->q.data() + row0 * p.in;
+  // Every group's product first, four on the tiles at a time (tile
+  // registers are not renamed: a tile's next use waits for its last).
+  auto product = [&](auto slot, int64_t g) {
+    constexpr int kSlot = decltype(slot)::value;
+    const uint8_t* tile = block + g * kTileBytes;
+    prefetch_tile(ahead_of(tile + kPrefetchAhead, kTileBytes, ahead), kTileBytes);
+    void* c = sums + g * kSumBytes;
+    const void* a = xq + g * kGroup;
+    // (the intrinsics take a tile's number as a literal: C 0-3, A 4-5, B 6-7)
+    if constexpr (kSlot == 0) {
+      _tile_loadd(4, a, p.in); _tile_loadd(6, tile, 64); _tile_zero(0);
+      _tile_dpbsud(0, 4, 6); _tile_stored(0, c, 64);
+    } else if constexpr (kSlot == 1) {
+      _tile_loadd(5, a, p.in); _tile_loadd(7, tile, 64); _tile_zero(1);
+      _tile_dpbsud(1, 5, 7); _tile_stored(1, c, 64);
+    } else if constexpr (kSlot == 2) {
+      _tile_loadd(4, a, p.in); _tile_loadd(6, tile, 64); _tile_zero(2);
+      _tile_dpbsud(2, 4, 6); _tile_stored(2, c, 64);
+    } else {
+      _tile_loadd(5, a, p.in); _tile_loadd(7, tile, 64); _tile_zero(3);
+      _tile_dpbsud(3, 5, 7); _tile_stored(3, c, 64);
+    }
+  };
+  using S0 = std::integral_constant<int, 0>;
+  using S1 = std::integral_constant<int, 1>;
+  using S2 = std::integral_constant<int, 2>;
+  using S3 = std::integral_constant<int, 3>;
+  int64_t g = 0;
+  for (; g + 4 <= p.groups; g += 4) {
+    product(S0{}, g); product(S1{}, g + 1); product(S2{}, g + 2); product(S3{}, g + 3);
+  }
+  if (g < p.groups) product(S0{}, g);
+  if (g + 1 < p.groups) product(S1{}, g + 1);
+  if (g + 2 < p.groups) product(S2{}, g + 2);
+  __m512 total[kRows];
+  for (int64_t r = 0; r < kRows; ++r) total[r] = _mm512_setzero_ps();
+  for (g = 0; g < p.groups; ++g) {
+    const __m512 scale = halves(block + g * kTileBytes + kBlock * kGroup);
+    const __m512 offset = _mm512_mul_ps(scale, _mm512_set1_ps(-128.0f));
+    const int32_t* dots = reinterpret_cast<const int32_t*>(sums + g * kSumBytes);
+    for (int64_t r = 0; r < kRows; ++r) {
+      const int64_t at = (row0 + r) * p.groups + g;
+      const __m512 sum = _mm512_cvtepi32_ps(_mm512_load_si512(dots + r * kBlock));
+      total[r] = _mm512_fmadd_ps(_mm512_mul_ps(sum, _mm512_set1_ps(p.x->d[at])), scale, total[r]);
+      total[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(p.x->sum[at]), total[r]);
+    }
+  }
+  for (int64_t r = 0; r < kRows; ++r) {
+    store(p.y + (row0 + r) * p.out + b * kBlock, (vfloat)total[r]);
+  }
+}
+
+// f(std::integral_constant<int64_t, n>{}) for n = 1 .. 16.
+template <int64_t kN = kAmxRows, typename F>
+inline void with_tile_rows(int64_t n, F&& f) {
+  if constexpr (kN > 1) {
+    if (n < kN) return with_tile_rows<kN - 1>(n, f);
+  }
+  f(std::integral_constant<int64_t, kN>{});
+}
+#endif
 #endif
 
 bool has_int8x_gemv() {
@@ -451,8 +601,18 @@ bool has_int8x_gemv() {
 #endif
 }
 
-at::Tensor int8x_gemv(const at::Tensor& x, const at::Tensor& tiles,
-                      const std::optional<at::Tensor>& next) {
+bool has_amx_int8() {
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
+enum class Kernel { kAuto, kVnni, kAmx };
+
+at::Tensor int8x_product(const at::Tensor& x, const at::Tensor& tiles,
+                         const std::optional<at::Tensor>& next, Kernel kernel) {
   check_x(x, "int8x_gemv");
   const int64_t rows = x.size(0), in = x.size(1), groups = in / kGroup;
   const auto sizes = {kHalfTileBytes, kFloatTileBytes, kQ8TileBytes};
@@ -463,13 +623,37 @@ at::Tensor int8x_gemv(const at::Tensor& x, const at::Tensor& tiles,
   TORCH_CHECK(!next.has_value() || is_tiles(*next, sizes),
               "next must be contiguous uint8 [out / 16, in / 32, ", kHalfTileBytes, ", ",
               kFloatTileBytes, " or ", kQ8TileBytes, "]: the next product's tiles");
+  TORCH_CHECK(kernel != Kernel::kAmx || has_amx_int8(),
+              "int8x_gemv: this build or CPU has no AMX int8 tiles");
+  TORCH_CHECK(kernel != Kernel::kAmx || tiles.size(2) == kQ8TileBytes,
+              "int8x_gemv: the AMX kernel takes q8 tiles (", kQ8TileBytes, " bytes), got ",
+              tiles.size(2));
   const int64_t out = tiles.size(0) * kBlock;
   at::Tensor y = at::empty({rows, out}, x.options());
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  const QuantizedX quantized = quantize_x(x.data_ptr<c10::BFloat16>(), rows, in);
+  const int64_t tile_bytes = tiles.size(2);
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+  const bool amx = kernel == Kernel::kAmx ||
+                   (kernel == Kernel::kAuto && tile_bytes == kQ8TileBytes && rows >= kAmxFromRows &&
+                    has_amx_int8());
+  if (amx) {
+    const int64_t tile_rows = std::min(rows, kAmxRows);
+    const int64_t padded = (rows + tile_rows - 1) / tile_rows * tile_rows;
+    const QuantizedX quantized = quantize_x(x.data_ptr<c10::BFloat16>(), rows, in, padded);
+    const Int8xOperands ops{&quantized, tiles.data_ptr<uint8_t>(), y.data_ptr<c10::BFloat16>(),
+                            in, groups, out};
+    auto block = [&](int64_t b, int64_t row0, int64_t count, const Ahead& ahead) {
+      with_tile_rows(count, [&](auto n) {
+        block_rows_amx<decltype(n)::value>(ops, b, row0, ahead);
+      });
+    };
+    for_blocks(rows, tiles, next, block, tile_rows, AmxTiles{tile_rows});
+    return y;
+  }
+#endif
+  const QuantizedX quantized = quantize_x(x.data_ptr<c10::BFloat16>(), rows, in, rows);
   const Int8xOperands ops{&quantized, tiles.data_ptr<uint8_t>(), y.data_ptr<c10::BFloat16>(), in,
                           groups, out};
-  const int64_t tile_bytes = tiles.size(2);
   for_blocks(rows, tiles, next, [&](int64_t b, int64_t row0, int64_t count, const Ahead& ahead) {
     with_rows(count, [&](auto n) {
       constexpr int64_t kRows = decltype(n)::value;
@@ -488,19 +672,36 @@ at::Tensor int8x_gemv(const at::Tensor& x, const at::Tensor& tiles,
   return y;
 }
 
+at::Tensor int8x_gemv(const at::Tensor& x, const at::Tensor& tiles,
+                      const std::optional<at::Tensor>& next) {
+  return int8x_product(x, tiles, next, Kernel::kAuto);
+}
+
+// int8x_gemv on the kernel named ("vnni": vpdpbusd, "amx": the tiles), for
+// tests and benches that compare the two.
+at::Tensor int8x_gemv_on(const at::Tensor& x, const at::Tensor& tiles, c10::string_view kernel) {
+  TORCH_CHECK(kernel == "vnni" || kernel == "amx",
+              "int8x_gemv_on: kernel must be 'vnni' or 'amx', got '", std::string(kernel), "'");
+  return int8x_product(x, tiles, std::nullopt, kernel == "amx" ? Kernel::kAmx : Kernel::kVnni);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(specpage_cpu, m) {
   m.def("int4_gemv(Tensor x, Tensor tiles, Tensor? next=None) -> Tensor");
   m.def("int8x_gemv(Tensor x, Tensor tiles, Tensor? next=None) -> Tensor");
   m.def("has_int8x_gemv() -> bool");
+  m.def("int8x_gemv_on(Tensor x, Tensor tiles, str kernel) -> Tensor");
+  m.def("has_amx_int8() -> bool");
 }
 
 TORCH_LIBRARY_IMPL(specpage_cpu, CPU, m) {
   m.impl("int4_gemv", &int4_gemv);
   m.impl("int8x_gemv", &int8x_gemv);
+  m.impl("int8x_gemv_on", &int8x_gemv_on);
 }
 
 TORCH_LIBRARY_IMPL(specpage_cpu, CompositeExplicitAutograd, m) {
   m.impl("has_int8x_gemv", &has_int8x_gemv);
+  m.impl("has_amx_int8", &has_amx_int8);
 }
