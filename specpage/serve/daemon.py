@@ -38,7 +38,7 @@ from specpage.engine.async_engine import AsyncEngine, step_thread
 from specpage.engine.builder import ModelChoice
 from specpage.models.config import ModelLoadError
 from specpage.serve import systemd
-from specpage.serve.allocator import fix_mmap_threshold
+from specpage.serve.allocator import bound_onednn_cache, fix_mmap_threshold
 from specpage.serve.frontend import Frontend
 from specpage.serve.grpc_server import BearerTokenInterceptor, GenerationService
 from specpage.serve.grpc_stubs import generation_pb2 as pb
@@ -236,6 +236,7 @@ async def serve(config: Config) -> int:
     s = config.server
     systemd.status("starting")
     fix_mmap_threshold()  # before the models load (serve/allocator.py)
+    bound_onednn_cache()
     metrics = Metrics(model_name=config.model.target)
     try:
         listeners = await listen(config, metrics)
