@@ -66,6 +66,34 @@ def test_kernel_equals_its_reference(dtype, heads, kv_heads, head_dim, block_siz
     assert float((ours.float() - ref.float()).abs().max()) < TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("spans", [[(300, 5)], [(40, 3), (290, 5)], [(7, 1)]])
+def test_where_the_rows_are_cut_between_threads_changes_no_bit(spans):
+    """With fewer items than twice the threads, every item's rows laid end to
+    end are cut into one share per thread, so an item's rows may be computed
+    by two threads: each row's output is the same bits at 1 to 5 threads."""
+    torch.manual_seed(11)
+    heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
+    tables = [list(range(i * 20, i * 20 + -(-(c + n) // block_size))) for i, (c, n) in
+              enumerate(spans)]
+    cache = torch.randn(2, 20 * len(spans), block_size, kv_heads, head_dim).bfloat16()
+    q = torch.randn(sum(n for _, n in spans), heads, head_dim).bfloat16()
+    width = max(len(t) for t in tables)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    query_start = torch.tensor([0] + [n for _, n in spans]).cumsum(0)
+    context_lens = torch.tensor([c + n for c, n in spans])
+    threads = torch.get_num_threads()
+    outputs = []
+    try:
+        for count in range(1, 6):
+            torch.set_num_threads(count)
+            outputs.append(native_kernels().paged_attention(q, cache, table, query_start,
+                                                            context_lens, 0.125))
+    finally:
+        torch.set_num_threads(threads)
+    for out in outputs[1:]:
+        assert torch.equal(out.view(torch.int16), outputs[0].view(torch.int16))
+
+
 def test_kernel_rejects_a_context_its_table_cannot_hold():
     cache = torch.zeros(2, 4, 4, 1, 32)
     q = torch.zeros(1, 1, 32)
