@@ -45,7 +45,10 @@ HEALTH_PATH = "/health"
 CONTEXT = 32768
 # Measured with llama-bench -fa 0,1 and 1,0 (this script writes the figures
 # to bench/results/llama_cpp.json): on an AVX2 EPYC without AVX-512 flash
-# attention on prefilled faster in every run and decoded faster in most.
+# attention on prefilled faster in every run and decoded faster in most; on
+# an Intel Xeon with AMX (built without it, see above), two runs of 5: on
+# decoded 95.0 and 95.2 tok/s against 91.5 and 88.8 off, and prefilled 307
+# and 310 against 278 and 276.
 FLASH_ATTENTION = "on"
 
 
