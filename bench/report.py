@@ -455,6 +455,21 @@ def soak(r: dict) -> list[str]:
             f"| outcomes | {outcomes} | |"]
 
 
+def grammar_engines(r: dict) -> list[str]:
+    """Grammar engines for structured outputs on the served tokenizer."""
+    out = []
+    for name, e in r["engines"].items():
+        step = e["step_of_32_ms"]
+        out.append(f"| {name}: compile a schema, ms (p50, max over {len(r['schemas'])} "
+                   f"schemas and {r['rounds']} rounds); one mask, us (p50, p99); 32 streams' "
+                   f"masks, ms a step; masks laid on 32 rows of logits, ms | "
+                   f"{fmt(e['compile_ms_p50'], 1)}, {fmt(e['compile_ms_max'], 1)}; "
+                   f"{fmt(e['mask_us_p50'], 0)}, {fmt(e['mask_us_p99'], 0)}; "
+                   f"{fmt(step['median'], 2)} ({fmt(step['min'], 2)}-{fmt(step['max'], 2)}); "
+                   f"{fmt(e['apply_32_rows_ms']['median'], 2)} | |")
+    return out
+
+
 def rows(render: Callable[[dict], list[str]], result: dict) -> list[str]:
     try:
         return render(result)
@@ -470,7 +485,7 @@ SECTIONS = {"block_pool": block_pool, "model_runner": model_runner, "engine": en
             "compile": compile_, "model_free": model_free, "model_free_t0.7": model_free,
             "model_free_replay": model_free_replay, "model_free_peers": model_free_peers,
             "model_free_cost": model_free_cost, "deterministic": deterministic,
-            "soak": soak}
+            "soak": soak, "grammar_engines": grammar_engines}
 
 
 HAND_KEPT = "Recorded by hand"
