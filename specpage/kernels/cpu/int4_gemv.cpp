@@ -522,7 +522,9 @@ struct AmxTiles {
 template <int64_t kRows>
 void block_rows_amx(const Int8xOperands& p, int64_t b, int64_t row0, const Ahead& ahead) {
   constexpr int64_t kTileBytes = kQ8TileBytes;
-  constexpr int64_t kSumBytes = kRows * kBlock * 4;  // one group's C, stored
+  // One group's C as stored: all the tile's rows (those past kRows, the
+  // padding of a call's last rows, are written and not read).
+  constexpr int64_t kSumBytes = kAmxRows * kBlock * 4;
   thread_local std::vector<int32_t> buffer;  // C of every group
   const size_t sums_words = p.groups * kAmxRows * kBlock;
   if (buffer.size() < sums_words + 16) buffer.resize(sums_words + 16);
