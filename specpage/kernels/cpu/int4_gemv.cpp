@@ -583,15 +583,6 @@ void block_rows_amx(const Int8xOperands& p, int64_t b, int64_t row0, const Ahead
     store(p.y + (row0 + r) * p.out + b * kBlock, (vfloat)total[r]);
   }
 }
-
-// f(std::integral_constant<int64_t, n>{}) for n = 1 .. 16.
-template <int64_t kN = kAmxRows, typename F>
-inline void with_tile_rows(int64_t n, F&& f) {
-  if constexpr (kN > 1) {
-    if (n < kN) return with_tile_rows<kN - 1>(n, f);
-  }
-  f(std::integral_constant<int64_t, kN>{});
-}
 #endif
 #endif
 
@@ -645,7 +636,7 @@ at::Tensor int8x_product(const at::Tensor& x, const at::Tensor& tiles,
     const Int8xOperands ops{&quantized, tiles.data_ptr<uint8_t>(), y.data_ptr<c10::BFloat16>(),
                             in, groups, out};
     auto block = [&](int64_t b, int64_t row0, int64_t count, const Ahead& ahead) {
-      with_tile_rows(count, [&](auto n) {
+      with_count<kAmxRows>(count, [&](auto n) {
         block_rows_amx<decltype(n)::value>(ops, b, row0, ahead);
       });
     };

@@ -269,15 +269,6 @@ inline void rows_values(const float* const* weights, const c10::BFloat16* const*
   }
 }
 
-// f(std::integral_constant<int64_t, n>{}) for n = 1 .. kMax (n <= kMax).
-template <int64_t kMax, typename F>
-inline void with_count(int64_t n, F&& f) {
-  if constexpr (kMax > 1) {
-    if (n < kMax) return with_count<kMax - 1>(n, f);
-  }
-  f(std::integral_constant<int64_t, kMax>{});
-}
-
 constexpr int64_t kScoreRows = 8;  // rows sharing one read of a transposed tile
 
 struct RowItem {
@@ -364,6 +355,11 @@ void attend_all(const at::Tensor& q, const at::Tensor& cache, at::Tensor& out,
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t max_blocks = block_tables.size(1);
   const int64_t num_items = context_lens.size(0) * shape.kv_heads;
+  auto item_of = [&](int64_t i) {  // item i: sequence i / kv_heads, its KV head i % kv_heads
+    const int64_t s = i / shape.kv_heads;
+    return Item{starts[s], starts[s + 1] - starts[s], contexts[s], i % shape.kv_heads,
+                tables + s * max_blocks};
+  };
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && kChunks % 2 == 0) {
     // Where items are fewer than twice the threads (see attend_rows_bf16),
@@ -375,9 +371,7 @@ void attend_all(const at::Tensor& q, const at::Tensor& cache, at::Tensor& out,
     const int64_t threads = at::get_num_threads();
     if (num_items >= 2 * threads) {
       for (int64_t i = 0; i < num_items; ++i) {
-        const int64_t s = i / shape.kv_heads;
-        const Item item{starts[s], starts[s + 1] - starts[s], contexts[s], i % shape.kv_heads,
-                        tables + s * max_blocks};
+        const Item item = item_of(i);
         parts.push_back({item, 0, item.span * shape.groups});
         share_start.push_back(i + 1);
       }
@@ -386,9 +380,7 @@ void attend_all(const at::Tensor& q, const at::Tensor& cache, at::Tensor& out,
       for (int64_t t = 0, item_first = 0, i = 0; t < threads; ++t) {
         const int64_t begin = total * t / threads, end = total * (t + 1) / threads;
         for (; i < num_items && item_first < end;) {
-          const int64_t s = i / shape.kv_heads;
-          const Item item{starts[s], starts[s + 1] - starts[s], contexts[s], i % shape.kv_heads,
-                          tables + s * max_blocks};
+          const Item item = item_of(i);
           const int64_t rows = item.span * shape.groups;
           const int64_t lo = std::max(begin, item_first) - item_first;
           const int64_t hi = std::min(end, item_first + rows) - item_first;
@@ -417,11 +409,8 @@ void attend_all(const at::Tensor& q, const at::Tensor& cache, at::Tensor& out,
     std::vector<float> scores;
     std::vector<const scalar_t*> keys;
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t s = i / shape.kv_heads;
-      const Item item{starts[s], starts[s + 1] - starts[s], contexts[s], i % shape.kv_heads,
-                      tables + s * max_blocks};
-      attend_item<scalar_t, kChunks>(q_ptr, cache_ptr, out_ptr, item, shape, vectors, scores,
-                                     keys);
+      attend_item<scalar_t, kChunks>(q_ptr, cache_ptr, out_ptr, item_of(i), shape, vectors,
+                                     scores, keys);
     }
   });
 }

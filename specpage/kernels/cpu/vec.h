@@ -155,4 +155,13 @@ void with_rows(int64_t rows, F&& f) {
   }
 }
 
+// f(std::integral_constant<int64_t, n>{}) for n = 1 .. kMax (n <= kMax).
+template <int64_t kMax, typename F>
+inline void with_count(int64_t n, F&& f) {
+  if constexpr (kMax > 1) {
+    if (n < kMax) return with_count<kMax - 1>(n, f);
+  }
+  f(std::integral_constant<int64_t, kMax>{});
+}
+
 }  // namespace specpage_cpu
