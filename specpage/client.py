@@ -19,6 +19,7 @@ server's ``retry-after-ms``); nothing else is retried. A request that
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -77,6 +78,7 @@ class IncompleteError(grpc.aio.AioRpcError):
 def generate_request(prompt: str | Sequence[int], request_id: str = "", chat: bool = False,
                      priority: int = 0, timeout_s: float | None = None, spec: str = "auto",
                      cache_salt: str = "", no_suffix_cache: bool = False,
+                     constraint: dict[str, Any] | None = None,
                      **sampling: Any) -> pb.GenerateRequest:
     """A GenerateRequest; sampling keywords are SamplingParameters fields
     (max_tokens, temperature, top_k, top_p, seed (-1: none), stop,
@@ -87,13 +89,17 @@ def generate_request(prompt: str | Sequence[int], request_id: str = "", chat: bo
     alternatives per position; the request then takes no prefix-cache
     hit)); cache_salt isolates a tenant's prefix-cache and suffix-cache
     entries; no_suffix_cache keeps the request's text out of the suffix
-    cache."""
+    cache; constraint: what the output must match, one of
+    {"json_schema": schema (an object or JSON text)}, {"json_object": True},
+    {"regex": pattern}, {"choice": [strings]}, {"grammar": GBNF or Lark}."""
     if sampling.get("seed") == -1:  # no seed, as OpenAI's and vLLM's clients say it
         del sampling["seed"]
     message = pb.GenerateRequest(request_id=request_id, chat=chat, priority=priority,
                                  spec=SPEC[spec], cache_salt=cache_salt,
                                  no_suffix_cache=no_suffix_cache,
                                  sampling=pb.SamplingParameters(**sampling))
+    if constraint is not None:
+        message.constraint.CopyFrom(_constraint(constraint))
     if isinstance(prompt, str):
         message.text = prompt
     else:
@@ -101,6 +107,17 @@ def generate_request(prompt: str | Sequence[int], request_id: str = "", chat: bo
     if timeout_s is not None:
         message.timeout_s = timeout_s
     return message
+
+
+def _constraint(given: dict[str, Any]) -> pb.Constraint:
+    if len(given) != 1:
+        raise ValueError(f"a constraint has one kind, got {sorted(given)}")
+    ((kind, value),) = given.items()
+    if kind == "json_schema" and not isinstance(value, str):
+        value = json.dumps(value)
+    if kind == "choice":
+        return pb.Constraint(choice=pb.Choices(values=list(value)))
+    return pb.Constraint(**{kind: value})
 
 
 class Client:

@@ -12,6 +12,7 @@ from typing import Any
 
 from specpage.completion import Completion, Durations
 from specpage.core.chat_template import alternating_turns, chat_token_ids
+from specpage.core.grammar import Constraint
 from specpage.core.request import SamplingParams
 from specpage.engine import EngineConfig, RequestOutput
 from specpage.engine.builder import ModelChoice, build_engine
@@ -54,19 +55,22 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         chat: bool = False,
+        constraint: Constraint | None = None,
     ) -> list[Completion]:
         """Run every prompt to completion, batched continuously; in order.
 
         chat: wrap a text prompt in the model's chat template, as one user
         message (a ValidationError if the model has none); False sends
-        the text as it is. Token-id prompts are never wrapped."""
+        the text as it is. Token-id prompts are never wrapped.
+        constraint: what every output must match (core/grammar.py)."""
         params = params or SamplingParams()
         all_params = [params] * len(prompts) if isinstance(params, SamplingParams) else params
         completions = []
         for prompt, p in zip(prompts, all_params, strict=True):
             completion = Completion(f"llm-{next(self._ids)}")
             completion.sample(p.n - 1)  # all n samples, by index
-            self.engine.add_request(completion.request_id, self._prompt(prompt, chat), p)
+            self.engine.add_request(completion.request_id, self._prompt(prompt, chat), p,
+                                    constraint=constraint)
             completions.append(completion)
         by_id = {completion.request_id: completion for completion in completions}
         while self.engine.has_unfinished():

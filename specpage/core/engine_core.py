@@ -19,7 +19,7 @@ import msgspec
 from specpage.core import ledger
 from specpage.core.block_pool import BlockPool
 from specpage.core.engine_config import EngineConfig
-from specpage.core.model_free import Method, ModelFreeProposer, Speculation
+from specpage.core.model_free import NO_SPECULATION, Method, ModelFreeProposer, Speculation
 from specpage.core.outputs import OutputProcessor, RequestOutput
 from specpage.core.policy import SpecPolicy
 from specpage.core.proposer_rules import ProposerRules
@@ -102,7 +102,10 @@ class EngineCore:
         if request.request_id in self.requests:
             raise ValidationError("request_id", f"{request.request_id!r} is already running")
         seq = self._new_sequence(request, 0, list(request.prompt_token_ids))
-        seq.draft_on = self.policy.admits_draft(request, self._joins_batch())
+        # a constrained request's proposals are never the draft's (_constrained):
+        # a head, which runs wherever it is on, keeps nothing for it
+        seq.draft_on = request.grammar is None and self.policy.admits_draft(
+            request, self._joins_batch())
         self.requests[request.request_id] = request
         self.scheduler.add(seq)
 
@@ -116,9 +119,30 @@ class EngineCore:
 
     def _speculate(self, seq: Sequence, batch: int) -> Speculation:
         """The scheduler's question: what seq proposes this step."""
+        if seq.grammar is not None:
+            return self._constrained(seq, batch)
         length = self.policy.model_free_length(seq, batch) if self.policy.model_free_k else 0
         candidate = self.model_free.propose(seq, length) if length else None
         return self.policy.speculate(seq, batch, candidate)
+
+    def _constrained(self, seq: Sequence, batch: int) -> Speculation:
+        """A constrained sequence's proposals: the run of tokens its grammar
+        forces next, where there is one (no model needed, nearly always
+        accepted); else a model-free proposal cut before the first token
+        the grammar forbids. Not the draft's: its tokens are made in the
+        executor, where no grammar can check them before the target does."""
+        spec_k = seq.request.spec_k
+        limit = self.policy.max_proposals if spec_k is None else min(
+            spec_k, self.policy.max_proposals)
+        forced = seq.grammar.forced(limit)
+        if forced:
+            return Speculation(len(forced), tuple(forced), Method.GRAMMAR, float(len(forced)))
+        length = self.policy.model_free_length(seq, batch) if self.policy.model_free_k else 0
+        candidate = self.model_free.propose(seq, length) if length else None
+        if candidate is None:
+            return NO_SPECULATION
+        spec = self.policy.speculate(seq, batch, candidate, draft=False)
+        return spec.cut(seq.grammar.admitted(spec.tokens))
 
     def _end(self, seq: Sequence, reason: FinishReason) -> None:
         """A sequence ends: out of the scheduler and the pool, and of the
@@ -245,13 +269,15 @@ class EngineCore:
             proposal=list(entry.speculation.tokens),
             prompt_logprobs=(params.prompt_logprobs if seq.owes_prompt_logprobs
                              and params.prompt_logprobs is not None else -1),
+            allowed=(seq.grammar.masks(list(entry.speculation.tokens))
+                     if seq.grammar is not None and entry.wants_logits else b""),
         )
 
     def _fork(self, parent: Sequence, done: SeqResult) -> list[RequestOutput]:
         """Samples 1..n-1 share the parent's committed blocks from here on."""
         outputs = []
         for index, token in enumerate(done.fork_tokens, start=1):
-            child = self._new_sequence(parent.request, index, list(parent.token_ids))
+            child = self._new_sequence(parent.request, index, list(parent.token_ids), parent)
             ledger.fork(self.pool, parent, child)
             self.scheduler.add_running(child)
             outputs.append(self.outputs.append(child, [token],
@@ -259,9 +285,15 @@ class EngineCore:
                                                done.fork_top_logprobs[index - 1 : index]))
         return outputs
 
-    def _new_sequence(self, request: Request, index: int, token_ids: list[int]) -> Sequence:
+    def _new_sequence(self, request: Request, index: int, token_ids: list[int],
+                      parent: Sequence | None = None) -> Sequence:
+        """A sample of request; a fork of parent (holding what parent holds) if given."""
         seq = Sequence(next(self._seq_ids), request, index, token_ids)
         seq.detok = self.outputs.detokenizer(request)
+        if parent is not None and parent.grammar is not None:
+            seq.grammar = parent.grammar.copy()
+        elif request.grammar is not None:
+            seq.grammar = request.grammar.start()
         request.sequences.append(seq)
         return seq
 

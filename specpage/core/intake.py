@@ -12,13 +12,16 @@ from typing import Any
 
 from specpage.core.arith import cdiv
 from specpage.core.engine_config import EngineConfig
+from specpage.core.grammar import Constraint, Grammars
 from specpage.core.request import Request, SamplingParams, ValidationError, validate_prompt
 
 
 class Intake:
     def __init__(self, config: EngineConfig, tokenizer: Any, vocab_size: int,
-                 max_context: int, k_max: int) -> None:
+                 max_context: int, k_max: int, eos_token_ids: tuple[int, ...] = ()) -> None:
         self.config = config
+        # structured outputs: constraints compiled over the tokenizer (core/grammar.py)
+        self.grammars = Grammars(tokenizer, vocab_size, eos_token_ids)
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_context = max_context
@@ -34,8 +37,9 @@ class Intake:
         *,
         prompt_field: str = "prompt",
         arrival: float | None = None,
+        constraint: Constraint | None = None,
     ) -> Request:
-        """Validate and tokenize.
+        """Validate, tokenize and compile the constraint, if any.
 
         prompt_field names the prompt in errors (a front end's own field);
         arrival (time.monotonic()) is when the caller received the request,
@@ -51,8 +55,11 @@ class Intake:
         self._check_fits(len(prompt_ids), params)
         if params.stop and self.tokenizer is None:
             raise ValidationError("stop", "stop strings need a tokenizer")
-        return Request(request_id, tuple(prompt_ids), params, priority, deadline,
-                       arrival=time.monotonic() if arrival is None else arrival)
+        request = Request(request_id, tuple(prompt_ids), params, priority, deadline,
+                          arrival=time.monotonic() if arrival is None else arrival)
+        if constraint is not None:
+            request.grammar = self.grammars.compile(constraint)
+        return request
 
     def _tokenize(self, prompt: str | Seq[int], prompt_field: str) -> list[int]:
         if isinstance(prompt, str):

@@ -34,6 +34,9 @@ class Method(enum.StrEnum):
     DRAFT = "draft"  # the draft model or the EAGLE-3 head
     NGRAM = "ngram"
     SUFFIX = "suffix"
+    # the tokens a request's grammar allows next with no alternative
+    # (core/grammar.py): known without any model
+    GRAMMAR = "grammar"
 
 
 MODEL_FREE = (Method.NGRAM, Method.SUFFIX)

@@ -73,20 +73,23 @@ class OutputProcessor:
         eos = () if params.ignore_eos else self.eos_token_ids
         # the sampler bans EOS and stop ids below min_tokens; were one there, it ends nothing
         done = len(seq.output_token_ids)
+        end_token = False  # the last kept token is EOS or a stop id, not text
         for token in tokens:
             kept.append(token)
             if ((token in eos or token in params.stop_token_ids)
                     and done + len(kept) > params.min_tokens):
-                reason = FinishReason.STOP
+                reason, end_token = FinishReason.STOP, True
             elif (len(seq.output_token_ids) + len(kept) >= params.max_tokens
                   or seq.num_tokens + len(kept) >= self.max_context):
                 reason = FinishReason.LENGTH
+            if seq.grammar is not None and not end_token:
+                reason = _grammar_reason(seq, token) or reason
             if reason:
                 break
         text = ""
         detok: IncrementalDetokenizer | None = seq.detok  # type: ignore[assignment]
         if detok is not None:
-            text_ids = kept[:-1] if reason is FinishReason.STOP else kept
+            text_ids = kept[:-1] if end_token else kept
             text = detok.add(text_ids)
             if detok.stopped:
                 # A stop string ends the output at the token that completes it,
@@ -141,3 +144,14 @@ class OutputProcessor:
         return [RequestOutput(request.request_id, index, [], "", 0, finished=True,
                               finish_reason=str(reason))
                 for index in range(len(request.sequences), request.params.n)]
+
+
+def _grammar_reason(seq: Sequence, token: int) -> FinishReason | None:
+    """Whether a constrained sequence ends at this token, which its grammar
+    takes: the grammar complete (it would admit only EOS next: the output
+    is done, as a stop string ends one, and tokens after it in the step are
+    dropped), or, were the token outside the grammar (the masks make that
+    impossible), in error."""
+    if seq.grammar.take(token) is not None:
+        return FinishReason.ERROR
+    return FinishReason.STOP if seq.grammar.stopped else None

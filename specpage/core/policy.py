@@ -386,18 +386,21 @@ class SpecPolicy:
             return 1
         return best_k
 
-    def speculate(self, seq: Sequence, batch: int, candidate: Candidate | None) -> Speculation:
+    def speculate(self, seq: Sequence, batch: int, candidate: Candidate | None,
+                  draft: bool = True) -> Speculation:
         """This step's proposals for seq: none, the draft's k, or as much of
         a model-free candidate as pays, whichever promises the most expected
         tokens per second of seq's share of the step. A forced k keeps the
-        draft where there is one; a seeded sample chooses without costs."""
-        k = self.choose_k(seq, batch)
+        draft where there is one; a seeded sample chooses without costs.
+        draft: False leaves the draft out this step (its proposals could
+        not be checked: a constrained sequence's, core/grammar.py)."""
+        k = self.choose_k(seq, batch) if draft else 0
         forced = seq.request.spec_k
         if candidate is None or forced == 0:
             return Speculation(k)
         params = seq.request.params
         if forced is not None or not self.adaptive:
-            if self.k_max:
+            if self.k_max and draft:
                 return Speculation(k)
             return self._model_free(candidate, len(candidate.tokens) if forced is None
                                     else forced)
@@ -563,6 +566,8 @@ class SpecPolicy:
             counts.accepted_by_position[position] += 1
         self.num_drafted += proposed
         self.num_accepted += accepted
+        if method is Method.GRAMMAR:
+            return  # the grammar's forced tokens say nothing of any proposer's chances
         if method is not Method.DRAFT:
             assert speculation is not None
             expected = speculation.expected

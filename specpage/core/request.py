@@ -14,6 +14,7 @@ import random
 import time
 from collections import abc
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 
@@ -217,7 +218,7 @@ class Sequence:
     __slots__ = ("seq_id", "request", "index", "token_ids", "num_prompt", "num_computed",
                  "num_draft_computed", "draft_state", "draft_on", "status", "finish_reason",
                  "logprobs", "accepted", "tested", "model_free_accepted",
-                 "model_free_expected", "detok")  # fmt: skip
+                 "model_free_expected", "detok", "grammar")  # fmt: skip
 
     def __init__(self, seq_id: int, request: Request, index: int, token_ids: list[int]) -> None:
         self.seq_id = seq_id
@@ -243,6 +244,8 @@ class Sequence:
         self.model_free_accepted = 0.0
         self.model_free_expected = 0.0
         self.detok: object = None  # the engine's incremental detokenizer
+        # core/grammar.py's SequenceGrammar when the request is constrained
+        self.grammar: Any = None
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -291,6 +294,8 @@ class Request:
     cache_salt: bytes = b""  # per-tenant prefix-cache isolation
     spec_k: int | None = None  # None: the engine's policy; else at most this k
     cache_text: bool = True  # False: keep the request's text out of the suffix cache
+    # core/grammar.py's CompiledGrammar: what every sample's output must match
+    grammar: Any = None
     aborted: bool = False
     num_ended: int = 0  # samples whose final output was emitted
     # params.prompt_logprobs: position i's, None at 0 (nothing predicts it);

@@ -88,6 +88,9 @@ class SeqWork(msgspec.Struct, frozen=True, array_like=True):
     # tokens its positions predict (tokens[1:], then following) are wanted,
     # with this many alternatives each
     prompt_logprobs: int = -1
+    # a constrained sequence's allowed tokens (core/grammar.py's masks) at
+    # each row it samples, k + 1 of them; b"" when unconstrained
+    allowed: bytes = b""
 
     @property
     def end(self) -> int:

@@ -17,6 +17,7 @@ from typing import Any
 from specpage.core.block_pool import BlockPool
 from specpage.core.engine_config import EngineConfig
 from specpage.core.engine_core import EngineCore, EngineStats
+from specpage.core.grammar import Constraint
 from specpage.core.intake import Intake
 from specpage.core.outputs import RequestOutput
 from specpage.core.policy import SpecPolicy
@@ -69,7 +70,7 @@ class Engine:
                                policy, self.max_context, tokenizer,
                                tuple(target.config.eos_token_ids))
         self.intake = Intake(c, tokenizer, target.config.vocab_size, self.max_context,
-                             policy.max_proposals)
+                             policy.max_proposals, tuple(target.config.eos_token_ids))
         self.executor = (Executor(target, draft, c) if c.tensor_parallel_size == 1
                          else TensorParallelExecutor(target, draft, c))
         if policy.adaptive and policy.max_proposals > 0:
@@ -97,8 +98,10 @@ class Engine:
         params: SamplingParams,
         priority: int = 0,
         deadline: float | None = None,
+        constraint: Constraint | None = None,
     ) -> Request:
-        request = self.make_request(request_id, prompt, params, priority, deadline)
+        request = self.make_request(request_id, prompt, params, priority, deadline,
+                                    constraint=constraint)
         self.submit(request)
         return request
 
@@ -112,11 +115,13 @@ class Engine:
         *,
         prompt_field: str = "prompt",
         arrival: float | None = None,
+        constraint: Constraint | None = None,
     ) -> Request:
-        """Validate and tokenize (core/intake.py); touches no engine state,
-        so any thread may call it."""
+        """Validate, tokenize and compile the constraint (core/intake.py);
+        touches no engine state, so any thread may call it."""
         return self.intake.make_request(request_id, prompt, params, priority, deadline,
-                                        prompt_field=prompt_field, arrival=arrival)
+                                        prompt_field=prompt_field, arrival=arrival,
+                                        constraint=constraint)
 
     def submit(self, request: Request) -> None:
         self.core.submit(request)

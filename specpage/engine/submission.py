@@ -1,6 +1,6 @@
 """What a front end hands the engine for one request, and the work that turns
 it into a `Request`: size the prompt, render a conversation through the chat
-template, tokenize, validate.
+template, tokenize, validate, compile a constraint's grammar.
 
 That work grows with the prompt (seconds for megabytes of text), so
 `AsyncEngine.add_request` runs it on threads of its own, never on the event
@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 
 from specpage.core.chat_template import DEFAULT_OPTIONS, TemplateOptions, chat_token_ids
+from specpage.core.grammar import Constraint
 from specpage.core.request import Request, SamplingParams, ValidationError
 from specpage.engine.engine import Engine
 
@@ -70,6 +71,7 @@ class RequestOptions:
     # asked for the chat template (gRPC's `chat` flag; HTTP's `messages` itself).
     prompt_field: str = "prompt"
     chat_field: str = "chat"
+    constraint: Constraint | None = None  # what the output must match (core/grammar.py)
 
 
 class Preparer:
@@ -94,7 +96,7 @@ class Preparer:
             params = msgspec.structs.replace(params, max_tokens=max(1, room))
         made = self.engine.make_request(
             options.request_id, prompt_ids, params, options.priority, options.deadline,
-            prompt_field=field, arrival=options.arrival)
+            prompt_field=field, arrival=options.arrival, constraint=options.constraint)
         if len(made.prompt_token_ids) > self.max_prompt_tokens:
             raise ValidationError(field, f"{len(made.prompt_token_ids)} tokens exceed "
                                   f"the limit of {self.max_prompt_tokens}")

@@ -12,6 +12,8 @@ from typing import Any
 import grpc
 
 from specpage.completion import Durations
+from specpage.core import grammar
+from specpage.core.grammar import Constraint
 from specpage.core.request import SamplingParams, ValidationError
 from specpage.engine.async_engine import (
     AsyncEngine,
@@ -131,7 +133,8 @@ class GenerationService(pb_grpc.GenerationServicer):
                 request_id, arrival, priority=request.priority,
                 deadline=_deadline(request, context), cache_salt=request.cache_salt,
                 cache_text=not request.no_suffix_cache,
-                spec_k=spec_k(request.spec, self.engine.k_max), prompt_field=field)
+                spec_k=spec_k(request.spec, self.engine.k_max), prompt_field=field,
+                constraint=constraint_of(request))
             return await self.engine.add_request(prompt, params, options)
         except ValidationError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
@@ -164,6 +167,27 @@ async def _checked_id(request_id: str, context: grpc.aio.ServicerContext) -> str
     except ValidationError as error:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
     return request_id
+
+
+def constraint_of(request: pb.GenerateRequest) -> Constraint | None:
+    """The request's Constraint message as core/grammar.py's, if it has one."""
+    if not request.HasField("constraint"):
+        return None
+    given = request.constraint
+    kind = given.WhichOneof("kind")
+    field = f"constraint.{kind}"
+    if kind is None:
+        raise ValidationError("constraint", "set one of json_schema, json_object, regex, "
+                              "choice or grammar")
+    if kind == "json_schema":
+        return grammar.json_schema(given.json_schema, field)
+    if kind == "json_object":
+        if not given.json_object:
+            raise ValidationError(field, "must be true when set")
+        return Constraint("json_object", field=field)
+    if kind == "choice":
+        return Constraint("choice", choices=tuple(given.choice.values), field=field)
+    return Constraint(kind, getattr(given, kind), field=field)
 
 
 def _prompt(request: pb.GenerateRequest) -> tuple[Prompt, str]:

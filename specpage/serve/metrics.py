@@ -168,7 +168,8 @@ class Metrics:
             ["position"], namespace=ns, registry=r,
         )  # fmt: skip
         self.drafted_by_method = Counter(
-            "drafted_tokens_by_method", "Tokens proposed, by method (draft, ngram, suffix)",
+            "drafted_tokens_by_method",
+            "Tokens proposed, by method (draft, ngram, suffix, grammar)",
             ["method"], namespace=ns, registry=r,
         )  # fmt: skip
         self.accepted_by_method = Counter(

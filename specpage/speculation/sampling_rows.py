@@ -63,6 +63,18 @@ def adjusted_rows(
     return out
 
 
+def allowed_tokens(mask: bytes, rows: int, vocab: int) -> torch.Tensor:
+    """[rows, vocab] bool from a grammar's bitmasks (core/grammar.py: per row
+    one bit per token, 32 to a little-endian int32); tokens past the mask's
+    width are not allowed."""
+    packed = torch.frombuffer(bytearray(mask), dtype=torch.uint8).view(rows, -1)
+    bits = (packed[..., None] >> torch.arange(8, dtype=torch.uint8)) & 1
+    allowed = bits.view(rows, -1).bool()
+    if allowed.shape[1] >= vocab:
+        return allowed[:, :vocab]
+    return torch.cat([allowed, allowed.new_zeros(rows, vocab - allowed.shape[1])], dim=1)
+
+
 def _history(a: Adjustments, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     """[vocab] fp32 counts of the output's tokens, [vocab] bool of the prompt's."""
     output = torch.tensor(a.history[a.num_prompt :], dtype=torch.int64)

@@ -21,7 +21,7 @@ from specpage.speculation.acceptance import accept
 from specpage.speculation.proposal import Proposal
 from specpage.speculation.runner import TargetRunner
 from specpage.speculation.sampler import Purpose, sample, uniform
-from specpage.speculation.sampling_rows import adjusted_rows, row_probabilities
+from specpage.speculation.sampling_rows import adjusted_rows, allowed_tokens, row_probabilities
 from specpage.speculation.verdict import Verdict
 
 
@@ -88,6 +88,7 @@ class Verifier:
             offsets.append(offsets[-1] + k + 1)  # logit rows of each sequence
         # what each row samples from; the log-probabilities stay the target's own
         adjusted = _with_history(works, [proposal.tokens[i] for i in rows], logits)
+        adjusted = _with_grammar(works, ks, offsets, adjusted, logits)
         greedy = [r for r, w in enumerate(works) if w.sampling.greedy]
         sampled = [r for r, w in enumerate(works) if not w.sampling.greedy]
         num_accepted, next_token = [0] * len(rows), [0] * len(rows)
@@ -255,3 +256,21 @@ def _with_history(works: list[SeqWork], proposed: list[list[int]],
             num_tokens.append(w.end + j)
             added.append(drafted[:j])
     return adjusted_rows(logits, rows, num_tokens, added)
+
+
+def _with_grammar(works: list[SeqWork], ks: list[int], offsets: list[int],
+                  adjusted: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """adjusted with every token a constrained sequence's grammar forbids at
+    a row set to -inf (SeqWork.allowed: the grammar's state after the
+    proposal's prefix before the row), so greedy, sampled and forked tokens
+    all come from what the grammar allows; `logits` itself stays unmasked."""
+    if all(not w.allowed for w in works):
+        return adjusted
+    if adjusted is logits:
+        adjusted = logits.clone()
+    vocab = logits.shape[-1]
+    for w, k, base in zip(works, ks, offsets[: len(works)], strict=True):
+        if w.allowed:
+            allowed = allowed_tokens(w.allowed, k + 1, vocab).to(adjusted.device)
+            adjusted[base : base + k + 1].masked_fill_(~allowed, float("-inf"))
+    return adjusted

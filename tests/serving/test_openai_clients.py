@@ -26,6 +26,8 @@ SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
 USER = {"role": "user", "content": "What is the capital of France?"}
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}},
           "required": ["answer"], "additionalProperties": False}
+# guidance's serialized grammar (llguidance's JSON form) for select(["yes", "no"])
+GUIDANCE_GRAMMAR = json.dumps({"grammars": [{"lark_grammar": 'start: "yes" | "no"'}]})
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the weather in a city.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -45,8 +47,8 @@ BODIES: list[tuple[str, str, str, dict[str, Any], str | None]] = [
         "model": MODEL, "prompt": ["Once upon a time", "The capital of France is"],
         "max_tokens": 8, "n": 2, "temperature": 0}, None),
     ("openai SDK", "JSON mode", CHAT, {
-        "messages": [USER], "model": MODEL, "response_format": {"type": "json_object"}},
-     "response_format"),
+        "messages": [USER], "model": MODEL, "response_format": {"type": "json_object"},
+        "max_tokens": 8}, None),
     # LangChain's ChatOpenAI: _get_request_payload, messages by
     # _convert_message_to_dict (content before role), n and stream always
     ("LangChain ChatOpenAI", "invoke", CHAT, {
@@ -66,8 +68,8 @@ BODIES: list[tuple[str, str, str, dict[str, Any], str | None]] = [
         "messages": [{"content": "Capital of France?", "role": "user"}], "model": MODEL,
         "stream": False, "n": 1, "temperature": 0.7, "response_format": {
             "type": "json_schema",
-            "json_schema": {"name": "Answer", "schema": SCHEMA, "strict": True}}},
-     "response_format"),
+            "json_schema": {"name": "Answer", "schema": SCHEMA, "strict": True}},
+        "max_tokens": 8}, None),
     ("LangChain ChatOpenAI", "with_structured_output (function_calling)", CHAT, {
         "messages": [{"content": "Capital of France?", "role": "user"}], "model": MODEL,
         "stream": False, "n": 1, "temperature": 0.7, "parallel_tool_calls": False,
@@ -88,7 +90,7 @@ BODIES: list[tuple[str, str, str, dict[str, Any], str | None]] = [
         "max_tokens": 8, "user": "litellm-user"}, None),
     ("LiteLLM", "vLLM guided_choice in extra_body", CHAT, {
         "model": MODEL, "messages": [{"role": "user", "content": "Yes or no?"}],
-        "max_tokens": 8, "guided_choice": ["yes", "no"]}, "guided_choice"),
+        "max_tokens": 8, "guided_choice": ["yes", "no"]}, None),
     # LlamaIndex's OpenAILike: _get_model_kwargs (model, temperature,
     # max_tokens), completions unless is_chat_model
     ("LlamaIndex OpenAILike", "complete", COMPLETIONS, {
@@ -131,14 +133,18 @@ BODIES: list[tuple[str, str, str, dict[str, Any], str | None]] = [
             {"role": "user", "content": [{"type": "text", "text": "Pick one:"}]}],
         "logprobs": True, "stream": True, "stream_options": {"include_usage": True},
         "max_tokens": 8, "guided_decoding_backend": "guidance",
-        "guided_grammar": '{"grammars": []}', "structured_outputs": {"grammar": "{}"}},
-     "guided_grammar"),
+        "guided_grammar": GUIDANCE_GRAMMAR, "structured_outputs": {"grammar": GUIDANCE_GRAMMAR}},
+     None),
+    ("guidance", "an empty grammar", CHAT, {
+        "model": MODEL, "messages": [{"role": "user", "content": "Pick one:"}],
+        "max_tokens": 8, "guided_grammar": '{"grammars": []}'}, "guided_grammar"),
     ("guidance", "json() on OpenAI", CHAT, {
         "model": MODEL, "messages": [
             {"role": "user", "content": [{"type": "text", "text": "A JSON answer:"}]}],
         "logprobs": True, "stream": True, "stream_options": {"include_usage": True},
         "response_format": {"type": "json_schema", "json_schema": {
-            "name": "json_schema", "schema": SCHEMA, "strict": True}}}, "response_format"),
+            "name": "json_schema", "schema": SCHEMA, "strict": True}},
+        "max_tokens": 8}, None),
     # lm-evaluation-harness: local-completions' and local-chat-completions'
     # _create_payload (generate_until batches prompts; seed 1234)
     ("lm-eval local-completions", "generate_until", COMPLETIONS, {

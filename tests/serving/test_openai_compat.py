@@ -289,17 +289,19 @@ async def test_chat_template_kwargs_reach_the_template(daemon: Daemon) -> None:
 
 CHAT: dict[str, Any] = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
 REFUSED: list[tuple[str, dict[str, Any], str]] = [
-    ("/v1/chat/completions", {**CHAT, "guided_json": {"type": "object"}}, "guided_json"),
-    ("/v1/chat/completions", {**CHAT, "guided_regex": "[a-z]+"}, "guided_regex"),
-    ("/v1/chat/completions", {**CHAT, "guided_choice": ["a", "b"]}, "guided_choice"),
+    # structured outputs (tests/serving/test_structured_outputs.py) with a
+    # constraint that cannot be honoured, or a kind not offered
+    ("/v1/chat/completions", {**CHAT, "guided_json": {"type": "objct"}}, "guided_json"),
+    ("/v1/chat/completions", {**CHAT, "guided_regex": "[a-z"}, "guided_regex"),
+    ("/v1/chat/completions", {**CHAT, "guided_choice": []}, "guided_choice"),
     ("/v1/completions", {"prompt": "a", "guided_grammar": "root ::= 'a'"}, "guided_grammar"),
     ("/v1/completions", {"prompt": "a", "guided_decoding_backend": "xgrammar",
-                         "guided_json": {}}, "guided_json"),
+                         "guided_json": "{not json"}, "guided_json"),
     ("/v1/chat/completions", {**CHAT, "guided_future_kind": 1}, "guided_future_kind"),
-    ("/v1/chat/completions", {**CHAT, "structured_outputs": {"regex": "a"}},
-     "structured_outputs"),
-    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}},
-     "response_format"),
+    ("/v1/chat/completions", {**CHAT, "structured_outputs": {"structural_tag": "{}"}},
+     "structured_outputs.structural_tag"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "xml"}},
+     "response_format.type"),
     ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}],
                               "tool_choice": "auto"}, "tools"),
     ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, "tools"),

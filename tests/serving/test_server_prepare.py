@@ -213,3 +213,49 @@ async def test_prompts_are_tokenized_on_the_prepare_pool(
     names = [name for calls in threads.names.values() for name in calls]
     assert all(name.startswith(f"{PREPARE_THREAD_NAME}_") for name in names), names
     assert threading.current_thread().name not in names  # the event loop's
+
+
+@pytest.mark.asyncio
+async def test_a_constraint_compiles_on_the_prepare_pool_while_other_streams_run(
+        tmp_path: Path):
+    from specpage.core.grammar import json_schema
+
+    tokenizer_pair(tmp_path)
+    engine = Engine(load_model(tmp_path / "target"), None, load_tokenizer(tmp_path / "target"),
+                    EngineConfig(block_size=4, num_blocks=64))
+    grammars = engine.intake.grammars
+    compile_ = grammars.compile
+    release, compiling = threading.Event(), threading.Event()
+    names: list[str] = []
+
+    def held(constraint: Any) -> Any:  # a schema that takes as long as the test says
+        names.append(threading.current_thread().name)
+        compiling.set()
+        assert release.wait(RELEASE_TIMEOUT_S)
+        return compile_(constraint)
+
+    grammars.compile = held  # type: ignore[method-assign]
+    async_engine = AsyncEngine(engine)
+    async_engine.start()
+    try:
+        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        other = await async_engine.add_request(TokenPrompt([5, 6, 7]), params,
+                                               RequestOptions("other", 0.0))
+        schema = {"type": "object", "properties": {"ok": {"type": "boolean"}},
+                  "required": ["ok"], "additionalProperties": False}
+        constrained = asyncio.ensure_future(async_engine.add_request(
+            TokenPrompt([5, 6, 7]), SamplingParams(max_tokens=20, temperature=0.0),
+            RequestOptions("constrained", 0.0, constraint=json_schema(schema, "guided_json"))))
+        await asyncio.get_running_loop().run_in_executor(None, compiling.wait)
+        # the other stream runs to its end while the schema is still compiling
+        events = [event async for event in other.events()]
+        assert isinstance(events[-1], Final) and events[-1].finish_reasons == ["length"]
+        assert not constrained.done()
+        release.set()
+        stream = await constrained
+        events = [event async for event in stream.events()]
+    finally:
+        release.set()
+        await async_engine.stop(timeout=1)
+    assert isinstance(events[-1], Final) and events[-1].finish_reasons == ["stop"]
+    assert names and all(name.startswith(f"{PREPARE_THREAD_NAME}_") for name in names)

@@ -31,6 +31,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from specpage.core.grammar import Constraint
 from specpage.core.request import SamplingParams, Usage, ValidationError
 from specpage.engine.async_engine import (
     Chunk,
@@ -144,7 +145,7 @@ class OpenAIRoutes:
         try:
             check_request_id(request_id)
             params = protocol.sampling_params(body, call.max_tokens)
-            streams = await self._admit(call, request_id, params)
+            streams = await self._admit(call, request_id, params, protocol.constraint(body))
         except Exception as error:  # noqa: BLE001 (api_error re-raises what it cannot map)
             raise api_error(error, renamed) from None
         tokenizer = self.frontend.engine.tokenizer
@@ -180,8 +181,8 @@ class OpenAIRoutes:
             final = _nothing_generated(final)
         return _json(renderer.response(samples, final), headers)
 
-    async def _admit(self, call: Call, request_id: str,
-                     params: SamplingParams) -> list[RequestStream]:
+    async def _admit(self, call: Call, request_id: str, params: SamplingParams,
+                     constraint: Constraint | None = None) -> list[RequestStream]:
         """Every prompt admitted as a request of its own (each counts against
         the admission bound), or none: a prompt refused, or the client gone,
         aborts those already admitted."""
@@ -194,7 +195,7 @@ class OpenAIRoutes:
         options = [RequestOptions(
             f"{request_id}-{i}" if batch else request_id, call.arrival,
             priority=call.body.priority, cache_salt=call.body.cache_salt or "",
-            cache_text=not call.body.no_suffix_cache,
+            cache_text=not call.body.no_suffix_cache, constraint=constraint,
             max_tokens_to_context=call.max_tokens is None, prompt_field=part.field,
             chat_field=field) for i, part in enumerate(call.prompts)]
         for option in options:

@@ -1,8 +1,8 @@
 """The unknown-field rule: what a request may carry beyond what is honoured.
 
 A field that would change the output if honoured, and is not, is refused
-with a 400 naming it: vLLM's constrained decoding (`guided_*`,
-`structured_outputs`), `logits_processors` and the other fields in REFUSED
+with a 400 naming it: vLLM's `guided_*` fields other than those honoured,
+`logits_processors` and the other fields in REFUSED
 whenever they ask for something, a known field at a value the engine cannot
 honour (protocol.NEUTRAL), and a top-level field no API we follow defines
 (its meaning is unknown, so it may change the output).
@@ -30,9 +30,10 @@ log = logging.getLogger("specpage.http")
 IGNORED_HEADER = "X-Ignored-Fields"
 # Top-level fields that ask for something we do not do, whatever their value
 # other than null, false or empty; a prefix covers vLLM's family of them.
-REFUSED_PREFIXES = {"guided_": "constrained decoding is not supported"}
+REFUSED_PREFIXES = {"guided_": "this form of constrained decoding is not supported"}
+# vLLM's guided_* fields that are honoured (protocol.constraint)
+HONOURED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 REFUSED = {
-    "structured_outputs": "constrained decoding is not supported",
     "logits_processors": "logits processors are not supported",
     "allowed_token_ids": "restricting the vocabulary is not supported",
     "bad_words": "banned words are not supported",
@@ -64,7 +65,7 @@ def check_refused(raw: Any) -> None:
     if not isinstance(raw, dict):
         return  # decoding names the body
     for name, value in raw.items():
-        if name in IGNORED:
+        if name in IGNORED or name in HONOURED:
             continue
         reason = REFUSED.get(name) or next(
             (why for prefix, why in REFUSED_PREFIXES.items() if name.startswith(prefix)), None)

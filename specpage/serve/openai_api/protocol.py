@@ -3,7 +3,9 @@
 Every field OpenAI's API reference defines is known, with vLLM's extensions
 where the engine has them (`top_k`, `min_p`, `min_tokens`, `repetition_penalty`,
 `ignore_eos`, `stop_token_ids`, `prompt_logprobs`,
-`cache_salt`, `priority`, `chat_template_kwargs`), so the bodies that common
+`cache_salt`, `priority`, `chat_template_kwargs`, and structured outputs:
+`guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`,
+`structured_outputs`), so the bodies that common
 clients send decode. What is refused and what is accepted unread follows the
 unknown-field rule (fields.py): a field that would change the output if
 honoured is a `ValidationError` naming it (`NEUTRAL` lists what each known
@@ -18,7 +20,9 @@ from typing import Any, NamedTuple, TypeVar
 
 import msgspec
 
+from specpage.core import grammar
 from specpage.core.chat_template import TemplateOptions
+from specpage.core.grammar import Constraint
 from specpage.core.request import SamplingParams, ValidationError
 from specpage.engine.submission import Prompt, TextPrompt, TokenPrompt
 from specpage.serve.openai_api import fields
@@ -83,6 +87,13 @@ class SamplingFields(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     # the prompt's log-probabilities, this many alternatives per position
     # (the request then recomputes its prompt: no prefix-cache hit)
     prompt_logprobs: int | None = None
+    # structured outputs (constraint() below): OpenAI's, then vLLM's names
+    response_format: dict[str, Any] | None = None
+    guided_json: Any = None  # a JSON schema, as an object or as JSON text
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None  # GBNF/EBNF (rules with ::=) or Lark
+    structured_outputs: dict[str, Any] | None = None  # vLLM's newer form of the four
 
 
 class ChatCompletionRequest(SamplingFields, frozen=True, forbid_unknown_fields=True,
@@ -91,7 +102,6 @@ class ChatCompletionRequest(SamplingFields, frozen=True, forbid_unknown_fields=T
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
@@ -139,7 +149,6 @@ def _unset(value: Any) -> bool:
 
 # field -> (is the value one the engine honours?, what it may be), checked in order
 NEUTRAL: dict[str, tuple[Any, str]] = {
-    "response_format": (lambda v: v is None or v == {"type": "text"}, '{"type": "text"}'),
     "modalities": (lambda v: v in (None, ["text"]), '["text"]'),
     "audio": (lambda v: v is None, "null (text only)"),
     "prediction": (lambda v: v is None, "null"),
@@ -337,3 +346,79 @@ def _located(text: str) -> tuple[str, str]:
     if "unknown field" in message:
         message = "unknown parameter"
     return path or "body", message
+
+
+# vLLM's structured_outputs keys that constrain, and the request field each
+# one is the newer spelling of
+STRUCTURED_KEYS = {"json": "guided_json", "regex": "guided_regex", "choice": "guided_choice",
+                   "grammar": "guided_grammar", "json_object": "json_object"}
+# structured_outputs keys that change nothing here: JSON is generated
+# without free whitespace whatever they say (core/grammar.py)
+STRUCTURED_NEUTRAL = ("disable_fallback", "disable_any_whitespace",
+                      "disable_additional_properties", "whitespace_pattern", "backend")
+
+
+def constraint(request: ChatCompletionRequest | CompletionRequest) -> Constraint | None:
+    """What the output must match, from whichever field gives it; a
+    ValidationError names the field when it is malformed or when two
+    fields each ask for one."""
+    found: list[Constraint] = []
+    response_format = request.response_format
+    if response_format is not None:
+        made = _response_format(response_format)
+        if made is not None:
+            found.append(made)
+    for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+        value = getattr(request, name)
+        if value is not None:
+            found.append(_guided(name, value, name))
+    structured = request.structured_outputs
+    if structured is not None:
+        if not isinstance(structured, dict):
+            raise ValidationError("structured_outputs", "must be an object")
+        for key, value in structured.items():
+            where = f"structured_outputs.{key}"
+            if key in STRUCTURED_NEUTRAL or value in (None, False):
+                continue
+            if key not in STRUCTURED_KEYS:
+                raise ValidationError(where, "not supported; only "
+                                      + ", ".join(STRUCTURED_KEYS))
+            if key == "json_object":
+                found.append(Constraint("json_object", field=where))
+            else:
+                found.append(_guided(STRUCTURED_KEYS[key], value, where))
+    # a client may send one constraint in both of vLLM's spellings
+    distinct = [c for i, c in enumerate(found) if all(c.key != d.key for d in found[:i])]
+    if len(distinct) > 1:
+        raise ValidationError(distinct[1].field, f"only one constraint per request; "
+                              f"{distinct[0].field} gives another")
+    return distinct[0] if distinct else None
+
+
+def _response_format(value: dict[str, Any]) -> Constraint | None:
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Constraint("json_object", field="response_format")
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise ValidationError("response_format.json_schema.schema",
+                                  "a json_schema response format needs its schema")
+        return grammar.json_schema(spec["schema"], "response_format.json_schema.schema")
+    raise ValidationError("response_format.type", f"{kind!r} is not supported; only "
+                          "text, json_object or json_schema")
+
+
+def _guided(kind: str, value: Any, field: str) -> Constraint:
+    """vLLM's guided_* field `kind`, given as field."""
+    if kind == "guided_json":
+        return grammar.json_schema(value, field)
+    if kind == "guided_choice":
+        if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
+            raise ValidationError(field, "must be a list of strings")
+        return Constraint("choice", choices=tuple(value), field=field)
+    if not isinstance(value, str):
+        raise ValidationError(field, "must be a string")
+    return Constraint("regex" if kind == "guided_regex" else "grammar", value, field=field)
