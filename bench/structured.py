@@ -17,12 +17,15 @@ as token ids over gRPC with `constraint={"json_schema": ...}`. Three parts:
   the first chunk to the last) per mode over the set. Ratios per round:
   constrained AUTO over constrained OFF (the forced tokens and model-free
   proposals cut by the grammar, against none), over unconstrained AUTO and
-  over unconstrained OFF. Every constrained output must parse and match its
-  schema, and greedy AUTO must equal greedy OFF;
+  over unconstrained OFF. Every constrained output that ends (its grammar
+  complete, not cut by max_tokens) must parse and match its schema, and
+  greedy AUTO must equal greedy OFF;
 - mask cost (in process, the q4 target, spec OFF): 32 constrained requests
-  at once; the seconds the steps spend on the grammar (follow, forced
-  tokens, admitted proposals, masks, and laying the masks on the logits)
-  as a share of the steps' seconds.
+  at once, greedy and then sampled (temperature 0.8, seeded); the seconds
+  the steps spend on the grammar (taking tokens, forced tokens, admitted
+  proposals, masks, and laying the masks on the logits: a greedy row only
+  where its argmax is forbidden, a sampled row always) as a share of the
+  steps' seconds.
 
 Medians over the rounds with min-max spreads (bench/common.py).
 """
@@ -136,6 +139,7 @@ class Extracted(Outcome):
     """A request's run with its text; drafted and accepted: the grammar's."""
 
     text = ""
+    finish_reason = ""
 
 
 async def run_one(client: Client, request: dict[str, Any], mode: str, salt: str) -> Extracted:
@@ -154,6 +158,7 @@ async def run_one(client: Client, request: dict[str, Any], mode: str, salt: str)
             out.last = now
             out.tokens += event.token_ids
             text.append(event.text)
+            out.finish_reason = event.finish_reason or out.finish_reason
         else:
             counts = event.usage.by_method.get("grammar", [0, 0])
             out.drafted, out.accepted = counts
@@ -171,7 +176,7 @@ async def single_stream(port: int, requests: list[dict[str, Any]], count: int
     import jsonschema
 
     per_round: dict[str, list[float]] = {mode: [] for mode in MODES}
-    same = valid = constrained_total = forced_drafted = forced_accepted = 0
+    same = valid = constrained_total = cut = forced_drafted = forced_accepted = 0
     async with Client(f"127.0.0.1:{port}") as client:
         for mode in MODES:  # warm-up: every step shape, untimed
             await run_one(client, {**requests[0], "max_tokens": 24}, mode, f"w-{mode}")
@@ -188,6 +193,9 @@ async def single_stream(port: int, requests: list[dict[str, Any]], count: int
                 forced_drafted += auto.drafted
                 forced_accepted += auto.accepted
                 for outcome in (auto, off):
+                    if outcome.finish_reason != "stop":  # cut by max_tokens: JSON unfinished
+                        cut += 1
+                        continue
                     constrained_total += 1
                     try:
                         jsonschema.validate(json.loads(outcome.text), requests[i]["schema"])
@@ -213,7 +221,9 @@ async def single_stream(port: int, requests: list[dict[str, Any]], count: int
             "constrained_off_vs_free_off": ratio("constrained/off", "free/off").as_json(),
         },
         "greedy_auto_equals_off": f"{same}/{len(requests) * count}",
+        # constrained outputs that ended (the grammar complete): parse and match
         "valid_outputs": f"{valid}/{constrained_total}",
+        "cut_by_max_tokens": cut,
         "grammar_drafted": forced_drafted, "grammar_accepted": forced_accepted,
     }
 
@@ -243,33 +253,36 @@ def mask_cost(requests: list[dict[str, Any]], count: int) -> dict[str, Any]:
         return run
 
     sequence = grammar_module.SequenceGrammar
-    for name in ("follow", "forced", "admitted", "masks"):
+    for name in ("take", "forced", "admitted", "masks"):
         setattr(sequence, name, timed(getattr(sequence, name)))
     verifier._with_grammar = timed(verifier._with_grammar)
     torch.set_num_threads(2)
     llm = LLM(ensure_model(MODEL), config=EngineConfig(spec_k=0), quantization="auto")
-    shares, steps_s = [], []
-    for _ in range(count):
-        engine = llm.engine
-        for i in range(STREAMS):
-            request = requests[i % len(requests)]
-            engine.add_request(f"m{i}-{time.perf_counter()}", request["ids"],
-                               SamplingParams(max_tokens=request["max_tokens"], temperature=0),
-                               constraint=json_schema(request["schema"], "bench"))
-        spent[0] = 0.0
-        total = 0.0
-        steps = 0
-        while engine.has_unfinished():
-            start = time.perf_counter()
-            engine.step()
-            total += time.perf_counter() - start
-            steps += 1
-        shares.append(spent[0] / total)
-        steps_s.append(total / steps)
-        print(f"mask cost: {shares[-1]:.3%} of {steps} steps ({total / steps * 1e3:.1f} ms each)",
-              file=sys.stderr, flush=True)
-    return {"share_of_step": Spread.of(shares).as_json(),
-            "step_ms": Spread.of([s * 1e3 for s in steps_s]).as_json(), "streams": STREAMS}
+    result: dict[str, Any] = {"streams": STREAMS}
+    for name, temperature in (("greedy", 0.0), ("sampled", 0.8)):
+        shares, steps_s = [], []
+        for r in range(count):
+            engine = llm.engine
+            for i in range(STREAMS):
+                request = requests[i % len(requests)]
+                engine.add_request(f"{name}{r}-{i}", request["ids"], SamplingParams(
+                    max_tokens=request["max_tokens"], temperature=temperature, seed=i),
+                    constraint=json_schema(request["schema"], "bench"))
+            spent[0] = 0.0
+            total = 0.0
+            steps = 0
+            while engine.has_unfinished():
+                start = time.perf_counter()
+                engine.step()
+                total += time.perf_counter() - start
+                steps += 1
+            shares.append(spent[0] / total)
+            steps_s.append(total / steps)
+            print(f"mask cost, {name}: {shares[-1]:.3%} of {steps} steps "
+                  f"({total / steps * 1e3:.1f} ms each)", file=sys.stderr, flush=True)
+        result[name] = {"share_of_step": Spread.of(shares).as_json(),
+                        "step_ms": Spread.of([s * 1e3 for s in steps_s]).as_json()}
+    return result
 
 
 def main() -> None:
@@ -293,7 +306,9 @@ def main() -> None:
         "compile_p50_ms": result["compile"]["p50_ms"],
         "compile_p99_ms": result["compile"]["p99_ms"],
         **{k: v["median"] for k, v in result["single"]["ratios"].items()},
-        "mask_share_of_step_32": result["mask_cost"]["share_of_step"]["median"],
+        "mask_share_of_step_32_greedy": result["mask_cost"]["greedy"]["share_of_step"]["median"],
+        "mask_share_of_step_32_sampled":
+            result["mask_cost"]["sampled"]["share_of_step"]["median"],
     }
     finish("structured", result)
 

@@ -21,7 +21,7 @@ from specpage.speculation.acceptance import accept
 from specpage.speculation.proposal import Proposal
 from specpage.speculation.runner import TargetRunner
 from specpage.speculation.sampler import Purpose, sample, uniform
-from specpage.speculation.sampling_rows import adjusted_rows, allowed_tokens, row_probabilities
+from specpage.speculation.sampling_rows import adjusted_rows, mask_rows_, row_probabilities
 from specpage.speculation.verdict import Verdict
 
 
@@ -88,7 +88,12 @@ class Verifier:
             offsets.append(offsets[-1] + k + 1)  # logit rows of each sequence
         # what each row samples from; the log-probabilities stay the target's own
         adjusted = _with_history(works, [proposal.tokens[i] for i in rows], logits)
-        adjusted = _with_grammar(works, ks, offsets, adjusted, logits)
+        # every row's argmax, for greedy acceptance (the grammars' masks then
+        # correct those of the rows they change)
+        argmax = (adjusted.argmax(-1).tolist() if any(w.sampling.greedy for w in works)
+                  else None)
+        if any(w.allowed for w in works):
+            adjusted = _with_grammar(works, ks, offsets, adjusted, logits, argmax)
         greedy = [r for r, w in enumerate(works) if w.sampling.greedy]
         sampled = [r for r, w in enumerate(works) if not w.sampling.greedy]
         num_accepted, next_token = [0] * len(rows), [0] * len(rows)
@@ -96,7 +101,7 @@ class Verifier:
         if greedy:
             decisions.append((greedy, self._greedy(
                 [rows[r] for r in greedy], [ks[r] for r in greedy],
-                [offsets[r] for r in greedy], proposal, adjusted)))
+                [offsets[r] for r in greedy], proposal, argmax or [])))
         if sampled and self.coupled:
             decisions.append((sampled, self._coupled(
                 [rows[r] for r in sampled], [works[r] for r in sampled],
@@ -135,9 +140,9 @@ class Verifier:
 
     @staticmethod
     def _greedy(rows: list[int], ks: list[int], offsets: list[int], proposal: Proposal,
-                logits: torch.Tensor) -> list[tuple[int, int]]:
-        """Accept while the draft token equals the target's argmax."""
-        argmax = logits.argmax(-1).tolist()  # [logit rows]
+                argmax: list[int]) -> list[tuple[int, int]]:
+        """Accept while the draft token equals the target's argmax (of every
+        logit row)."""
         decided = []
         for i, k, base in zip(rows, ks, offsets, strict=True):
             a = 0
@@ -259,18 +264,43 @@ def _with_history(works: list[SeqWork], proposed: list[list[int]],
 
 
 def _with_grammar(works: list[SeqWork], ks: list[int], offsets: list[int],
-                  adjusted: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+                  adjusted: torch.Tensor, logits: torch.Tensor,
+                  argmax: list[int] | None) -> torch.Tensor:
     """adjusted with every token a constrained sequence's grammar forbids at
     a row set to -inf (SeqWork.allowed: the grammar's state after the
-    proposal's prefix before the row), so greedy, sampled and forked tokens
-    all come from what the grammar allows; `logits` itself stays unmasked."""
-    if all(not w.allowed for w in works):
-        return adjusted
-    if adjusted is logits:
-        adjusted = logits.clone()
-    vocab = logits.shape[-1]
+    proposal's prefix before the row), so that greedy, sampled and forked
+    tokens all come from what the grammar allows; argmax (every row's,
+    given when a row is greedy) corrected where a mask changes it.
+
+    A greedy row whose argmax the grammar allows keeps it under the mask
+    (argmax takes the first of equal values: every token before it is
+    smaller), so only the other rows are masked; a model that follows the
+    format leaves few. `logits` itself is masked in place when no row
+    reports log-probabilities (they are the target's own, before the mask),
+    else left as it is."""
+    masked: list[int] = []  # rows to lay a mask on
+    masks: list[bytes] = []
     for w, k, base in zip(works, ks, offsets[: len(works)], strict=True):
-        if w.allowed:
-            allowed = allowed_tokens(w.allowed, k + 1, vocab).to(adjusted.device)
-            adjusted[base : base + k + 1].masked_fill_(~allowed, float("-inf"))
+        if not w.allowed:
+            continue
+        size = len(w.allowed) // (k + 1)  # bytes per row
+        lazy = argmax is not None and w.sampling.greedy and not w.num_forks
+        for j in range(k + 1):
+            mask = w.allowed[j * size : (j + 1) * size]
+            if lazy:
+                token = argmax[base + j]  # type: ignore[index]
+                if token >> 3 < size and mask[token >> 3] >> (token & 7) & 1:
+                    continue
+            masked.append(base + j)
+            masks.append(mask)
+    if not masked:
+        return adjusted
+    if adjusted is logits and any(w.sampling.logprobs for w in works):
+        adjusted = logits.clone()
+    mask_rows_(adjusted, masked, b"".join(masks))
+    if argmax is not None:
+        index = torch.tensor(masked, device=adjusted.device)
+        rows = adjusted.index_select(0, index).argmax(-1).tolist()
+        for row, token in zip(masked, rows, strict=True):
+            argmax[row] = token
     return adjusted

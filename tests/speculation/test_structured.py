@@ -22,6 +22,7 @@ from specpage.core.request import SamplingParams, ValidationError
 from specpage.engine import Engine, EngineConfig
 from specpage.llm import LLM
 from specpage.models.loader import load_model
+from specpage.speculation.sampling_rows import grammar_bias, mask_rows_
 from tests.speculation.test_sampling import ALPHA, RUNS, VOCAB, chi_square_p, peaked_model
 from tests.support.checkpoints import tokenizer_pair
 
@@ -104,6 +105,35 @@ def test_every_output_parses_and_validates_and_greedy_ones_agree(engines, schema
         texts[name] = samples[0].token_ids
     assert texts["model_free"] == texts["off"]
     assert texts["draft"] == texts["off"]
+
+
+def test_greedy_constrained_tokens_are_the_argmax_of_the_fully_masked_logits(folder, engines):
+    """The reference: transformers' logits at each position, every token the
+    grammar forbids masked, argmax, the grammar advanced by it. The engines
+    mask a greedy row only where its argmax is forbidden."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder / "target").eval()
+    llm = engines["model_free"]
+    schema = {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 10},
+        "tags": {"type": "array", "items": {"enum": ["x", "y z"]}, "maxItems": 3},
+        "n": {"type": "integer", "minimum": -20, "maximum": 2000}},
+        "required": ["name", "n"], "additionalProperties": False}
+    constraint = json_schema(schema, "guided_json")
+    prompt = llm.engine.make_request("ref", PROMPT_TEXT, SamplingParams()).prompt_token_ids
+    sequence = llm.engine.intake.grammars.compile(constraint).start()
+    tokens: list[int] = []
+    with torch.no_grad():
+        while not sequence.stopped:
+            logits = model(torch.tensor([list(prompt) + tokens])).logits[0, -1]
+            bias = grammar_bias(sequence.masks([]), 1, logits.shape[-1])[0]
+            tokens.append(int((logits + bias).argmax()))
+            assert sequence.take(tokens[-1]) is None
+    for name in ("off", "model_free"):
+        completion = engines[name].generate([PROMPT_TEXT], SamplingParams(
+            max_tokens=MAX_TOKENS, temperature=0), constraint=constraint)[0]
+        assert completion.samples[0].token_ids == tokens, name
 
 
 def test_forced_tokens_are_proposed_and_accepted_without_a_model(engines):
@@ -245,3 +275,24 @@ def test_sampling_under_a_mask_keeps_the_masked_distribution(tmp_path, params):
     assert chi_square_p(speculative, exact) > ALPHA
     unmasked = exact.clone().fill_(1.0)  # the test has power: uniform is rejected
     assert chi_square_p(plain, unmasked) < ALPHA
+
+
+@pytest.mark.parametrize(("vocab", "width"), [(49152, 6144), (211, 28), (1000, 100),
+                                              (64, 4)])
+def test_the_native_mask_equals_the_added_bias(vocab, width):
+    """mask_rows_ (one native pass) against the bias it replaces: every row
+    given masked, others untouched, tokens past the mask's width forbidden;
+    masks of every kind of byte and 64-token word."""
+    generator = torch.Generator().manual_seed(vocab)
+    rows = [4, 0, 2]
+    packed = torch.randint(0, 256, (len(rows), width), dtype=torch.uint8, generator=generator)
+    packed[0, : width // 2] = 0  # whole words forbidden
+    packed[1, : width // 2] = 255  # whole words allowed
+    masks = packed.numpy().tobytes()
+    logits = torch.randn(6, vocab, generator=generator)
+    expected = logits.clone()
+    expected[rows] += grammar_bias(masks, len(rows), vocab)
+    got = logits.clone()
+    mask_rows_(got, rows, masks)
+    assert torch.equal(got, expected)
+    assert torch.equal(got[[1, 3, 5]], logits[[1, 3, 5]])

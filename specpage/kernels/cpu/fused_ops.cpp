@@ -1,6 +1,6 @@
 // A decoder layer's elementwise work on CPU, one pass each instead of torch's
 // chain of ops: RMSNorm (alone, or after the residual add), SiLU-and-mul and
-// the rotary embedding of q and k. In a one-token step the chains' per-op
+// the rotary embedding of q and k; and a grammar's masks laid on logit rows. In a one-token step the chains' per-op
 // overhead is most of what is not a product; in a 32-row step their passes
 // over memory are.
 //
@@ -21,6 +21,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <limits>
 #include <tuple>
 
 #include "vec.h"
@@ -261,9 +263,71 @@ at::Tensor rope_qk_into_cache(const at::Tensor& qkv, const at::Tensor& cos,
   return q;
 }
 
+// Structured outputs: -inf at every token of a logit row that its grammar's
+// bitmask (one bit per token, set where allowed, 32 to a little-endian int32)
+// forbids, in place; tokens past the mask's width are forbidden. A mask
+// mostly forbids (JSON allows a handful of tokens at most positions), so a
+// byte that allows all eight is skipped and one that allows none is written
+// whole; rows go to threads when there are many of them.
+void grammar_mask_(at::Tensor& logits, const at::Tensor& rows, const at::Tensor& masks) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat &&
+                  logits.stride(1) == 1,
+              "logits must be fp32 [rows, vocab] with adjacent columns");
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong && rows.is_contiguous(),
+              "rows must be contiguous int64 [n]");
+  TORCH_CHECK(masks.dim() == 2 && masks.scalar_type() == at::kByte && masks.is_contiguous() &&
+                  masks.size(0) == rows.size(0),
+              "masks must be contiguous uint8 [n, bytes], one per row");
+  const int64_t n = rows.size(0), vocab = logits.size(1), width = masks.size(1);
+  const int64_t* row_index = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(row_index[i] >= 0 && row_index[i] < logits.size(0), "row ", row_index[i],
+                " is outside the logits' ", logits.size(0), " rows");
+  }
+  const uint8_t* bits = masks.data_ptr<uint8_t>();
+  float* base = logits.data_ptr<float>();
+  const int64_t stride = logits.stride(0);
+  const float forbidden = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, n, n >= 16 ? 1 : n, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      float* row = base + row_index[i] * stride;
+      const uint8_t* mask = bits + i * width;
+      const int64_t whole = std::min(width, vocab / 8);
+      int64_t b = 0;
+      for (; b + 8 <= whole; b += 8) {  // 64 tokens at a time: all allowed, or none
+        uint64_t word;
+        std::memcpy(&word, mask + b, sizeof(word));
+        if (word == ~uint64_t{0}) continue;
+        if (word == 0) {
+          std::fill(row + b * 8, row + b * 8 + 64, forbidden);
+          continue;
+        }
+        for (int64_t c = b; c < b + 8; ++c) {
+          const uint8_t m = mask[c];
+          if (m == 0xFF) continue;
+          for (int t = 0; t < 8; ++t) {
+            if (!((m >> t) & 1)) row[c * 8 + t] = forbidden;
+          }
+        }
+      }
+      for (; b < whole; ++b) {
+        const uint8_t m = mask[b];
+        for (int t = 0; t < 8; ++t) {
+          if (!((m >> t) & 1)) row[b * 8 + t] = forbidden;
+        }
+      }
+      for (int64_t t = whole * 8; t < vocab; ++t) {  // a last part byte, then past the mask
+        const int64_t b = t / 8;
+        if (b >= width || !((mask[b] >> (t % 8)) & 1)) row[t] = forbidden;
+      }
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(specpage_cpu, m) {
+  m.def("grammar_mask_(Tensor(a!) logits, Tensor rows, Tensor masks) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
@@ -278,4 +342,5 @@ TORCH_LIBRARY_IMPL(specpage_cpu, CPU, m) {
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("rope_qk", &rope_qk);
   m.impl("rope_qk_into_cache", &rope_qk_into_cache);
+  m.impl("grammar_mask_", &grammar_mask_);
 }
