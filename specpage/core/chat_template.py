@@ -28,6 +28,7 @@ class TemplateOptions:
     add_generation_prompt: bool = True
     add_special_tokens: bool = False  # the template writes its own
     variables: Mapping[str, Any] = field(default_factory=dict)
+    tools: Sequence[Mapping[str, Any]] | None = None  # OpenAI's tools, for the template
 
 
 DEFAULT_OPTIONS = TemplateOptions()
@@ -47,14 +48,17 @@ def chat_token_ids(tokenizer: Any, messages: Sequence[Mapping[str, Any]],
     if options.variables:
         _check_variables(tokenizer, options.variables)
     conversation = [dict(m) for m in messages]
+    variables = dict(options.variables)
+    if options.tools is not None:
+        variables["tools"] = [dict(t) for t in options.tools]
     try:
         if not options.add_special_tokens:  # as apply_chat_template tokenizes
             return list(tokenizer.apply_chat_template(
                 conversation, add_generation_prompt=options.add_generation_prompt,
-                return_dict=True, **options.variables)["input_ids"])
+                return_dict=True, **variables)["input_ids"])
         text = tokenizer.apply_chat_template(
             conversation, add_generation_prompt=options.add_generation_prompt,
-            tokenize=False, **options.variables)
+            tokenize=False, **variables)
     except TemplateError as error:
         raise ValidationError(field, f"the chat template refused it: {error}") from None
     return list(tokenizer.encode(text, add_special_tokens=True))

@@ -43,12 +43,13 @@ from specpage.engine.async_engine import (
 from specpage.engine.submission import ChatPrompt, Prompt, RequestOptions, TextPrompt
 from specpage.serve.frontend import Frontend, LoadingError, check_request_id, cut_short
 from specpage.serve.metrics import Metrics
-from specpage.serve.openai_api import protocol
+from specpage.serve.openai_api import protocol, tools
 from specpage.serve.openai_api.errors import APIError, ErrorBody, api_error, invalid
 from specpage.serve.openai_api.fields import IGNORED_HEADER, IgnoredFields
 from specpage.serve.openai_api.render import ChoicePrompt, Renderer, Sample, total
 from specpage.serve.openai_api.served import Served
 from specpage.serve.openai_api.tokenize import TokenizeRoutes
+from specpage.serve.openai_api.tools import ToolPlan, ToolStream
 
 T = TypeVar("T")
 # Paths a load balancer probes without credentials, as gRPC health is open.
@@ -70,6 +71,7 @@ class Call:
     model: str  # the name the response carries
     renamed: dict[str, str]  # the engine's field names -> the client's
     ignored: list[str]  # fields accepted unread (fields.py)
+    tools: ToolPlan | None = None  # a chat's tools (tools.py)
 
 
 class OpenAIRoutes:
@@ -93,12 +95,21 @@ class OpenAIRoutes:
                           "differ; give one")
         max_tokens = (body.max_tokens if body.max_completion_tokens is None
                       else body.max_completion_tokens)  # None: as many as the context leaves
-        prompt = ChatPrompt(protocol.chat_messages(body.messages), body.template_options)
+        tokenizer = self.frontend.engine.tokenizer
+        messages = protocol.chat_messages(body.messages)
+        tool_plan = tools.plan(body.tools, body.tool_choice, body.parallel_tool_calls, tokenizer)
+        if body.tools and tool_plan is None:  # never to be called: changes nothing
+            ignored += [name for name in ("tools", "tool_choice") if getattr(body, name)]
+        tools.check_messages(messages, tokenizer)
+        options = body.template_options
+        if tool_plan is not None:
+            options = dataclasses.replace(options, tools=tool_plan.tools)
+        prompt = ChatPrompt(tools.tool_messages(messages), options)
         renamed = {"max_tokens": "max_completion_tokens"
                    if body.max_completion_tokens is not None else "max_tokens"}
         return await self._serve(request, Call(
             body, [protocol.PromptPart("messages", prompt)], max_tokens, arrival, model,
-            renamed, ignored))
+            renamed, ignored, tool_plan))
 
     async def completions(self, request: Request) -> Response:
         arrival = time.monotonic()
@@ -145,7 +156,8 @@ class OpenAIRoutes:
         try:
             check_request_id(request_id)
             params = protocol.sampling_params(body, call.max_tokens)
-            streams = await self._admit(call, request_id, params, protocol.constraint(body))
+            streams = await self._admit(call, request_id, params,
+                                        _constraint(call, self.frontend.engine.tokenizer))
         except Exception as error:  # noqa: BLE001 (api_error re-raises what it cannot map)
             raise api_error(error, renamed) from None
         tokenizer = self.frontend.engine.tokenizer
@@ -158,7 +170,8 @@ class OpenAIRoutes:
             top_logprobs=params.top_logprobs,
             echo=completion and body.echo,  # type: ignore[union-attr]
             echo_only=completion and body.echo and body.max_tokens == 0,  # type: ignore[union-attr]
-            prompt_logprobs=body.prompt_logprobs)
+            prompt_logprobs=body.prompt_logprobs,
+            tools=call.tools is not None and call.tools.parses)
         prompts = [ChoicePrompt(stream.prompt_token_ids,
                                 _echo_text(part.prompt, stream, tokenizer))
                    for part, stream in zip(call.prompts, streams, strict=True)]
@@ -286,6 +299,8 @@ class OpenAIRoutes:
         # role goes with its first chunk (see Renderer.chunk).
         opened: set[int] = set()  # the choices whose first chunk is sent
         n = streams[0].num_samples
+        # per choice, its calls split out as they close (tools.py)
+        calls = {i: ToolStream() for i in range(n * len(streams))} if renderer.tools else {}
         finals: list[Usage] = []
         async with self._running(streams):
             try:
@@ -294,7 +309,8 @@ class OpenAIRoutes:
                         if isinstance(event, Chunk):
                             index = place * n + event.index
                             yield _event(renderer.chunk(event, index, opens=index not in opened,
-                                                        prompt=prompts[place]))
+                                                        prompt=prompts[place],
+                                                        tool_stream=calls.get(index)))
                             opened.add(index)
                             continue
                         _check_complete(event.finish_reasons)
@@ -313,6 +329,19 @@ class OpenAIRoutes:
         # Loading and draining first, so that clients retry whatever they sent.
         self.frontend.check_open()
         return await request.body()
+
+
+def _constraint(call: Call, tokenizer: Any) -> Constraint | None:
+    """What the output must match: the request's constraint, or the calls
+    its tool choice requires (tools.py), not both."""
+    given = protocol.constraint(call.body)
+    if call.tools is None:
+        return given
+    required = tools.constraint(call.tools, tokenizer)
+    if given is not None and required is not None:
+        raise ValidationError("tool_choice", f"a required tool call and {given.field} "
+                              "each constrain the output; give one")
+    return given or required
 
 
 def _echo_text(prompt: Prompt, stream: RequestStream, tokenizer: Any) -> str:

@@ -52,7 +52,6 @@ IGNORED = (
     "service_tier",
     "prompt_cache_key",  # OpenAI's routing hint; the prefix cache needs none
     "safety_identifier",
-    "parallel_tool_calls",  # no tool is ever called
     # vLLM's: how to constrain, which changes nothing unless a guided_* asks
     "guided_decoding_backend",
     "guided_whitespace_pattern",

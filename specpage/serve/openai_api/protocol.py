@@ -139,7 +139,8 @@ class CompletionRequest(SamplingFields, frozen=True, forbid_unknown_fields=True,
 
 T = TypeVar("T", bound=msgspec.Struct)
 # The roles a chat template knows; OpenAI's "developer" is its newer name for system.
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
+         "tool": "tool"}
 
 
 def _unset(value: Any) -> bool:
@@ -196,6 +197,8 @@ def check_supported(request: ChatCompletionRequest | CompletionRequest) -> list[
     ignored = []
     for tools, choice in TOOL_FIELDS:
         given, chosen = getattr(request, tools, None), getattr(request, choice, None)
+        if tools == "tools":  # honoured where the model's template offers them (tools.py)
+            continue
         if given and chosen != "none":
             raise ValidationError(tools, f"tool calling is not supported; only with "
                                   f'{choice}: "none"')
@@ -246,7 +249,7 @@ def completion_prompts(prompt: str | list[int | str | list[int]]) -> list[Prompt
                           "lists, not a mix")
 
 
-def chat_messages(messages: list[Message]) -> list[dict[str, str]]:
+def chat_messages(messages: list[Message]) -> list[dict[str, Any]]:
     """The conversation as the chat template takes it: role and text content."""
     if not messages:
         raise ValidationError("messages", "must not be empty")
@@ -256,7 +259,7 @@ def chat_messages(messages: list[Message]) -> list[dict[str, str]]:
         if message.role not in ROLES:
             raise ValidationError(f"{where}.role", f"{message.role!r} is not supported; "
                                   f"only {', '.join(ROLES)}")
-        for name in ("tool_calls", "tool_call_id", "function_call", "audio"):
+        for name in ("function_call", "audio"):
             if getattr(message, name):
                 raise ValidationError(f"{where}.{name}", "not supported (text only)")
         content = message.content
@@ -266,9 +269,13 @@ def chat_messages(messages: list[Message]) -> list[dict[str, str]]:
                 raise ValidationError(f"{where}.content", f"part type {kinds.pop()!r} is not "
                                       "supported; only text")
             content = "".join(part.text for part in content)
-        entry = {"role": ROLES[message.role], "content": content or ""}
+        entry: dict[str, Any] = {"role": ROLES[message.role], "content": content or ""}
         if message.name:
             entry["name"] = message.name
+        if message.tool_calls:
+            entry["tool_calls"] = message.tool_calls
+        if message.tool_call_id:
+            entry["tool_call_id"] = message.tool_call_id
         out.append(entry)
     return out
 

@@ -13,6 +13,7 @@ from typing import Any
 from specpage.core.outputs import Top
 from specpage.core.request import TokenLogprobs, Usage
 from specpage.engine.async_engine import Chunk
+from specpage.serve.openai_api.tools import ToolStream, parse
 
 Json = dict[str, Any]
 
@@ -94,6 +95,7 @@ class Renderer:
     echo: bool = False  # a completion's text (and log-probabilities) start with the prompt's
     echo_only: bool = False  # max_tokens 0 with echo: the prompt alone, nothing generated
     prompt_logprobs: int | None = None  # vLLM's: alternatives per prompt position
+    tools: bool = False  # a chat's tool calls are parsed out of its text (tools.py)
 
     @property
     def id(self) -> str:
@@ -116,6 +118,12 @@ class Renderer:
                             "logprobs": self._logprobs(sample, opens=True)}
             if self.chat:
                 choice["message"] = {"role": "assistant", "content": sample.text}
+                if self.tools:
+                    content, calls = parse(sample.text)
+                    if calls:
+                        choice["message"] = {"role": "assistant", "content": content,
+                                             "tool_calls": calls}
+                        choice["finish_reason"] = _with_calls(sample.finish_reason)
             else:
                 choice["text"] = (sample.prompt.text if self.echo else "") + sample.text
                 self._add_prompt_logprobs(choice, sample)
@@ -127,7 +135,8 @@ class Renderer:
         return body
 
     def chunk(self, chunk: Chunk, index: int, opens: bool = False,
-              prompt: ChoicePrompt = ChoicePrompt((), "")) -> Json:
+              prompt: ChoicePrompt = ChoicePrompt((), ""),
+              tool_stream: ToolStream | None = None) -> Json:
         """index: the choice's (prompt i's sample j is i x n + j, as OpenAI
         numbers a batch). opens: the choice's first chunk, which in a chat
         stream carries the assistant's role with the first text ("" while
@@ -140,7 +149,18 @@ class Renderer:
         sample.prompt_logprobs = chunk.prompt_logprobs
         choice: Json = {"index": index, "finish_reason": chunk.finish_reason,
                         "logprobs": self._logprobs(sample, opens)}
-        if self.chat:
+        if self.chat and tool_stream is not None:
+            called = tool_stream.num_calls
+            text, calls = tool_stream.feed(sample.text)
+            if chunk.finish_reason:
+                text += tool_stream.finish()
+                if tool_stream.num_calls:
+                    choice["finish_reason"] = _with_calls(chunk.finish_reason)
+            choice["delta"] = _delta(text, opens)
+            if calls:
+                choice["delta"]["tool_calls"] = [{"index": called + i, **call}
+                                                 for i, call in enumerate(calls)]
+        elif self.chat:
             choice["delta"] = _delta(sample.text, opens)
         else:
             choice["text"] = (prompt.text if self.echo and opens else "") + sample.text
@@ -215,6 +235,11 @@ class Renderer:
                 for t, lp, rank in [*((t, lp, r) for r, (t, lp) in enumerate(
                     p.top[: self.prompt_logprobs], start=1)), (token, p.logprob, p.rank)]}
             for token, p in zip(sample.prompt.token_ids, found, strict=True)]
+
+
+def _with_calls(finish_reason: str | None) -> str | None:
+    """OpenAI's finish reason for a choice that ended by calling tools."""
+    return "tool_calls" if finish_reason == "stop" else finish_reason
 
 
 def _delta(text: str, opens: bool) -> Json:

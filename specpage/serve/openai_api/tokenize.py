@@ -21,7 +21,7 @@ from specpage.core.chat_template import TemplateOptions
 from specpage.core.request import ValidationError
 from specpage.engine.submission import ChatPrompt, TextPrompt, token_ids
 from specpage.serve.frontend import Frontend
-from specpage.serve.openai_api import protocol
+from specpage.serve.openai_api import protocol, tools
 from specpage.serve.openai_api.fields import IGNORED_HEADER, IgnoredFields
 from specpage.serve.openai_api.served import Served
 
@@ -74,7 +74,9 @@ class TokenizeRoutes:
                 add_generation_prompt=body.add_generation_prompt is not False,
                 add_special_tokens=bool(body.add_special_tokens),
                 variables=body.chat_template_kwargs or {})
-            chat = ChatPrompt(protocol.chat_messages(body.messages), options)
+            messages = protocol.chat_messages(body.messages)
+            tools.check_messages(messages, tokenizer)
+            chat = ChatPrompt(tools.tool_messages(messages), options)
             ids = await self.frontend.off_loop(
                 lambda: token_ids(tokenizer, chat, "messages", limit))
         else:
