@@ -375,7 +375,7 @@ def constraint(request: ChatCompletionRequest | CompletionRequest) -> Constraint
         made = _response_format(response_format)
         if made is not None:
             found.append(made)
-    for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+    for name in fields.HONOURED:
         value = getattr(request, name)
         if value is not None:
             found.append(_guided(name, value, name))
