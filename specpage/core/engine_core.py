@@ -19,6 +19,7 @@ import msgspec
 from specpage.core import ledger
 from specpage.core.block_pool import BlockPool
 from specpage.core.engine_config import EngineConfig
+from specpage.core.grammar import SequenceGrammar
 from specpage.core.model_free import NO_SPECULATION, Method, ModelFreeProposer, Speculation
 from specpage.core.outputs import OutputProcessor, RequestOutput
 from specpage.core.policy import SpecPolicy
@@ -102,10 +103,7 @@ class EngineCore:
         if request.request_id in self.requests:
             raise ValidationError("request_id", f"{request.request_id!r} is already running")
         seq = self._new_sequence(request, 0, list(request.prompt_token_ids))
-        # a constrained request's proposals are never the draft's (_constrained):
-        # a head, which runs wherever it is on, keeps nothing for it
-        seq.draft_on = request.grammar is None and self.policy.admits_draft(
-            request, self._joins_batch())
+        seq.draft_on = self.policy.admits_draft(request, self._joins_batch())
         self.requests[request.request_id] = request
         self.scheduler.add(seq)
 
@@ -128,21 +126,26 @@ class EngineCore:
     def _constrained(self, seq: Sequence, batch: int) -> Speculation:
         """A constrained sequence's proposals: the run of tokens its grammar
         forces next, where there is one (no model needed, nearly always
-        accepted); else a model-free proposal cut before the first token
-        the grammar forbids. Not the draft's: its tokens are made in the
-        executor, where no grammar can check them before the target does."""
+        accepted); else what the policy picks, a model-free proposal cut
+        before the first token the grammar forbids or the draft's, which
+        drafts under the grammar (the executor asks it through `guides`);
+        none once the grammar admits only EOS."""
+        grammar = seq.grammar
+        assert grammar is not None
         spec_k = seq.request.spec_k
         limit = self.policy.max_proposals if spec_k is None else min(
             spec_k, self.policy.max_proposals)
-        forced = seq.grammar.forced(limit)
+        forced = grammar.forced(limit)
         if forced:
             return Speculation(len(forced), tuple(forced), Method.GRAMMAR, float(len(forced)))
+        if grammar.stopped:
+            return NO_SPECULATION
         length = self.policy.model_free_length(seq, batch) if self.policy.model_free_k else 0
         candidate = self.model_free.propose(seq, length) if length else None
-        if candidate is None:
-            return NO_SPECULATION
-        spec = self.policy.speculate(seq, batch, candidate, draft=False)
-        return spec.cut(seq.grammar.admitted(spec.tokens))
+        spec = self.policy.speculate(seq, batch, candidate)
+        if spec.method is Method.DRAFT:
+            return spec
+        return spec.cut(grammar.admitted(spec.tokens))
 
     def _end(self, seq: Sequence, reason: FinishReason) -> None:
         """A sequence ends: out of the scheduler and the pool, and of the
@@ -194,6 +197,15 @@ class EngineCore:
         self._plan = plan
         return StepBatch([self._work(e) for e in plan.scheduled], plan.copies)
 
+    def guides(self) -> dict[int, SequenceGrammar]:
+        """The grammar of each constrained sequence the scheduled step's
+        draft proposes for, by seq_id: what the executor masks its draft
+        with (speculation/proposal.py), in this process beside the batch."""
+        assert self._plan is not None, "no step scheduled"
+        return {e.seq.seq_id: e.seq.grammar for e in self._plan.scheduled
+                if e.seq.grammar is not None and e.k > 0
+                and e.speculation.method is Method.DRAFT}
+
     def apply(self, result: StepResult) -> list[RequestOutput]:
         """Take the executor's result for the batch `schedule` returned."""
         plan, self._plan = self._plan, None
@@ -213,7 +225,9 @@ class EngineCore:
         for entry, done in zip(plan.scheduled, result.seqs, strict=True):
             if done.prompt_logprobs:
                 _keep_prompt_logprobs(entry.seq, done.prompt_logprobs)
-            ledger.apply(self.pool, entry.seq, entry.num_new, entry.k, done,
+            # a draft under a grammar may stop short of k (speculation/proposal.py)
+            k = done.num_proposed if done.tokens else entry.k
+            ledger.apply(self.pool, entry.seq, entry.num_new, k, done,
                          self._rules(entry.speculation))
             self.model_free.index(entry.seq)
         outputs = []
@@ -355,7 +369,11 @@ def _check_result(scheduled: list[ScheduledSeq], result: StepResult) -> None:
             ok = msgspec.structs.replace(done, draft_state=b"", draft_lag=0,
                                          prompt_logprobs=[]) == NOTHING
         else:
-            ok = (done.num_proposed == entry.k and 0 <= done.num_accepted <= entry.k
+            # the draft may stop short of k under a grammar (speculation/proposal.py)
+            short = (entry.seq.grammar is not None
+                     and entry.speculation.method is Method.DRAFT)
+            ok = ((done.num_proposed == entry.k or short and done.num_proposed < entry.k)
+                  and 0 <= done.num_accepted <= done.num_proposed
                   and len(done.tokens) == done.num_accepted + 1)
         if not ok:
             raise StepResultError(f"result {i} does not fit sequence {entry.seq}: {done}")

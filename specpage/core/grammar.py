@@ -7,8 +7,11 @@ asks it three things (core/engine_core.py): the tokens the grammar forces
 next (proposed with no model: `forced`), how much of a proposal the grammar
 admits (`admitted`: proposals are cut before the first token it forbids),
 and the mask of every row the target samples, one per proposal token and
-one after them (`masks`). Asking consumes a proposal's tokens and rolls
-them back, so the matcher ends each step where the committed output is.
+one after them (`masks`). A draft model or head proposing for a constrained
+sequence asks it one more, in the executor's draft loop: what it may
+propose after its proposals so far (`draft_mask`). Asking consumes a
+proposal's tokens and rolls them back, so the matcher ends each step where
+the committed output is.
 
 Compiling runs on the request's preparing thread (engine/submission.py),
 bounded by its source's size and by llguidance's own limits; a compiled
@@ -107,8 +110,11 @@ class Grammars:
             found = self._compiled.get(key)
             if found is not None:
                 self._compiled.move_to_end(key)
-                return CompiledGrammar(found, self.eos_token_ids)
         tokenizer = self._llg_tokenizer()
+        # the engine's EOS ids and llguidance's, at which its matcher stops
+        ends = (*self.eos_token_ids, *tokenizer.eos_tokens)
+        if found is not None:
+            return CompiledGrammar(found, ends)
         source = _grammar_source(constraint)
         limits = llguidance.LLParserLimits(**LIMITS)
         # builds the grammar and its lexer (the GIL released meanwhile); a
@@ -121,7 +127,7 @@ class Grammars:
             self._compiled[key] = matcher
             while len(self._compiled) > CACHED_GRAMMARS:
                 self._compiled.popitem(last=False)
-        return CompiledGrammar(matcher, self.eos_token_ids)
+        return CompiledGrammar(matcher, ends)
 
 
 def _grammar_source(constraint: Constraint) -> str:
@@ -239,6 +245,25 @@ class SequenceGrammar:
 
     def _before_eos(self, tokens: tuple[int, ...] | list[int]) -> int:
         return next((i for i, t in enumerate(tokens) if t in self.eos), len(tokens))
+
+    def draft_mask(self, proposal: list[int]) -> bytes:
+        """What a draft may propose after proposal (which the grammar must
+        admit): the grammar's mask there without the EOS tokens (never
+        proposed), one row as `masks` lays it out; no token at all where
+        the matcher went past its limits."""
+        matcher = self.matcher
+        for token in proposal:
+            if token in self.eos or not matcher.consume_token(token):
+                raise ValueError(f"proposal token {token} is not admitted by the grammar")
+        row = bytearray(matcher.compute_bitmask())
+        if proposal:
+            matcher.rollback(len(proposal))
+        if matcher.is_error():
+            return bytes(len(row))
+        for token in self.eos:
+            if token // 8 < len(row):
+                row[token // 8] &= ~(1 << token % 8) & 0xFF
+        return bytes(row)
 
     def masks(self, proposal: list[int]) -> bytes:
         """The allowed tokens of each row the target samples: after the

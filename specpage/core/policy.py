@@ -386,21 +386,18 @@ class SpecPolicy:
             return 1
         return best_k
 
-    def speculate(self, seq: Sequence, batch: int, candidate: Candidate | None,
-                  draft: bool = True) -> Speculation:
+    def speculate(self, seq: Sequence, batch: int, candidate: Candidate | None) -> Speculation:
         """This step's proposals for seq: none, the draft's k, or as much of
         a model-free candidate as pays, whichever promises the most expected
         tokens per second of seq's share of the step. A forced k keeps the
-        draft where there is one; a seeded sample chooses without costs.
-        draft: False leaves the draft out this step (its proposals could
-        not be checked: a constrained sequence's, core/grammar.py)."""
-        k = self.choose_k(seq, batch) if draft else 0
+        draft where there is one; a seeded sample chooses without costs."""
+        k = self.choose_k(seq, batch)
         forced = seq.request.spec_k
         if candidate is None or forced == 0:
             return Speculation(k)
         params = seq.request.params
         if forced is not None or not self.adaptive:
-            if self.k_max and draft:
+            if self.k_max:
                 return Speculation(k)
             return self._model_free(candidate, len(candidate.tokens) if forced is None
                                     else forced)

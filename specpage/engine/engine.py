@@ -140,7 +140,8 @@ class Engine:
     # ------------------------------------------------------------------ the step
 
     def step(self) -> list[RequestOutput]:
-        return self.core.apply(self.executor.execute(self.core.schedule()))
+        batch = self.core.schedule()
+        return self.core.apply(self.executor.execute(batch, self.core.guides()))
 
     def stats(self) -> EngineStats:
         return self.core.stats()

@@ -23,7 +23,7 @@ from specpage.speculation import cost_cache
 from specpage.speculation.calibrate import Plan, calibration_sizes, measure
 from specpage.speculation.draft_proposer import DraftProposer
 from specpage.speculation.head_proposer import HeadProposer
-from specpage.speculation.proposal import Proposal, Proposer
+from specpage.speculation.proposal import Guides, Proposal, Proposer, with_masks
 from specpage.speculation.verifier import Verifier
 
 log = logging.getLogger("specpage.engine")
@@ -66,16 +66,19 @@ class Executor:
         self.verifier = Verifier(self.target, feature_layers, coupled=config.deterministic)
         self._identities = (target.identity, draft.identity if draft else b"")
 
-    def execute(self, batch: StepBatch) -> StepResult:
+    def execute(self, batch: StepBatch, guides: Guides | None = None) -> StepResult:
+        """guides: the grammar of each constrained sequence the draft may
+        propose for, by seq_id (speculation/proposal.py), from the core in
+        this process."""
         start = time.perf_counter()
         for runner in self.runners:
             runner.copy_blocks(batch.copies)
         if self.proposer is None or not batch.seqs:
             proposal = Proposal.none(len(batch.seqs))
         else:
-            proposal = self.proposer.propose(batch.seqs)
+            proposal = self.proposer.propose(batch.seqs, guides or {})
         proposal = proposal.with_core(batch.seqs)
-        verdict = self.verifier.verify(batch.seqs, proposal)
+        verdict = self.verifier.verify(with_masks(batch.seqs, proposal, guides or {}), proposal)
         results, costs = verdict.results, proposal.costs
         if self.proposer is not None and batch.seqs:
             results, absorbed = self.proposer.absorb(batch.seqs, proposal, verdict)

@@ -16,7 +16,7 @@ import torch
 
 from specpage.core.span import Span
 from specpage.core.step import Cost, SeqResult, SeqWork
-from specpage.speculation.proposal import Proposal, drafts, draw
+from specpage.speculation.proposal import Guides, Proposal, drafts, draw, guided
 from specpage.speculation.runner import SpanRunner
 from specpage.speculation.sampler import Purpose
 from specpage.speculation.verdict import Verdict
@@ -37,7 +37,8 @@ class DraftProposer:
         costs.append((sum(len(s.token_ids) for s in spans), time.perf_counter() - start))
         return logits
 
-    def propose(self, batch: list[SeqWork]) -> Proposal:
+    def propose(self, batch: list[SeqWork], guides: Guides) -> Proposal:
+        """guides: the grammars of the constrained sequences (proposal.py)."""
         tokens: list[list[int]] = [[] for _ in batch]
         probs: list[list[torch.Tensor]] = [[] for _ in batch]
         costs: list[Cost] = []
@@ -49,6 +50,12 @@ class DraftProposer:
         logits = self._forward(spans, costs)
         depth = 0
         while active:
+            live = guided(logits, [batch[i] for i in active], [tokens[i] for i in active],
+                          guides)
+            if len(live) < len(active):  # a grammar left one nothing to propose
+                logits, active = logits[live], [active[row] for row in live]
+                if not active:
+                    break
             draw(logits, [batch[i] for i in active], depth, [tokens[i] for i in active],
                  [probs[i] for i in active], self.purpose)
             depth += 1

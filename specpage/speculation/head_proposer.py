@@ -34,7 +34,7 @@ import torch
 
 from specpage.core.span import Span
 from specpage.core.step import Cost, SeqResult, SeqWork
-from specpage.speculation.proposal import Proposal, drafts, draw
+from specpage.speculation.proposal import Guides, Proposal, drafts, draw, guided
 from specpage.speculation.runner import DraftHead
 from specpage.speculation.sampler import Purpose
 from specpage.speculation.verdict import Verdict
@@ -64,7 +64,8 @@ class HeadProposer:
         each one's next token."""
         return w.draft_tokens[1:] + w.tokens[:1] if w.draft_tokens else []
 
-    def propose(self, batch: list[SeqWork]) -> Proposal:
+    def propose(self, batch: list[SeqWork], guides: Guides) -> Proposal:
+        """guides: the grammars of the constrained sequences (proposal.py)."""
         tokens: list[list[int]] = [[] for _ in batch]
         probs: list[list[torch.Tensor]] = [[] for _ in batch]
         costs: list[Cost] = []
@@ -88,11 +89,17 @@ class HeadProposer:
         logits = self.runner.logits(states)
         depth = 0
         while True:
-            draw(logits, [batch[i] for i in active], depth, [tokens[i] for i in active],
-                 [probs[i] for i in active], self.purpose)
             # the first proposal projects the state the last absorb left: that
             # absorb's forward, finished (absorb counts it with its own)
-            costs.append((0 if depth == 0 else len(active), time.perf_counter() - start))
+            forward = 0 if depth == 0 else len(active)
+            live = guided(logits, [batch[i] for i in active], [tokens[i] for i in active],
+                          guides)
+            if len(live) < len(active):  # a grammar left one nothing to propose
+                logits, states, active = logits[live], states[live], [active[r] for r in live]
+            if active:
+                draw(logits, [batch[i] for i in active], depth, [tokens[i] for i in active],
+                     [probs[i] for i in active], self.purpose)
+            costs.append((forward, time.perf_counter() - start))
             depth += 1
             keep = [row for row, i in enumerate(active) if batch[i].k > depth]
             if not keep:

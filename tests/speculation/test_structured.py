@@ -25,6 +25,7 @@ from specpage.models.loader import load_model
 from specpage.speculation.sampling_rows import grammar_bias, mask_rows_
 from tests.speculation.test_sampling import ALPHA, RUNS, VOCAB, chi_square_p, peaked_model
 from tests.support.checkpoints import tokenizer_pair
+from tests.support.head import tiny_head
 
 PROMPT_TEXT = "Write the record as JSON."
 MAX_TOKENS = 400  # more than any schema below can take: every output completes
@@ -193,6 +194,44 @@ def test_a_bad_constraint_is_refused_and_the_engine_serves_on(engines):
 
 # ------------------------------------------------------------------ distribution
 
+@pytest.fixture(scope="module")
+def head_llm(folder: Path) -> LLM:
+    """The target with a random EAGLE-3 head as its draft."""
+    from transformers import AutoConfig
+
+    tiny_head(folder / "head", AutoConfig.from_pretrained(folder / "target"),
+              eagle_aux_hidden_state_layer_ids=[0, 1, 1])
+    return LLM(folder / "target", draft=folder / "head", config=EngineConfig(
+        spec_k=4, num_blocks=1024, block_size=16, max_num_seqs=16, adaptive_k=False))
+
+
+@pytest.mark.parametrize("name", ["draft", "head"])
+def test_the_draft_and_the_head_propose_under_the_grammar(engines, head_llm, name):
+    """Where the grammar leaves a choice, the draft model (or the head)
+    proposes, masked by the grammar: greedy output as without speculation,
+    every sample valid."""
+    llm = head_llm if name == "head" else engines[name]
+    schema = {"type": "object", "properties": {
+        "title": {"type": "string", "maxLength": 12},
+        "year": {"type": "integer", "minimum": 1900, "maximum": 2100},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 5},
+                 "maxItems": 3}},
+        "required": ["title", "year", "tags"], "additionalProperties": False}
+    constraint = json_schema(schema, "guided_json")
+    before = llm.engine.stats().by_method.get("draft")
+    greedy = generated(llm, SamplingParams(max_tokens=MAX_TOKENS, temperature=0), constraint)
+    sampled = generated(llm, SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=3,
+                                            n=3), constraint)
+    after = llm.engine.stats().by_method["draft"]
+    assert after.drafted - (before.drafted if before else 0) > 0
+    for sample in greedy + sampled:
+        assert sample.finish_reason == "stop", sample.text
+        jsonschema.validate(json.loads(sample.text), schema)
+    plain = generated(engines["off"], SamplingParams(max_tokens=MAX_TOKENS, temperature=0),
+                      constraint)
+    assert greedy[0].token_ids == plain[0].token_ids
+
+
 # On an 8-token vocabulary whose tokens are the letters a..g (0 is the end),
 # a regex allows different letters at each position.
 LETTERS = "abcdefg"
@@ -237,12 +276,22 @@ def masked_joint(model, params: SamplingParams) -> torch.Tensor:
     return joint.flatten()
 
 
-def masked_counts(target, params: SamplingParams, methods: str) -> tuple[torch.Tensor, Engine]:
+def masked_counts(target, params: SamplingParams, methods: str, draft=None,
+                  proposed: list[int] | None = None) -> tuple[torch.Tensor, Engine]:
+    """proposed: gets each sampled sequence's proposal length, step by step."""
     import llguidance
 
-    engine = Engine(target, None, None, EngineConfig(
+    engine = Engine(target, draft, None, EngineConfig(
         block_size=4, num_blocks=2048, max_num_seqs=256, max_step_tokens=2048,
-        spec_k=2 if methods else 0, adaptive_k=False, spec_methods=methods))
+        spec_k=2 if methods or draft else 0, adaptive_k=False, spec_methods=methods))
+    if proposed is not None:
+        execute = engine.executor.execute
+
+        def counted(*args, **kwargs):
+            result = execute(*args, **kwargs)
+            proposed.extend(done.num_proposed for done in result.seqs if done.tokens)
+            return result
+        engine.executor.execute = counted
     grammars = engine.intake.grammars
     grammars._tokenizer = llguidance.LLTokenizer(
         llguidance.TokenizerWrapper(LetterTokenizer()), n_vocab=VOCAB, eos_token=0)
@@ -275,6 +324,31 @@ def test_sampling_under_a_mask_keeps_the_masked_distribution(tmp_path, params):
     assert chi_square_p(speculative, exact) > ALPHA
     unmasked = exact.clone().fill_(1.0)  # the test has power: uniform is rejected
     assert chi_square_p(plain, unmasked) < ALPHA
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0),
+                                    SamplingParams(temperature=0.8, top_k=3, top_p=0.9)],
+                         ids=["plain", "top-k-top-p"])
+@pytest.mark.parametrize("scores", [None, [4, 5, 6, 7]], ids=["whole", "narrow"])
+def test_a_draft_under_a_mask_keeps_the_masked_distribution(tmp_path, params, scores):
+    """The draft model proposes under the grammar: its distribution masked
+    at each depth, the q verification reads. A draft that scores only d..g
+    has nothing to propose where the grammar wants a..c, and stops there."""
+    target_hf = peaked_model(tmp_path / "t", seed=0, peak=4.0)
+    peaked_model(tmp_path / "d", seed=1, peak=2.0)
+    exact = masked_joint(target_hf, params)
+    draft = load_model(tmp_path / "d")
+    if scores is not None:
+        draft.model.restrict_output_vocab(torch.tensor(scores))
+    proposed: list[int] = []
+    speculative, engine = masked_counts(load_model(tmp_path / "t"), params, "", draft,
+                                        proposed)
+    drafted = engine.stats().by_method["draft"]
+    assert drafted.drafted > 0 and drafted.accepted > 0
+    if scores is not None:  # it stopped short of k = 2, after its first proposal
+        assert Counter(proposed)[1] > 0
+    assert chi_square_p(speculative, exact) > ALPHA
+    assert chi_square_p(speculative, exact.clone().fill_(1.0)) < ALPHA
 
 
 @pytest.mark.parametrize(("vocab", "width"), [(49152, 6144), (211, 28), (1000, 100),
