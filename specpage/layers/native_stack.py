@@ -101,9 +101,11 @@ def _short_spans(x: torch.Tensor, meta: AttentionMetadata, backend: AttentionBac
 
 def stack_plan(layers: Sequence[Any], rows: int) -> StackPlan | None:
     """decoder_stack's operands for x of `rows` rows; None where a layer has
-    an op without a kernel (or there are no layers)."""
+    an op without a kernel (q/k norms, a window, Gemma's norms: not
+    `llama_shaped`), or there are no layers."""
     kernels = loaded_kernels()
-    if kernels is None or not kernels.has_bf16_gemv() or not layers:
+    if (kernels is None or not kernels.has_bf16_gemv() or not layers
+            or not all(layer.llama_shaped for layer in layers)):
         return None
     kinds_by_kernel = {kernels.bf16_gemv.default: GEMV, kernels.bf16_panels_product.default: PANELS,
                        kernels.int4_gemv.default: INT4, kernels.int8x_gemv.default: INT8X,

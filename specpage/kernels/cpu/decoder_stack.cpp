@@ -63,9 +63,9 @@ struct Ops {
       rope_into_cache = op<Tensor(const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t,
                                   Tensor&, const Tensor&)>("specpage_cpu::rope_qk_into_cache");
   c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                                  const Tensor&, double)>
+                                  const Tensor&, double, int64_t)>
       attention = op<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                            const Tensor&, double)>("specpage_cpu::paged_attention");
+                            const Tensor&, double, int64_t)>("specpage_cpu::paged_attention");
   c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&)> gemv =
       op<Tensor(const Tensor&, const Tensor&)>("specpage_cpu::bf16_gemv");
   c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, int64_t)> panels =
@@ -144,6 +144,9 @@ Weight weight_of(const Product& p) {
 // measured; 1 MB ahead measured level with 512 KB, 256 KB slower).
 constexpr int64_t kReadAheadBytes = 512 << 10;
 constexpr int64_t kReadAheadRows = 8;  // rows of x up to which the step reads ahead
+// paged_attention's window for layers that see their whole context: the
+// stack takes no model with sliding windows (native_stack.py stack_plan).
+constexpr int64_t kNoWindow = 0;
 
 // Thread `tid`'s reading ahead of `weights` (in the order they will be
 // computed) until `done`: per weight, the share it will compute, then, by
@@ -280,7 +283,7 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> decoder_stack(
       q = k.rope_into_cache.call(qkv, cos, sin, heads, kv_heads, cache, slot_mapping);
     });
     const Tensor attended =
-        k.attention.call(q, cache, block_tables, query_start, context_lens, scale);
+        k.attention.call(q, cache, block_tables, query_start, context_lens, scale, kNoWindow);
     const Tensor o = product(p[1], attended);
     before(i + 2, [&] { std::tie(x, normed) = k.add_rms_norm.call(o, x, norms[2 * l + 1], eps); });
     const Tensor gate_up = product(p[2], normed);
