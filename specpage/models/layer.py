@@ -11,7 +11,6 @@ from specpage.attention.backend import AttentionBackend, AttentionMetadata
 from specpage.layers import fused
 from specpage.layers.linear import Linear
 from specpage.layers.norm import RMSNorm
-from specpage.layers.rope import apply_rope
 from specpage.models.config import SLIDING, ModelConfig
 
 
@@ -42,10 +41,11 @@ class DecoderLayer(nn.Module):
         self.down_proj = Linear(config.intermediate_size, h, bias=config.mlp_bias)
 
     @property
-    def llama_shaped(self) -> bool:
+    def stack_shaped(self) -> bool:
         """Whether decoder_stack.cpp computes this layer (layers/native_stack.py):
-        no q/k norms, no window, Llama's norms and attention scale."""
-        return (type(self) is DecoderLayer and self.q_norm is None and self.window is None
+        this class's forward (not Gemma 3's), Llama's attention scale and the
+        model's one rotary."""
+        return (type(self) is DecoderLayer and not self.local_rope
                 and self.scale == self.head_dim**-0.5)
 
     def forward(
@@ -81,8 +81,10 @@ class DecoderLayer(nn.Module):
         heads, kv_heads = self.num_heads, self.num_kv_heads
         if self.q_norm is None or self.k_norm is None:
             return fused.rope_qk(qkv, *rope, heads, kv_heads)
+        # Normed into a new qkv, then rotated by the same op as the Llama
+        # shape's: decoder_stack.cpp computes these layers so, and gives the same bits.
         n, d = qkv.shape[0], self.head_dim
         q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
-        q = self.q_norm(q.reshape(n * heads, d)).view(n, heads, d)
-        k = self.k_norm(k.reshape(n * kv_heads, d)).view(n, kv_heads, d)
-        return apply_rope(q, *rope), apply_rope(k, *rope), v.view(n, kv_heads, d)
+        q = self.q_norm(q.reshape(n * heads, d)).view(n, heads * d)
+        k = self.k_norm(k.reshape(n * kv_heads, d)).view(n, kv_heads * d)
+        return fused.rope_qk(torch.cat([q, k, v], dim=-1), *rope, heads, kv_heads)

@@ -11,7 +11,6 @@ import random
 
 import pytest
 import torch
-from transformers import Gemma3ForCausalLM, Gemma3TextConfig, Qwen3Config, Qwen3ForCausalLM
 
 from specpage.attention.cpu import CpuAttention
 from specpage.attention.native import native_kernels
@@ -23,37 +22,11 @@ from specpage.engine import Engine, EngineConfig
 from specpage.executor.model_runner import ModelRunner
 from specpage.models.config import FULL, SLIDING, ModelConfig, ModelLoadError
 from specpage.models.loader import load_model
+from tests.support.checkpoints import family_checkpoint
 
-FAMILIES = {"qwen3": (Qwen3Config, Qwen3ForCausalLM),
-            "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM)}
 VOCAB, WINDOW = 300, 8
 BLOCK_SIZE = 4
 TOLERANCE = 1e-4  # fp32 logits; products and sums in another order
-
-
-def family_checkpoint(folder, family, seed=0, **overrides):
-    """A random tiny model saved with save_pretrained; the HF model (eval, fp32).
-    Gemma 3: 7 layers, the 6th global, the others sliding with window 8."""
-    config_cls, model_cls = FAMILIES[family]
-    options = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=7,
-                   num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                   max_position_embeddings=256, rms_norm_eps=1e-6)
-    if family == "gemma3":
-        # a scale other than head_dim's, and a global rotary unlike the local one
-        options.update(sliding_window=WINDOW, query_pre_attn_scalar=24, rope_parameters={
-            FULL: {"rope_type": "linear", "factor": 2.0, "rope_theta": 100_000.0},
-            SLIDING: {"rope_type": "default", "rope_theta": 10_000.0}})
-    else:
-        options.update(tie_word_embeddings=False)
-    options.update(overrides)
-    torch.manual_seed(seed)
-    model = model_cls(config_cls(**options)).eval()
-    with torch.no_grad():  # norms start at 1 (Gemma: 0); give them values so they are tested
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.normal_(0, 0.3)
-    model.save_pretrained(folder)
-    return model
 
 
 # name -> family and what its checkpoints set: Qwen3 with its window on the
@@ -69,8 +42,11 @@ def checkpoints(request, tmp_path_factory):
     """(variant, HF target, folder of the target, folder of a one-layer draft)."""
     family, overrides = VARIANTS[request.param]
     root = tmp_path_factory.mktemp(request.param)
-    hf = family_checkpoint(root / "target", family, **overrides)
-    family_checkpoint(root / "draft", family, seed=1, num_hidden_layers=1, **overrides)
+    shape = dict(vocab_size=VOCAB, **overrides)
+    if family == "gemma3":
+        shape.update(sliding_window=WINDOW)
+    hf = family_checkpoint(root / "target", family, **shape)
+    family_checkpoint(root / "draft", family, seed=1, num_hidden_layers=1, **shape)
     return request.param, hf, root / "target", root / "draft"
 
 
@@ -223,7 +199,7 @@ def test_qwen3_slides_only_where_its_config_says():
 
 def test_a_windowed_model_is_refused_by_a_backend_without_windows(tmp_path):
     triton_attention = pytest.importorskip("specpage.attention.triton")
-    family_checkpoint(tmp_path, "gemma3", num_hidden_layers=2)
+    family_checkpoint(tmp_path, "gemma3", num_hidden_layers=2, sliding_window=WINDOW)
     loaded = load_model(tmp_path)
     with pytest.raises(ModelLoadError, match="sliding-window layers need an attention backend"):
         ModelRunner(loaded, 16, BLOCK_SIZE, backend=triton_attention.TritonAttention())
