@@ -31,6 +31,13 @@ FULL, SLIDING = "full_attention", "sliding_attention"  # HF's layer_types
 # (transformers' Gemma3TextConfig.default_theta).
 GEMMA3_THETA = {FULL: 1_000_000.0, SLIDING: 10_000.0}
 GEMMA3_GLOBAL_EVERY = 6  # an older Gemma 3 config's sliding_window_pattern, if absent
+# What transformers' config classes assume where config.json leaves a key
+# out (Gemma3TextConfig, Qwen3Config), where it is not the other families'.
+FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gemma3": {"head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+               "max_position_embeddings": 131072, "tie_word_embeddings": True},
+    "qwen3": {"head_dim": 128},
+}
 
 
 class ModelLoadError(Exception):
@@ -100,6 +107,7 @@ class ModelConfig:
                 f"{source}: unsupported architecture {architecture!r}; "
                 f"supported: {', '.join(ARCHITECTURES)}"
             )
+        raw = {**FAMILY_DEFAULTS.get(family, {}), **raw}
         key, activation = ACTIVATIONS.get(family, DEFAULT_ACTIVATION)
         if (raw.get(key) or activation) != activation:
             raise ModelLoadError(f"{source}: unsupported {key} {raw[key]!r} for {architecture}; "

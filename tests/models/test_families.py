@@ -203,3 +203,21 @@ def test_a_windowed_model_is_refused_by_a_backend_without_windows(tmp_path):
     loaded = load_model(tmp_path)
     with pytest.raises(ModelLoadError, match="sliding-window layers need an attention backend"):
         ModelRunner(loaded, 16, BLOCK_SIZE, backend=triton_attention.TritonAttention())
+
+
+def test_keys_a_config_leaves_out_take_transformers_defaults():
+    from transformers import Gemma3TextConfig, Qwen3Config
+
+    shape = {"vocab_size": 8, "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 13,
+             "num_attention_heads": 2}
+    gemma = ModelConfig.from_dict({"architectures": ["Gemma3ForCausalLM"], **shape})
+    hf = Gemma3TextConfig(**shape)
+    assert (gemma.head_dim, gemma.sliding_window, gemma.max_position) == (
+        hf.head_dim, hf.sliding_window, hf.max_position_embeddings)
+    assert gemma.attention_scale == hf.query_pre_attn_scalar**-0.5
+    assert gemma.layer_types == tuple(hf.layer_types) and gemma.tie_word_embeddings
+    assert gemma.rope.theta == hf.rope_parameters[FULL]["rope_theta"]
+    assert gemma.local_rope is not None
+    assert gemma.local_rope.theta == hf.rope_parameters[SLIDING]["rope_theta"]
+    qwen = ModelConfig.from_dict({"architectures": ["Qwen3ForCausalLM"], **shape})
+    assert qwen.head_dim == Qwen3Config(**shape).head_dim and not qwen.windowed
