@@ -11,7 +11,7 @@ from specpage.kernels.cpu.native import DISABLE_ENV, native_kernels
 __all__ = ["DISABLE_ENV", "NATIVE_HEAD_DIMS", "NO_WINDOW", "native_kernels",
            "paged_attention_ref"]
 
-NATIVE_HEAD_DIMS = (32, 64, 80, 96, 128)  # the head sizes the kernel is instantiated for
+NATIVE_HEAD_DIMS = (32, 64, 80, 96, 128, 256)  # the head sizes the kernel is instantiated for
 NO_WINDOW = 0  # the kernel's window argument for a layer that sees its whole context
 
 

@@ -35,6 +35,7 @@ def random_spans(rng: random.Random, count: int, block_size: int, num_blocks: in
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size", "furthest", "count"),
                          [(9, 3, 64, 16, 40, 6), (4, 4, 32, 16, 40, 6), (8, 1, 128, 16, 40, 6),
                           (6, 2, 96, 16, 40, 6), (10, 2, 80, 16, 40, 6),
+                          (8, 4, 256, 16, 40, 6), (4, 1, 256, 16, 200, 1),  # Gemma 3's
                           (9, 3, 64, 5, 300, 6),  # long contexts, blocks across score groups
                           (9, 3, 64, 16, 300, 1),  # one sequence: its rows split over threads
                           (7, 1, 32, 16, 200, 4)])  # spans up to NATIVE_SPAN (a draft catching up)
@@ -143,13 +144,14 @@ def kernel_operands(spans: list[tuple[int, int, list[int]]]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 256])
 @pytest.mark.parametrize("window", [1, 5, 16, 37, 500])
-def test_kernel_with_a_window_equals_its_reference(dtype, window):
+def test_kernel_with_a_window_equals_its_reference(dtype, head_dim, window):
     """Decode tokens, verify spans and a span of NATIVE_SPAN, contexts past
     the window, blocks of 5 so windows start inside blocks and tiles."""
     torch.manual_seed(window)
     rng = random.Random(window)
-    heads, kv_heads, head_dim, block_size, num_blocks = 8, 2, 64, 5, 400
+    heads, kv_heads, block_size, num_blocks = 8, 2, 5, 400
     spans = random_spans(rng, 5, block_size, num_blocks, longest=8, furthest=150)
     spans.append((90, NATIVE_SPAN, rng.sample(range(num_blocks), -(-(90 + NATIVE_SPAN) // 5))))
     cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim).to(dtype)

@@ -34,7 +34,8 @@ TOLERANCE = 1e-4  # fp32 logits; products and sums in another order
 # with Llama's norms and a single rotary.
 VARIANTS = {"qwen3": ("qwen3", {}), "gemma3": ("gemma3", {}),
             "qwen3-sliding": ("qwen3", {"use_sliding_window": True, "sliding_window": WINDOW,
-                                        "max_window_layers": 3})}
+                                        "max_window_layers": 3}),
+            "gemma3-head256": ("gemma3", {"head_dim": 256})}  # Gemma 3's own head size
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))

@@ -451,7 +451,9 @@ void by_head_dim(const at::Tensor& q, const at::Tensor& cache, at::Tensor& out,
     case 80: attend_all<scalar_t, 5>(q, cache, out, block_tables, query_start, context_lens, shape); break;
     case 96: attend_all<scalar_t, 6>(q, cache, out, block_tables, query_start, context_lens, shape); break;
     case 128: attend_all<scalar_t, 8>(q, cache, out, block_tables, query_start, context_lens, shape); break;
-    default: TORCH_CHECK(false, "head_dim ", q.size(2), " not built (32, 64, 80, 96, 128)");
+    // Gemma 3's (all sizes but 27B)
+    case 256: attend_all<scalar_t, 16>(q, cache, out, block_tables, query_start, context_lens, shape); break;
+    default: TORCH_CHECK(false, "head_dim ", q.size(2), " not built (32, 64, 80, 96, 128, 256)");
   }
 }
 
