@@ -77,14 +77,17 @@ class ModelConfig:
         assert not self.layer_types or len(self.layer_types) == self.num_layers
         assert set(self.layer_types) <= {FULL, SLIDING}
 
+    def is_sliding(self, layer: int) -> bool:
+        """Whether layer_types names the layer sliding (its window may be None)."""
+        return bool(self.layer_types) and self.layer_types[layer] == SLIDING
+
     def window_of(self, layer: int) -> int | None:
         """The window a layer attends within, None for its whole context."""
-        sliding = bool(self.layer_types) and self.layer_types[layer] == SLIDING
-        return self.sliding_window if sliding else None
+        return self.sliding_window if self.is_sliding(layer) else None
 
     def rope_of(self, layer: int) -> RopeConfig:
         """The rotary settings of a layer: sliding layers may have their own."""
-        if self.local_rope is not None and self.window_of(layer) is not None:
+        if self.local_rope is not None and self.is_sliding(layer):
             return self.local_rope
         return self.rope
 

@@ -11,7 +11,7 @@ from specpage.attention.backend import AttentionBackend, AttentionMetadata
 from specpage.layers import fused
 from specpage.layers.linear import Linear
 from specpage.layers.norm import RMSNorm
-from specpage.models.config import SLIDING, ModelConfig
+from specpage.models.config import ModelConfig
 
 
 class DecoderLayer(nn.Module):
@@ -26,8 +26,7 @@ class DecoderLayer(nn.Module):
         self.scale = config.attention_scale
         self.window = config.window_of(index)  # keys seen back from a query, None: all
         # Whether the model's rotary rows for sliding layers are this layer's.
-        self.local_rope = (config.local_rope is not None and bool(config.layer_types)
-                           and config.layer_types[index] == SLIDING)
+        self.local_rope = config.rope_of(index) is not config.rope
         norm = self.norm_class
         self.input_layernorm = norm(h, config.rms_norm_eps)
         self.qkv_proj = Linear(h, (config.num_heads + 2 * config.num_kv_heads) * d,
