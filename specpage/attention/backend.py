@@ -27,8 +27,12 @@ class AttentionBackend(Protocol):
 
     cache: [2, num_blocks, block_size, kv_heads, head_dim] (K then V) of one
     layer. `write_kv` and `attend` take metadata from this backend's own
-    `build_metadata`.
+    `build_metadata`. A layer with a window passes it to `attend`: a query
+    at position p then sees the keys at p - window + 1 .. p (transformers'
+    sliding-window mask); a backend with `attends_windows` False refuses it.
     """
+
+    attends_windows: bool
 
     def build_metadata(
         self, spans: Sequence[Span], block_size: int, groups: int, device: torch.device
@@ -39,7 +43,8 @@ class AttentionBackend(Protocol):
     ) -> None: ...
 
     def attend(
-        self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+        window: int | None = None,
     ) -> torch.Tensor: ...
 
     def copy_blocks(self, kv_cache: torch.Tensor, pairs: torch.Tensor) -> None: ...

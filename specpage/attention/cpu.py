@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from specpage.attention.backend import AttentionMetadata, lay_out_spans
-from specpage.attention.native import NATIVE_HEAD_DIMS, native_kernels
+from specpage.attention.native import NATIVE_HEAD_DIMS, NO_WINDOW, native_kernels
 from specpage.attention.reference import (
     TorchAttention,
     TorchMetadata,
@@ -99,21 +99,22 @@ class CpuAttention(TorchAttention):
                            short=short)
 
     def attend(
-        self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         """q [num_tokens, heads, head_dim] -> [num_tokens, heads * head_dim]."""
         assert isinstance(meta, CpuMetadata), "metadata from another backend's build_metadata"
         short = meta.short
         if short is not None and short.token_rows is None:
-            return self._short(q, cache, short, scale)
+            return self._short(q, cache, short, scale, window)
         if short is None and len(meta.padded) == 1:
-            return self._attend_group(q, cache, meta.padded[0], scale)
+            return self._attend_group(q, cache, meta.padded[0], scale, window)
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
         if short is not None:
             assert short.token_rows is not None
             rows = short.token_rows
-            out.index_copy_(0, rows, self._short(q[rows], cache, short, scale))
-        self._attend_groups_into(out, q, cache, meta.padded, scale)
+            out.index_copy_(0, rows, self._short(q[rows], cache, short, scale, window))
+        self._attend_groups_into(out, q, cache, meta.padded, scale, window)
         return out
 
     def all_short(self, meta: AttentionMetadata) -> ShortSpans | None:
@@ -124,10 +125,12 @@ class CpuAttention(TorchAttention):
         return short if short is not None and short.token_rows is None else None
 
     def _short(
-        self, q: torch.Tensor, cache: torch.Tensor, short: ShortSpans, scale: float
+        self, q: torch.Tensor, cache: torch.Tensor, short: ShortSpans, scale: float,
+        window: int | None,
     ) -> torch.Tensor:
         out: torch.Tensor = self._kernel(q.contiguous(), cache, short.block_tables,
-                                         short.query_start, short.context_lens, scale)
+                                         short.query_start, short.context_lens, scale,
+                                         window or NO_WINDOW)
         return out
 
 

@@ -5,7 +5,7 @@ sequences padded together in groups of similar span length."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +36,20 @@ class PaddedGroup:
     gather_blocks: torch.Tensor  # [num_seqs * ceil(max_context / block_size)] int64, block ids
     mask: torch.Tensor | None  # [num_seqs, 1, groups * max_query, max_context] bool, True = attend
     query_index: torch.Tensor | None  # [tokens] row of each token in [num_seqs * max_query]
+    query_pos: torch.Tensor  # [num_seqs, max_query] int64 position of each row; padding: 0
+    groups: int
+    # window -> its mask, made by the first layer with that window and
+    # read by the others of the forward
+    windowed: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def mask_within(self, window: int | None) -> torch.Tensor | None:
+        """The mask of a layer that sees `window` keys back (None: all)."""
+        if window is None or window >= self.max_context:
+            return self.mask  # no query reaches back past the window
+        if window not in self.windowed:
+            self.windowed[window] = _visible(self.query_pos, self.max_context, self.groups,
+                                             window)
+        return self.windowed[window]
 
 
 class TorchAttention:
@@ -43,6 +57,8 @@ class TorchAttention:
 
     cache: [2, num_blocks, block_size, kv_heads, head_dim] (K then V) of one layer.
     """
+
+    attends_windows = True
 
     def __init__(self) -> None:
         # Gather destinations, reused across layers and steps: a fresh tensor
@@ -79,26 +95,28 @@ class TorchAttention:
         flat[1].index_copy_(0, meta.slot_mapping, v)
 
     def attend(
-        self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         """q [num_tokens, heads, head_dim] -> [num_tokens, heads * head_dim]."""
         assert isinstance(meta, TorchMetadata), "metadata from another backend's build_metadata"
         if len(meta.padded) == 1:
-            return self._attend_group(q, cache, meta.padded[0], scale)
+            return self._attend_group(q, cache, meta.padded[0], scale, window)
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
-        self._attend_groups_into(out, q, cache, meta.padded, scale)
+        self._attend_groups_into(out, q, cache, meta.padded, scale, window)
         return out
 
     def _attend_groups_into(self, out: torch.Tensor, q: torch.Tensor, cache: torch.Tensor,
-                            groups: list[PaddedGroup], scale: float) -> None:
+                            groups: list[PaddedGroup], scale: float, window: int | None) -> None:
         """Attend each group's rows of q and write them to the same rows of out."""
         for group in groups:
             assert group.token_rows is not None
             rows = group.token_rows
-            out.index_copy_(0, rows, self._attend_group(q[rows], cache, group, scale))
+            out.index_copy_(0, rows, self._attend_group(q[rows], cache, group, scale, window))
 
     def _attend_group(
-        self, q: torch.Tensor, cache: torch.Tensor, group: PaddedGroup, scale: float
+        self, q: torch.Tensor, cache: torch.Tensor, group: PaddedGroup, scale: float,
+        window: int | None,
     ) -> torch.Tensor:
         _, heads, head_dim = q.shape
         kv_heads = cache.shape[-2]
@@ -119,7 +137,8 @@ class TorchAttention:
         context = group.max_context
         k = self._gather(rows[0], group.gather_blocks, 0).view(shape)[:, :context].transpose(1, 2)
         v = self._gather(rows[1], group.gather_blocks, 1).view(shape)[:, :context].transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scale)
+        mask = group.mask_within(window)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
         out = out.view(num_seqs, kv_heads, groups, max_query, head_dim).permute(0, 3, 1, 2, 4)
         out = out.reshape(num_seqs * max_query, heads * head_dim)
         return out if group.query_index is None else out[group.query_index]
@@ -151,16 +170,15 @@ def _padded_group(
     context_lens = starts + query_lens
     num_seqs = len(members)
     max_query, max_context = int(query_lens.max()), int(context_lens.max())
-    positions = torch.arange(max_context)
     context_blocks = cdiv(max_context, block_size)
     # padding entries read block 0, masked below
     gather_blocks = layout.block_tables[index, :context_blocks].reshape(-1)
     query_pos = starts[:, None] + torch.arange(max_query)[None, :]  # [num_seqs, max_query]
     valid_query = torch.arange(max_query)[None, :] < query_lens[:, None]
-    mask = positions[None, None, :] <= query_pos[:, :, None]
-    # Padded query rows attend to position 0 only, so no row is empty (NaN).
-    mask = torch.where(valid_query[:, :, None], mask, positions[None, None, :] == 0)
-    mask = mask[:, None].repeat(1, groups, 1, 1).view(num_seqs, 1, groups * max_query, -1)
+    # Padded query rows sit at position 0, so they see position 0 alone
+    # (within any window) and no row is empty (NaN).
+    query_pos = query_pos.masked_fill(~valid_query, 0).to(device)
+    mask = _visible(query_pos, max_context, groups, None)
     # One token per sequence over full, equal contexts: nothing to hide.
     needs_mask = max_query > 1 or not bool((context_lens == max_context).all())
     seq_of_row = torch.arange(num_seqs)[:, None].expand(num_seqs, max_query)
@@ -176,6 +194,20 @@ def _padded_group(
         max_query=max_query,
         max_context=max_context,
         gather_blocks=gather_blocks.to(device),
-        mask=mask.to(device) if needs_mask else None,
+        mask=mask if needs_mask else None,
         query_index=None if query_index is None else query_index.to(device),
+        query_pos=query_pos,
+        groups=groups,
     )
+
+
+def _visible(query_pos: torch.Tensor, max_context: int, groups: int, window: int | None
+             ) -> torch.Tensor:
+    """[num_seqs, 1, groups * max_query, max_context] bool: the keys each
+    query row sees, causal and, given a window, the window's last keys only."""
+    num_seqs = query_pos.shape[0]
+    positions = torch.arange(max_context, device=query_pos.device)[None, None, :]
+    mask = positions <= query_pos[:, :, None]
+    if window is not None:
+        mask &= positions > query_pos[:, :, None] - window
+    return mask[:, None].repeat(1, groups, 1, 1).view(num_seqs, 1, -1, max_context)

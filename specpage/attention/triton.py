@@ -33,7 +33,11 @@ class TritonAttention:
     sequence brings one token, `paged_prefill` otherwise.
 
     cache: [2, num_blocks, block_size, kv_heads, head_dim] (K then V) of one layer.
+    The kernels have no sliding window: a model whose layers have one is
+    refused where its runner is made (attends_windows).
     """
+
+    attends_windows = False
 
     def build_metadata(
         self, spans: Sequence[Span], block_size: int, groups: int, device: torch.device
@@ -56,10 +60,12 @@ class TritonAttention:
         write_kv(cache, k, v, meta.slot_mapping)
 
     def attend(
-        self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         """q [num_tokens, heads, head_dim] -> [num_tokens, heads * head_dim]."""
         assert isinstance(meta, TritonMetadata), "metadata from another backend's build_metadata"
+        assert window is None, "the Triton kernels have no sliding window"
         num_tokens = q.shape[0]
         # max_query == 1 alone would admit sequences with no new token.
         one_token_each = meta.max_query == 1 and num_tokens == meta.context_lens.shape[0]

@@ -18,7 +18,7 @@ from specpage.core.span import Span
 from specpage.executor.kv_cache import KvCache, KvShape
 from specpage.layers.products import row_invariant
 from specpage.models.decoder import DecoderModel, LayerTap
-from specpage.models.loader import LoadedModel
+from specpage.models.loader import LoadedModel, ModelLoadError
 from specpage.models.native_step import NativeStep
 
 log = logging.getLogger("specpage.engine")
@@ -45,6 +45,11 @@ class ModelRunner:
         self.device, self.dtype = weight.device, weight.dtype
         self.kv = KvCache(KvShape(c.num_layers, num_blocks, block_size, c.num_kv_heads,
                                   c.head_dim), self.dtype, self.device, backend, deterministic)
+        if c.windowed and not self.kv.backend.attends_windows:
+            raise ModelLoadError(
+                f"{loaded.folder.name}: {c.architecture}'s sliding-window layers need an "
+                f"attention backend with windows, which {type(self.kv.backend).__name__} "
+                f"({self.device.type}) is not; run it on the CPU")
         self.groups = c.num_heads // c.num_kv_heads  # query heads per KV head
         self.native_step = self._native_step(loaded)
 

@@ -64,6 +64,11 @@ class LeaderRunner(ModelRunner):
         self._copies += copies
 
 
+# The families whose layers a shard splits: sharding.py splits the Llama
+# shape's projections only (not q/k norms, nor Gemma's scaled embedding).
+SHARDED_FAMILIES = ("llama", "qwen2")
+
+
 class TensorParallelExecutor(Executor):
     """`Executor` with config.tensor_parallel_size ranks for the target."""
 
@@ -71,6 +76,10 @@ class TensorParallelExecutor(Executor):
                  config: EngineConfig) -> None:
         world = config.tensor_parallel_size
         check_divisible(target.config, world)
+        if target.config.family not in SHARDED_FAMILIES:
+            raise ConfigError(f"engine.tensor_parallel_size > 1 is not implemented for "
+                              f"{target.config.architecture} ({target.folder}); it takes "
+                              f"the families {', '.join(SHARDED_FAMILIES)}")
         if draft is not None and not isinstance(draft, LoadedModel):
             # a draft head reads the target's embedding, which the ranks split
             raise ConfigError("engine.tensor_parallel_size > 1 takes a draft model, "

@@ -42,6 +42,8 @@ class StackPlan:
     kinds: list[int]  # per layer: qkv, o, gate_up, down
     outs: list[int]  # output features per product (the panel kernel reads them)
     operands: list[torch.Tensor]  # each product's, in order
+    qk_norms: list[torch.Tensor]  # per layer q_norm, k_norm [head_dim]; none without them
+    windows: list[int]  # per layer the keys a query sees back, 0: all
 
 
 def run_layers(
@@ -81,7 +83,7 @@ def call_stack(c: Any, plan: StackPlan, x: torch.Tensor, rope: tuple[torch.Tenso
     x, branch, tapped = loaded_kernels().decoder_stack.default(
         x, rope[0], rope[1], caches, slots, block_tables, query_start, context_lens,
         plan.norms, plan.kinds, plan.outs, plan.operands, c.num_heads, c.num_kv_heads,
-        c.rms_norm_eps, c.head_dim**-0.5, taps)
+        c.rms_norm_eps, c.head_dim**-0.5, taps, plan.qk_norms, plan.windows)
     for index, state in zip(taps, tapped, strict=True):
         tap.see(index, state)
     return x, branch
@@ -101,19 +103,24 @@ def _short_spans(x: torch.Tensor, meta: AttentionMetadata, backend: AttentionBac
 
 def stack_plan(layers: Sequence[Any], rows: int) -> StackPlan | None:
     """decoder_stack's operands for x of `rows` rows; None where a layer has
-    an op without a kernel (or there are no layers)."""
+    an op without a kernel (Gemma 3's layers: not `stack_shaped`), or there
+    are no layers."""
     kernels = loaded_kernels()
-    if kernels is None or not kernels.has_bf16_gemv() or not layers:
+    if (kernels is None or not kernels.has_bf16_gemv() or not layers
+            or not all(layer.stack_shaped for layer in layers)):
         return None
     kinds_by_kernel = {kernels.bf16_gemv.default: GEMV, kernels.bf16_panels_product.default: PANELS,
                        kernels.int4_gemv.default: INT4, kernels.int8x_gemv.default: INT8X,
                        torch.ops.mkldnn._linear_pointwise.default: ONEDNN}
-    plan = StackPlan([], [], [], [])
+    plan = StackPlan([], [], [], [], [], [])
     for layer in layers:
         norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-        if any(n.dtype != torch.bfloat16 for n in norms):
+        qk_norms = () if layer.q_norm is None else (layer.q_norm.weight, layer.k_norm.weight)
+        if any(n.dtype != torch.bfloat16 for n in (*norms, *qk_norms)):
             return None
         plan.norms.extend(norms)
+        plan.qk_norms.extend(qk_norms)
+        plan.windows.append(layer.window or 0)
         for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
             product = linear.direct_product(rows)
             kind = None if product is None else kinds_by_kernel.get(product[0])
@@ -123,4 +130,6 @@ def stack_plan(layers: Sequence[Any], rows: int) -> StackPlan | None:
             plan.kinds.append(kind)
             plan.outs.append(operands[1] if kind == PANELS else 0)
             plan.operands.extend(operands[:1] if kind in (PANELS, ONEDNN) else operands)
+    if plan.qk_norms and len(plan.qk_norms) != 2 * len(layers):
+        return None  # q/k norms on some layers only: no family has them so
     return plan

@@ -21,3 +21,25 @@ class RMSNorm(nn.Module):
                   residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + residual, that sum normed)."""
         return fused.add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm, as transformers computes it: normed and scaled by
+    (1 + weight) in fp32, then cast to x's dtype (Llama's casts before the
+    weight). The weight is stored as the offset from 1."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.float())).type_as(x)
+
+    def after_add(self, x: torch.Tensor,
+                  residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + residual, that sum normed)."""
+        total = residual + x
+        return total, self(total)

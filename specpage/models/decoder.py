@@ -1,6 +1,7 @@
 """Decoder-only transformer of the Llama family (Llama 2/3, SmolLM, TinyLlama,
-Mistral) and Qwen2 (bias on q/k/v), written against the paged-attention
-interface. Q/K/V and gate/up projections are fused into one matmul each."""
+Mistral), Qwen2 (bias on q/k/v), Qwen3 (q/k norms) and Gemma 3 (models/
+gemma3.py), written against the paged-attention interface: each layer's
+window, if it has one, goes to the backend with its attention."""
 
 from __future__ import annotations
 
@@ -10,46 +11,18 @@ import torch
 from torch import nn
 
 from specpage.attention.backend import AttentionBackend, AttentionMetadata
-from specpage.layers import fused, native_stack
-from specpage.layers.linear import Linear
-from specpage.layers.norm import RMSNorm
+from specpage.layers import native_stack
 from specpage.layers.products import PackedWeight, cpu_linear, row_invariant_on
 from specpage.layers.rope import cos_sin, inverse_frequencies
 from specpage.models.config import ModelConfig
+from specpage.models.gemma3 import Gemma3Layer, ScaledEmbedding
+from specpage.models.layer import DecoderLayer
 
+# family -> its layer and embedding, where they are not DecoderLayer and nn.Embedding
+LAYERS: dict[str, type[DecoderLayer]] = {"gemma3": Gemma3Layer}
+EMBEDDINGS: dict[str, type[nn.Embedding]] = {"gemma3": ScaledEmbedding}
 
-class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        h, d = config.hidden_size, config.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            config.num_heads, config.num_kv_heads, d
-        )
-        self.input_layernorm = RMSNorm(h, config.rms_norm_eps)
-        self.qkv_proj = Linear(h, (config.num_heads + 2 * config.num_kv_heads) * d,
-                                  bias=config.qkv_bias)
-        self.o_proj = Linear(config.num_heads * d, h, bias=config.o_bias)
-        self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps)
-        self.gate_up_proj = Linear(h, 2 * config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = Linear(config.intermediate_size, h, bias=config.mlp_bias)
-
-    def forward(
-        self,
-        x: torch.Tensor,  # [num_tokens, hidden], the residual stream entering the layer
-        normed: torch.Tensor,  # x through input_layernorm (fused with the add that made x)
-        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin [num_tokens, head_dim]
-        cache: torch.Tensor,  # [2, num_blocks, block_size, kv_heads, head_dim]
-        meta: AttentionMetadata,
-        backend: AttentionBackend,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The stream after attention, and the MLP's branch, which the next
-        layer's norm (or the final one) adds to it: the layer's output is
-        their sum."""
-        q, k, v = fused.rope_qk(self.qkv_proj(normed), *rope, self.num_heads, self.num_kv_heads)
-        backend.write_kv(cache, k, v, meta)
-        attn = backend.attend(q, cache, meta, self.head_dim**-0.5)
-        x, normed = self.post_attention_layernorm.after_add(self.o_proj(attn), x)
-        return x, self.down_proj(fused.silu_and_mul(self.gate_up_proj(normed)))
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [num_tokens, head_dim]
 
 
 class LayerTap:
@@ -69,9 +42,11 @@ class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        embedding = EMBEDDINGS.get(config.family, nn.Embedding)
+        self.embed_tokens = embedding(config.vocab_size, config.hidden_size)
+        layer = LAYERS.get(config.family, DecoderLayer)
+        self.layers = nn.ModuleList(layer(config, i) for i in range(config.num_layers))
+        self.norm = layer.norm_class(config.hidden_size, config.rms_norm_eps)
         self.lm_head = (
             None if config.tie_word_embeddings
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -84,8 +59,9 @@ class DecoderModel(nn.Module):
         # native_stack.stack_plan by row count, made on first use; cleared
         # when the model's tensors are replaced (.to() and the like).
         self._stack_plans: dict[tuple[int, bool], native_stack.StackPlan | None] = {}
-        # (the inv_freq it was made from, cos, sin): DecoderModel.rope_rows
-        self._rope_table: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        # by whether it is the sliding layers' (config.local_rope): (the
+        # inv_freq it was made for, cos, sin), DecoderModel.rope_rows
+        self._rope_tables: dict[bool, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         # A draft may propose from part of the vocabulary only: its projection
         # then reads only those rows (see restrict_output_vocab).
         self.output_vocab: torch.Tensor | None = None
@@ -107,11 +83,12 @@ class DecoderModel(nn.Module):
         """Logits [num_logits, vocab] in fp32 for the tokens in logits_index."""
         x = self.embed_tokens(input_ids)
         rope = self.rope_rows(positions, x.dtype)
+        local = self.rope_rows(positions, x.dtype, local=True) if self.config.local_rope else rope
         # The stream after the last layer's attention, and that layer's MLP
         # branch, not yet added (None without layers).
         ran = native_stack.run_layers(self, x, rope, caches, meta, backend, tap)
-        x, branch = ran if ran is not None else self._run_layers(x, rope, caches, meta, backend,
-                                                                 tap)
+        x, branch = ran if ran is not None else self._run_layers(x, (rope, local), caches, meta,
+                                                                 backend, tap)
         if logits_index.shape[0] != x.shape[0]:  # else every row, in order
             x = x[logits_index]
             branch = None if branch is None else branch[logits_index]
@@ -146,22 +123,27 @@ class DecoderModel(nn.Module):
         full = logits.new_full((logits.shape[0], self.config.vocab_size), float("-inf"))
         return full.index_copy_(1, self.output_vocab, logits)
 
-    def rope_rows(self, positions: torch.Tensor, dtype: torch.dtype, need: int | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope_rows(self, positions: torch.Tensor, dtype: torch.dtype, need: int | None = None,
+                  local: bool = False) -> Rope:
         """cos and sin for these positions, rows of a table made for the first
         positions once (grown by doubling) instead of ~7 small ops per
         forward. Each row is what cos_sin computes for its position alone.
-        need: the largest position + 1, where the caller knows it."""
+        need: the largest position + 1, where the caller knows it. local:
+        the sliding layers' rotary (config.local_rope)."""
         if need is None:
             need = int(positions.max()) + 1
-        table = self._rope_table
+        table = self._rope_tables.get(local)
         if (table is None or table[0] is not self.inv_freq or table[1].dtype != dtype
                 or table[1].shape[0] < need):
             size = max(need, min(max(1024, 1 << (need - 1).bit_length()),
                                  self.config.max_position))
-            cos, sin = cos_sin(self.inv_freq,
-                               torch.arange(size, device=self.inv_freq.device), dtype)
-            table = self._rope_table = (self.inv_freq, cos, sin)
+            inv_freq = self.inv_freq
+            if local:  # in fp32 from the config, whatever .to() did to the buffers
+                assert self.config.local_rope is not None
+                inv_freq = inverse_frequencies(self.config.local_rope, self.config.head_dim).to(
+                    self.inv_freq.device)
+            cos, sin = cos_sin(inv_freq, torch.arange(size, device=inv_freq.device), dtype)
+            table = self._rope_tables[local] = (self.inv_freq, cos, sin)
         return table[1].index_select(0, positions), table[2].index_select(0, positions)
 
     @property
@@ -193,16 +175,17 @@ class DecoderModel(nn.Module):
         return super()._apply(fn, recurse)
 
     def _run_layers(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], caches: list[torch.Tensor],
+        self, x: torch.Tensor, ropes: tuple[Rope, Rope], caches: list[torch.Tensor],
         meta: AttentionMetadata, backend: AttentionBackend, tap: LayerTap | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """ropes: the full-attention layers' rotary rows, and the sliding layers' own."""
         branch: torch.Tensor | None = None
         for index, (layer, cache) in enumerate(zip(self.layers, caches, strict=True)):
             norm = layer.input_layernorm
             x, normed = (x, norm(x)) if branch is None else norm.after_add(branch, x)
             if tap is not None:
                 tap.see(index, x)
-            x, branch = layer(x, normed, rope, cache, meta, backend)
+            x, branch = layer(x, normed, ropes[layer.local_rope], cache, meta, backend)
         return x, branch
 
     def restrict_output_vocab(self, token_ids: torch.Tensor | None) -> None:

@@ -27,6 +27,9 @@ _FUSED = {  # our parameter -> the HF tensors concatenated into it, in order
     "gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
 }
 _RENAMED = {"o_proj": "self_attn.o_proj", "down_proj": "mlp.down_proj"}
+_QK_NORMS = {"q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"}  # our name -> HF's
+# Gemma 3's norms around its MLP, besides input_layernorm and post_attention_layernorm
+_FEEDFORWARD_NORMS = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
 
 
 @dataclass(frozen=True)
@@ -182,8 +185,14 @@ def hf_to_fused(
               "gate_up_proj": config.mlp_bias, "down_proj": config.mlp_bias}
     for i in range(config.num_layers):
         hf, ours = f"model.layers.{i}.", f"layers.{i}."
-        for norm in ("input_layernorm", "post_attention_layernorm"):
+        norms = ["input_layernorm", "post_attention_layernorm"]
+        if config.family == "gemma3":
+            norms.extend(_FEEDFORWARD_NORMS)
+        for norm in norms:
             state[f"{ours}{norm}.weight"] = take(f"{hf}{norm}.weight")
+        if config.qk_norm:
+            for name, hf_name in _QK_NORMS.items():
+                state[f"{ours}{name}.weight"] = take(f"{hf}{hf_name}.weight")
         for name, has_bias in biases.items():
             parts = _FUSED.get(name) or (_RENAMED[name],)
             for kind in ("weight", "bias") if has_bias else ("weight",):
@@ -258,6 +267,8 @@ def check_head_compatible(target: LoadedModel, head: LoadedHead) -> None:
     vocabulary (it embeds tokens with the target's embedding)."""
     c, t = head.config, target.config
     problems = []
+    if t.family == "gemma3":
+        problems.append("Gemma 3's scaled embedding is not what a head embeds tokens with")
     if c.layer.vocab_size != t.vocab_size:
         problems.append(f"vocabulary {c.layer.vocab_size} tokens, the target's {t.vocab_size}")
     if c.target_hidden_size != t.hidden_size:

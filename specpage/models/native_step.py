@@ -62,6 +62,8 @@ class NativeStep:
             return f"{model.embed_tokens.weight.dtype} weights, not bfloat16"
         if not widths_fit(model.config):
             return "widths the fused kernels do not take"
+        if not all(layer.stack_shaped for layer in model.layers):
+            return f"{model.config.architecture}: layers not of the shape decoder_stack runs"
         return None
 
     def _tensors(self) -> tuple[torch.Tensor, torch.Tensor]:

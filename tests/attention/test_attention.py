@@ -78,10 +78,11 @@ class RecordingTriton(TritonAttention):
         self.seen: list[AttentionMetadata] = []
 
     def attend(
-        self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         self.seen.append(meta)
-        return super().attend(q, cache, meta, scale)
+        return super().attend(q, cache, meta, scale, window)
 
 
 @pytest.mark.skipif(

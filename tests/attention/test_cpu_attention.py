@@ -35,6 +35,7 @@ def random_spans(rng: random.Random, count: int, block_size: int, num_blocks: in
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size", "furthest", "count"),
                          [(9, 3, 64, 16, 40, 6), (4, 4, 32, 16, 40, 6), (8, 1, 128, 16, 40, 6),
                           (6, 2, 96, 16, 40, 6), (10, 2, 80, 16, 40, 6),
+                          (8, 4, 256, 16, 40, 6), (4, 1, 256, 16, 200, 1),  # Gemma 3's
                           (9, 3, 64, 5, 300, 6),  # long contexts, blocks across score groups
                           (9, 3, 64, 16, 300, 1),  # one sequence: its rows split over threads
                           (7, 1, 32, 16, 200, 4)])  # spans up to NATIVE_SPAN (a draft catching up)
@@ -130,3 +131,79 @@ def test_switched_off_the_cpu_takes_the_reference(monkeypatch):
     monkeypatch.setenv(native.DISABLE_ENV, "0")
     assert native_kernels() is None
     assert type(select_backend(CPU, head_dim=64)) is TorchAttention
+
+
+def kernel_operands(spans: list[tuple[int, int, list[int]]]
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """block_tables, query_start and context_lens of (start, new tokens, table) spans."""
+    width = max(len(t) for _, _, t in spans)
+    tables = torch.tensor([t + [0] * (width - len(t)) for _, _, t in spans])
+    query_start = torch.tensor([0] + [n for _, n, _ in spans]).cumsum(0)
+    context_lens = torch.tensor([s + n for s, n, _ in spans])
+    return tables, query_start, context_lens
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 256])
+@pytest.mark.parametrize("window", [1, 5, 16, 37, 500])
+def test_kernel_with_a_window_equals_its_reference(dtype, head_dim, window):
+    """Decode tokens, verify spans and a span of NATIVE_SPAN, contexts past
+    the window, blocks of 5 so windows start inside blocks and tiles."""
+    torch.manual_seed(window)
+    rng = random.Random(window)
+    heads, kv_heads, block_size, num_blocks = 8, 2, 5, 400
+    spans = random_spans(rng, 5, block_size, num_blocks, longest=8, furthest=150)
+    spans.append((90, NATIVE_SPAN, rng.sample(range(num_blocks), -(-(90 + NATIVE_SPAN) // 5))))
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim).to(dtype)
+    q = torch.randn(sum(n for _, n, _ in spans), heads, head_dim).to(dtype)
+    operands = kernel_operands(spans)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)  # fewer items than twice the threads: bf16 rows split among them
+    try:
+        ours = native_kernels().paged_attention(q, cache, *operands, 0.1, window)
+    finally:
+        torch.set_num_threads(threads)
+    ref = paged_attention_ref(q, cache, *operands, 0.1, window)
+    assert float((ours.float() - ref.float()).abs().max()) < TOLERANCE[dtype]
+    unwindowed = paged_attention_ref(q, cache, *operands, 0.1)
+    assert (window >= 150 + NATIVE_SPAN) == torch.equal(ref, unwindowed)
+
+
+def test_a_window_leaves_a_row_the_window_s_last_positions():
+    """Position p sees p - window + 1 .. p, transformers' sliding window:
+    with V one-hot by position, the output of a row is spread over exactly
+    those positions."""
+    block_size, window, context = 4, 3, 10
+    cache = torch.zeros(2, 3, block_size, 1, 32)
+    cache[1].view(-1, 32)[torch.arange(context), torch.arange(context)] = 1.0
+    q = torch.zeros(context, 1, 32)  # equal scores: equal weights over what a row sees
+    out = native_kernels().paged_attention(q, cache, torch.tensor([[0, 1, 2]]),
+                                           torch.tensor([0, context]), torch.tensor([context]),
+                                           1.0, window)
+    for p in range(context):
+        seen = [i for i in range(context) if out[p, i] > 0]
+        assert seen == list(range(max(0, p - window + 1), p + 1))
+
+
+@pytest.mark.parametrize("window", [3, 9, 64])
+@pytest.mark.parametrize("longest", [1, 8, 100])
+def test_backends_with_a_window_equal_the_kernel_reference(longest, window):
+    torch.manual_seed(longest + window)
+    rng = random.Random(longest * window)
+    block_size, num_blocks, heads, kv_heads, head_dim = 4, 400, 6, 2, 32
+    spans = random_spans(rng, 6, block_size, num_blocks, longest, furthest=120)
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim)
+    tokens = sum(n for _, n, _ in spans)
+    q = torch.randn(tokens, heads, head_dim)
+    k, v = torch.randn(tokens, kv_heads, head_dim), torch.randn(tokens, kv_heads, head_dim)
+    for backend in (CpuAttention(), CpuAttention(every_span=True), TorchAttention()):
+        layer = cache.clone()
+        meta = backend.build_metadata([Span([1] * n, start, table) for start, n, table in spans],
+                                      block_size, heads // kv_heads, CPU)
+        backend.write_kv(layer, k, v, meta)
+        ref = paged_attention_ref(q, layer, *kernel_operands(spans), 0.2, window)
+        for _ in range(2):  # a second layer reads the window's mask the first one made
+            ours = backend.attend(q, layer, meta, 0.2, window)
+            assert float((ours - ref).abs().max()) < 1e-5, type(backend).__name__
+        full = paged_attention_ref(q, layer, *kernel_operands(spans), 0.2)
+        assert float((backend.attend(q, layer, meta, 0.2) - full).abs().max()) < 1e-5

@@ -21,7 +21,7 @@ from specpage.layers.products import bf16_kernels
 from specpage.layers.quant import DENSE_FROM_ROWS, INT8X_DENSE_FROM_ROWS, keeps_dense_copy
 from specpage.models.decoder import LayerTap
 from specpage.models.loader import load_model
-from tests.support.checkpoints import tiny_checkpoint
+from tests.support.checkpoints import family_checkpoint, tiny_checkpoint
 
 pytestmark = pytest.mark.skipif(bf16_kernels() is None,
                                 reason="no AVX-512 BF16 kernel in this build")
@@ -43,6 +43,16 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 # q4 with x taken to int8 at the products where the CPU can (the default),
 # and q4 on the bf16 products
 QUANTIZATIONS = [None, "q4", "q4 bf16 products"]
+
+
+@pytest.fixture(scope="module")
+def qwen3_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen3 (q/k norms), its last two layers sliding with a window of 16,
+    shorter than the prompts."""
+    folder = tmp_path_factory.mktemp("qwen3")
+    family_checkpoint(folder, "qwen3", seed=3, head_dim=64, use_sliding_window=True,
+                      sliding_window=16, max_window_layers=1, **SHAPE)
+    return folder
 
 
 def prefilled(checkpoint: Path, quantization: str | None, prompts: int) -> ModelRunner:
@@ -113,6 +123,27 @@ def test_the_direct_loop_gives_the_modules_logits_and_kv(
     assert torch.equal(logits, ref_logits)
     assert torch.equal(cache, ref_cache)
     assert not torch.equal(cache, runner.kv.tensor.new_zeros(()).expand_as(cache))
+
+
+@pytest.mark.parametrize("shape", ["decode 3", "verify 5", "verify 2 + decode 2"])
+def test_qwen3_layers_with_windows_give_the_modules_logits_and_kv(
+        qwen3_checkpoint: Path, shape: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    runner = prefilled(qwen3_checkpoint, None, 3)
+    assert runner.config.qk_norm and runner.config.windowed
+    spans = {
+        "decode 3": [Span([7 + s], 40, table(s)) for s in range(3)],
+        "verify 5": [Span([9, 8, 7, 6, 5], 40, table(1), 5)],
+        "verify 2 + decode 2": [Span([9, 8], 40, table(0), 2), Span([5], 40, table(1)),
+                                Span([4], 40, table(2))],
+    }[shape]
+    plan = runner.model.stack_plan(sum(len(s.token_ids) for s in spans))
+    assert plan is not None and plan.windows == [0, 16, 16] and len(plan.qk_norms) == 6
+    (logits, cache, _), (ref_logits, ref_cache, _) = both_ways(runner, spans, monkeypatch)
+    assert torch.equal(logits, ref_logits)
+    assert torch.equal(cache, ref_cache)
+    # the window matters: the modules' logits without it differ
+    monkeypatch.setattr(runner.model.layers[2], "window", None)
+    assert not torch.equal(both_ways(runner, spans, monkeypatch)[1][0], logits)
 
 
 @pytest.mark.parametrize("quantization", QUANTIZATIONS)
@@ -198,10 +229,12 @@ def test_the_native_call_refuses_operands_that_do_not_fit(checkpoint: Path) -> N
 
     def call(**changes: object) -> None:
         args = dict(caches=list(runner.kv.layers), norms=plan.norms, kinds=plan.kinds,
-                    outs=plan.outs, operands=plan.operands, taps=[]) | changes
+                    outs=plan.outs, operands=plan.operands, taps=[], qk_norms=[],
+                    windows=[]) | changes
         kernels.decoder_stack(x, cos, sin, args["caches"], index, index[None], torch.tensor(
             [0, 1]), torch.ones(1, dtype=torch.int64), args["norms"], args["kinds"],
-            args["outs"], args["operands"], 2, 1, 1e-5, 0.125, args["taps"])
+            args["outs"], args["operands"], 2, 1, 1e-5, 0.125, args["taps"], args["qk_norms"],
+            args["windows"])
 
     before = runner.kv.tensor.clone()
     with pytest.raises(RuntimeError, match="norms and .* products"):
@@ -212,4 +245,8 @@ def test_the_native_call_refuses_operands_that_do_not_fit(checkpoint: Path) -> N
         call(kinds=[7] + plan.kinds[1:])
     with pytest.raises(RuntimeError, match="taps must name layers"):
         call(taps=[2, 0])
+    with pytest.raises(RuntimeError, match="need 0 or 6 q/k norms"):
+        call(qk_norms=plan.norms[:1])
+    with pytest.raises(RuntimeError, match="need 0 or 3 windows"):
+        call(windows=[0])
     assert torch.equal(runner.kv.tensor, before)

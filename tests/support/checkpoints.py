@@ -7,12 +7,16 @@ from pathlib import Path
 
 import torch
 from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
 from specpage.core.block_pool import BlockPool
@@ -46,6 +50,36 @@ def tiny_checkpoint(
             if name.endswith("bias"):
                 param.normal_(0, 0.1)
     model.save_pretrained(folder, **({"max_shard_size": "60KB"} if shard else {}))
+    return model
+
+
+NORMED_FAMILIES = {"qwen3": (Qwen3Config, Qwen3ForCausalLM),
+                   "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM)}
+
+
+def family_checkpoint(folder: Path, family: str, seed: int = 0, **overrides):
+    """A random tiny Qwen3 or Gemma 3 saved with save_pretrained; returns
+    the HF model (eval, fp32). 7 layers: Gemma 3's 6th global, the others
+    sliding (given a sliding_window); Gemma 3 with a scale other than
+    head_dim's and a global rotary unlike the local one."""
+    config_cls, model_cls = NORMED_FAMILIES[family]
+    options = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=7,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                   max_position_embeddings=256, rms_norm_eps=1e-6)
+    if family == "gemma3":
+        options.update(query_pre_attn_scalar=24, rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100_000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})
+    else:
+        options.update(tie_word_embeddings=False)
+    options.update(overrides)
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**options)).eval()
+    with torch.no_grad():  # norms start at 1 (Gemma: 0); give them values so they are tested
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(0, 0.3)
+    model.save_pretrained(folder)
     return model
 
 

@@ -20,7 +20,8 @@ from torch import nn
 
 from specpage.executor.parallel.comm import Collectives
 from specpage.models.config import ModelConfig
-from specpage.models.decoder import DecoderLayer, DecoderModel
+from specpage.models.decoder import DecoderModel
+from specpage.models.layer import DecoderLayer
 
 
 class RowParallel(nn.Module):

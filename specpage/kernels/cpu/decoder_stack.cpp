@@ -16,11 +16,15 @@
 // two took about 4% off a step (2-7% block by block of 40-60 steps); from
 // one process to the next the same step moved by up to 25%.
 //
+// Qwen3's layers take their q/k norms (each head of q and k through an
+// RMSNorm before the rotary embedding) and any layer its sliding window.
+//
 // Registered as torch.ops.specpage_cpu.decoder_stack.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/cat.h>
 #include <torch/library.h>
 
 #include <omp.h>
@@ -63,9 +67,9 @@ struct Ops {
       rope_into_cache = op<Tensor(const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t,
                                   Tensor&, const Tensor&)>("specpage_cpu::rope_qk_into_cache");
   c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                                  const Tensor&, double)>
+                                  const Tensor&, double, int64_t)>
       attention = op<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                            const Tensor&, double)>("specpage_cpu::paged_attention");
+                            const Tensor&, double, int64_t)>("specpage_cpu::paged_attention");
   c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&)> gemv =
       op<Tensor(const Tensor&, const Tensor&)>("specpage_cpu::bf16_gemv");
   c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, int64_t)> panels =
@@ -144,6 +148,7 @@ Weight weight_of(const Product& p) {
 // measured; 1 MB ahead measured level with 512 KB, 256 KB slower).
 constexpr int64_t kReadAheadBytes = 512 << 10;
 constexpr int64_t kReadAheadRows = 8;  // rows of x up to which the step reads ahead
+constexpr int64_t kNoWindow = 0;  // paged_attention's window for a layer that sees all
 
 // Thread `tid`'s reading ahead of `weights` (in the order they will be
 // computed) until `done`: per weight, the share it will compute, then, by
@@ -203,20 +208,42 @@ void overlapped(F&& serial, const Weight* next, int64_t count) {
   if (error) std::rethrow_exception(error);
 }
 
+// qkv [rows, (heads + 2 kv_heads) * d] with each head of q and k through
+// its RMSNorm (weights [d]), as DecoderLayer.rotated_qkv computes it.
+Tensor normed_qk(const Ops& k, const Tensor& qkv, const Tensor& q_norm, const Tensor& k_norm,
+                 int64_t heads, int64_t kv_heads, double eps) {
+  const int64_t rows = qkv.size(0), d = q_norm.size(0);
+  const Tensor q = k.rms_norm.call(
+      qkv.narrow(1, 0, heads * d).reshape({rows * heads, d}).contiguous(), q_norm, eps);
+  const Tensor kn = k.rms_norm.call(
+      qkv.narrow(1, heads * d, kv_heads * d).reshape({rows * kv_heads, d}).contiguous(), k_norm,
+      eps);
+  return at::cat({q.view({rows, heads * d}), kn.view({rows, kv_heads * d}),
+                  qkv.narrow(1, (heads + kv_heads) * d, kv_heads * d)}, 1);
+}
+
 // x: [rows, hidden] the embedded tokens. Per layer l: norms[2l], norms[2l+1]
 // (input and post-attention), products 4l..4l+3 (qkv, o, gate_up, down),
 // each a kind, outs[i] (output features, read by the panel kernel) and its
 // operands in order in `operands`. Returns the stream after the last
 // layer's attention, that layer's MLP branch (not yet added) and the
 // stream entering each layer listed in `taps` (ascending, once each).
+// qk_norms: none, or per layer l the q and k norms' weights at 2l, 2l+1;
+// windows: none, or per layer the keys a query sees back (0: all).
 std::tuple<Tensor, Tensor, std::vector<Tensor>> decoder_stack(
     const Tensor& embedded, const Tensor& cos, const Tensor& sin, at::TensorList caches,
     const Tensor& slot_mapping, const Tensor& block_tables, const Tensor& query_start,
     const Tensor& context_lens, at::TensorList norms, at::IntArrayRef kinds,
     at::IntArrayRef outs, at::TensorList operands, int64_t heads, int64_t kv_heads, double eps,
-    double scale, at::IntArrayRef taps) {
+    double scale, at::IntArrayRef taps, at::TensorList qk_norms, at::IntArrayRef windows) {
   const int64_t layers = static_cast<int64_t>(caches.size());
   TORCH_CHECK(layers >= 1, "decoder_stack needs at least one layer");
+  TORCH_CHECK(qk_norms.empty() || static_cast<int64_t>(qk_norms.size()) == 2 * layers,
+              "decoder_stack: ", layers, " layers need 0 or ", 2 * layers, " q/k norms, got ",
+              qk_norms.size());
+  TORCH_CHECK(windows.empty() || static_cast<int64_t>(windows.size()) == layers,
+              "decoder_stack: ", layers, " layers need 0 or ", layers, " windows, got ",
+              windows.size());
   TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * layers &&
                   static_cast<int64_t>(kinds.size()) == 4 * layers &&
                   outs.size() == kinds.size(),
@@ -277,10 +304,13 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> decoder_stack(
     const Tensor qkv = product(p[0], normed);
     Tensor q;  // attention runs outside: it has threads of its own
     before(i + 1, [&] {
-      q = k.rope_into_cache.call(qkv, cos, sin, heads, kv_heads, cache, slot_mapping);
+      const Tensor rotated = qk_norms.empty() ? qkv : normed_qk(k, qkv, qk_norms[2 * l],
+                                                                qk_norms[2 * l + 1], heads,
+                                                                kv_heads, eps);
+      q = k.rope_into_cache.call(rotated, cos, sin, heads, kv_heads, cache, slot_mapping);
     });
-    const Tensor attended =
-        k.attention.call(q, cache, block_tables, query_start, context_lens, scale);
+    const Tensor attended = k.attention.call(q, cache, block_tables, query_start, context_lens,
+                                             scale, windows.empty() ? kNoWindow : windows[l]);
     const Tensor o = product(p[1], attended);
     before(i + 2, [&] { std::tie(x, normed) = k.add_rms_norm.call(o, x, norms[2 * l + 1], eps); });
     const Tensor gate_up = product(p[2], normed);
@@ -297,7 +327,8 @@ TORCH_LIBRARY_FRAGMENT(specpage_cpu, m) {
   m.def("decoder_stack(Tensor embedded, Tensor cos, Tensor sin, Tensor(a!)[] caches, "
         "Tensor slot_mapping, Tensor block_tables, Tensor query_start, Tensor context_lens, "
         "Tensor[] norms, int[] kinds, int[] outs, Tensor[] operands, int heads, int kv_heads, "
-        "float eps, float scale, int[] taps) -> (Tensor, Tensor, Tensor[])");
+        "float eps, float scale, int[] taps, Tensor[] qk_norms, int[] windows) "
+        "-> (Tensor, Tensor, Tensor[])");
 }
 
 // Every backend: oneDNN's packed weights among the operands dispatch as MkldnnCPU.

@@ -10,6 +10,10 @@
 // AVX-512 BF16 take a path of their own (attend_rows_bf16, below): a verify
 // span's many rows cost about half as much there.
 //
+// A sliding window (a layer of Gemma 3, say) leaves each row the window's
+// last positions: those before them score -inf, and the tiles of sixteen
+// positions that every row of an item has behind its window are skipped.
+//
 // Registered as torch.ops.specpage_cpu.paged_attention; the Python side is
 // specpage/attention/native.py, which also holds the pure-torch reference.
 
@@ -46,7 +50,21 @@ struct Item {
 struct Shape {
   int64_t heads, kv_heads, groups, block_size, v_offset;
   float scale;
+  int64_t window;  // keys a row sees back from its own position, itself included; 0: all
 };
+
+// The first position the span's token t sees.
+inline int64_t first_visible(const Item& item, const Shape& shape, int64_t t) {
+  if (shape.window == 0) return 0;
+  return std::max<int64_t>(0, item.context - item.span + t - shape.window + 1);
+}
+
+// The first tile of sixteen positions that a row from token t on sees:
+// earlier tiles hold only scores -inf (weights 0), so skipping them changes
+// no sum (every lane's partial sums see the same positions, in the same order).
+inline int64_t first_tile(const Item& item, const Shape& shape, int64_t t) {
+  return first_visible(item, shape, t) / kLanes * kLanes;
+}
 
 // Positions ahead whose K (or V) row is asked for while this one is read:
 // the rows of one KV head lie a position's width apart, in blocks scattered
@@ -79,25 +97,27 @@ void key_rows(const scalar_t* cache, const Item& item, const Shape& shape, int64
   }
 }
 
-// Scores s[0, padded) -> softmax weights over the first `visible`, 0 after.
-inline void softmax_row(float* s, int64_t visible, int64_t padded) {
+// Scores s[begin, padded) -> softmax weights over [first, visible), 0
+// elsewhere; begin (a multiple of kLanes) <= first.
+inline void softmax_row(float* s, int64_t begin, int64_t first, int64_t visible, int64_t padded) {
+  for (int64_t p = begin; p < first; ++p) s[p] = -std::numeric_limits<float>::infinity();
   for (int64_t p = visible; p < padded; ++p) s[p] = -std::numeric_limits<float>::infinity();
   vfloat top = splat(-std::numeric_limits<float>::infinity());
-  for (int64_t p = 0; p < padded; p += kLanes) {
+  for (int64_t p = begin; p < padded; p += kLanes) {
     const vfloat x = load(s + p);
     top = x > top ? x : top;
   }
   float max = top[0];
   for (int64_t i = 1; i < kLanes; ++i) max = std::fmax(max, top[i]);
   vfloat total = vfloat{};
-  for (int64_t p = 0; p < padded; p += kLanes) {
+  for (int64_t p = begin; p < padded; p += kLanes) {
     const vfloat e = vexp(load(s + p) - max);
     const vfloat w = load(s + p) == -std::numeric_limits<float>::infinity() ? vfloat{} : e;
     std::memcpy(s + p, &w, sizeof(w));
     total += w;
   }
   const float inv = 1.0f / sum_lanes(total);
-  for (int64_t p = 0; p < padded; p += kLanes) {
+  for (int64_t p = begin; p < padded; p += kLanes) {
     const vfloat w = load(s + p) * inv;
     std::memcpy(s + p, &w, sizeof(w));
   }
@@ -130,7 +150,8 @@ void attend_item(const scalar_t* q, const scalar_t* cache, scalar_t* out, const 
   // summed across their lanes together (sum_lanes16), a few shuffles per
   // score instead of fifteen dependent adds.
   vfloat* dots = acc + rows * kChunks;  // [rows, kLanes]: per position, partial sums
-  for (int64_t p0 = 0; p0 < context; p0 += kLanes) {
+  const int64_t begin = first_tile(item, shape, 0);
+  for (int64_t p0 = begin; p0 < context; p0 += kLanes) {
     const int64_t count = std::min(kLanes, context - p0);
     const scalar_t* const* k = keys.data() + p0;
     for (int64_t j = 0; j < count; ++j) {
@@ -151,12 +172,14 @@ void attend_item(const scalar_t* q, const scalar_t* cache, scalar_t* out, const 
       std::memcpy(scores.data() + r * padded_context + p0, &total, sizeof(total));
     }
   }
-  // Row r (token t = r / groups of the span) sees positions 0 .. context - span + t.
+  // Row r (token t = r / groups of the span) sees positions first_visible(t)
+  // .. context - span + t.
   for (int64_t r = 0; r < rows; ++r) {
-    softmax_row(scores.data() + r * padded_context, context - span + r / groups + 1,
-                padded_context);
+    const int64_t t = r / groups;
+    softmax_row(scores.data() + r * padded_context, begin, first_visible(item, shape, t),
+                context - span + t + 1, padded_context);
   }
-  for (int64_t p = 0; p < context; ++p) {
+  for (int64_t p = begin; p < context; ++p) {
     if (p + kAhead < context) prefetch_row<scalar_t, kChunks>(keys[p + kAhead] + shape.v_offset);
     const scalar_t* v = keys[p] + shape.v_offset;
     vfloat vv[kChunks];
@@ -249,12 +272,13 @@ inline void tile_scores(const c10::BFloat16* const* q_rows, const vuint* kt, flo
   for (int64_t g = 0; g < kRows; ++g) _mm512_storeu_ps(out[g], _mm512_mul_ps(acc[g], _mm512_set1_ps(scale)));
 }
 
-// acc += scores . V over positions [0, context) for kRows rows, in registers.
+// acc += scores . V over positions [begin, context) for kRows rows, in registers.
 template <int64_t kRows, int64_t kChunks>
 inline void rows_values(const float* const* weights, const c10::BFloat16* const* keys,
-                        int64_t v_offset, int64_t context, c10::BFloat16* const* out) {
+                        int64_t v_offset, int64_t begin, int64_t context,
+                        c10::BFloat16* const* out) {
   vfloat acc[kRows][kChunks] = {};
-  for (int64_t p = 0; p < context; ++p) {
+  for (int64_t p = begin; p < context; ++p) {
     if (p + kAhead < context) prefetch_row<c10::BFloat16, kChunks>(keys[p + kAhead] + v_offset);
     const c10::BFloat16* v = keys[p] + v_offset;
     vfloat vv[kChunks];
@@ -296,7 +320,8 @@ void attend_rows_bf16(const c10::BFloat16* q, const c10::BFloat16* cache, c10::B
   };
   const c10::BFloat16* q_rows[kScoreRows];
   float* score_rows[kScoreRows];
-  for (int64_t p0 = 0; p0 < context; p0 += kLanes) {
+  const int64_t begin = first_tile(item, shape, first / groups);
+  for (int64_t p0 = begin; p0 < context; p0 += kLanes) {
     const int64_t count = std::min(kLanes, context - p0);
     for (int64_t b = 0; b < kPairs / kPairsPerTile; ++b) {
       vuint tile[16];
@@ -323,8 +348,9 @@ void attend_rows_bf16(const c10::BFloat16* q, const c10::BFloat16* cache, c10::B
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
-    softmax_row(scores.data() + r * padded_context, context - span + (first + r) / groups + 1,
-                padded_context);
+    const int64_t t = (first + r) / groups;
+    softmax_row(scores.data() + r * padded_context, begin, first_visible(item, shape, t),
+                context - span + t + 1, padded_context);
   }
   const float* weight_rows[kValueRows];
   c10::BFloat16* out_rows[kValueRows];
@@ -337,7 +363,7 @@ void attend_rows_bf16(const c10::BFloat16* q, const c10::BFloat16* cache, c10::B
     }
     with_count<kValueRows>(n, [&](auto size) {
       rows_values<decltype(size)::value, kChunks>(weight_rows, keys.data(), shape.v_offset,
-                                                  context, out_rows);
+                                                  begin, context, out_rows);
     });
   }
 }
@@ -425,17 +451,22 @@ void by_head_dim(const at::Tensor& q, const at::Tensor& cache, at::Tensor& out,
     case 80: attend_all<scalar_t, 5>(q, cache, out, block_tables, query_start, context_lens, shape); break;
     case 96: attend_all<scalar_t, 6>(q, cache, out, block_tables, query_start, context_lens, shape); break;
     case 128: attend_all<scalar_t, 8>(q, cache, out, block_tables, query_start, context_lens, shape); break;
-    default: TORCH_CHECK(false, "head_dim ", q.size(2), " not built (32, 64, 80, 96, 128)");
+    // Gemma 3's (all sizes but 27B)
+    case 256: attend_all<scalar_t, 16>(q, cache, out, block_tables, query_start, context_lens, shape); break;
+    default: TORCH_CHECK(false, "head_dim ", q.size(2), " not built (32, 64, 80, 96, 128, 256)");
   }
 }
 
 // q [num_tokens, heads, head_dim]; cache [2, num_blocks, block_size, kv_heads,
 // head_dim]; block_tables [num_seqs, max_blocks] int64; query_start
 // [num_seqs + 1] int64; context_lens [num_seqs] int64 (KV after this
-// forward's writes). Returns [num_tokens, heads * head_dim] in q's dtype.
+// forward's writes); window: the keys each row sees back from its own
+// position, itself included (0: all). Returns [num_tokens, heads * head_dim]
+// in q's dtype.
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& cache,
                            const at::Tensor& block_tables, const at::Tensor& query_start,
-                           const at::Tensor& context_lens, double scale) {
+                           const at::Tensor& context_lens, double scale, int64_t window) {
+  TORCH_CHECK(window >= 0, "window must be 0 (none) or positive, got ", window);
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be contiguous [tokens, heads, d]");
   TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2 && cache.is_contiguous(),
               "cache must be contiguous [2, blocks, block_size, kv_heads, d]");
@@ -462,7 +493,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& cache,
                 " and block table");
   }
   const Shape shape{heads, kv_heads, heads / kv_heads, block_size, cache.stride(0),
-                    static_cast<float>(scale)};
+                    static_cast<float>(scale), window};
   at::Tensor out = at::empty({q.size(0), heads * head_dim}, q.options());
   switch (q.scalar_type()) {
     case at::kFloat: by_head_dim<float>(q, cache, out, block_tables, query_start, context_lens, shape); break;
@@ -477,7 +508,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& cache,
 
 TORCH_LIBRARY(specpage_cpu, m) {
   m.def("paged_attention(Tensor q, Tensor cache, Tensor block_tables, Tensor query_start, "
-        "Tensor context_lens, float scale) -> Tensor");
+        "Tensor context_lens, float scale, int window=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specpage_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }
