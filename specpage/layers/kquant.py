@@ -35,9 +35,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from specpage.kernels.cpu.native import loaded_kernels
-from specpage.layers.products import PackedWeight, cpu_linear, invariant_linear, row_invariant_on
+from specpage.layers.products import invariant_linear, row_invariant_on
 
 SUPER_BLOCK = 256  # inputs per super-block (GGML's QK_K)
+# Products of this many rows or more take the weights dequantized to bf16
+# tile by tile and the CPU's bf16 product (oneDNN), outside row-invariant
+# mode: the int8 kernels are bound by their multiplies past a few rows
+# (bench/kquant.py; docs/BENCHMARKS.md, "K-quant products").
+DENSE_FROM_ROWS = 64
+DENSE_TILE_BYTES = 4 << 20  # bf16 weights dequantized at a time: a few MB, reused from cache
 
 
 @dataclass(frozen=True)
@@ -205,7 +211,6 @@ class KQuantLinear(nn.Module):
             self.register_buffer(f"blocks_{index}", run.data, persistent=False)
             self.columns.append((run.format.ggml_type, column))
             column += run.rows
-        self._dense_packed = PackedWeight()
 
     def _blocks(self) -> list[torch.Tensor]:
         return [getattr(self, f"blocks_{i}") for i in range(len(self.type_names))]
@@ -213,6 +218,8 @@ class KQuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.native:
             return self.dequantized_product(x)
+        if x.shape[0] >= DENSE_FROM_ROWS and not row_invariant_on():
+            return self.dense_product(x)
         return self.int8_product(x).to(x.dtype)
 
     def int8_product(self, x: torch.Tensor) -> torch.Tensor:
@@ -232,13 +239,18 @@ class KQuantLinear(nn.Module):
         return product(x.float(), weight, None).to(x.dtype)
 
     def dense_product(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ W.T on the weights dequantized natively to bf16 for this call,
-        then the fastest bf16 product this CPU has (bench/kquant.py measures
-        it against int8_product)."""
-        weight = torch.cat([kquant_kernels().kquant_dequantize(blocks, ggml_type)
-                            for blocks, (ggml_type, _) in zip(self._blocks(), self.columns,
-                                                              strict=True)])
-        return cpu_linear(x.to(torch.bfloat16), weight, None, PackedWeight()).to(x.dtype)
+        """x @ W.T in bf16 on the native kernels: each run's rows dequantized
+        to bf16 a tile of DENSE_TILE_BYTES at a time, each tile's product
+        into its columns of y (x's dtype)."""
+        kernels = kquant_kernels()
+        xb = x.to(torch.bfloat16).contiguous()
+        y = torch.empty(x.shape[0], self.out_features, dtype=torch.bfloat16)
+        tile_rows = max(16, DENSE_TILE_BYTES // (2 * self.in_features))
+        for blocks, (ggml_type, column) in zip(self._blocks(), self.columns, strict=True):
+            for first in range(0, blocks.shape[0], tile_rows):
+                tile = kernels.kquant_dequantize(blocks[first : first + tile_rows], ggml_type)
+                y[:, column + first : column + first + tile.shape[0]] = F.linear(xb, tile)
+        return y.to(x.dtype)
 
     def dequantize(self) -> torch.Tensor:
         """The fp32 weight [out, in], every run's rows in order."""

@@ -12,6 +12,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
+from specpage.layers import kquant
 from specpage.layers.kquant import (
     FORMATS,
     SUPER_BLOCK,
@@ -28,6 +29,11 @@ ROWS = (1, 3, 8, 16, 17, 64, 200)
 SHAPES = ((256, 512), (1536, 576))  # (in, out)
 # where each type's fp16 scales sit in its super-block
 HALVES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+@pytest.fixture(autouse=True)
+def seeded() -> None:
+    torch.manual_seed(0)
 
 
 def random_blocks(type_name: str, rows: int, cols: int, seed: int = 0) -> KQuantBlocks:
@@ -48,15 +54,18 @@ def q8k_x(x: torch.Tensor) -> torch.Tensor:
     even; fp64."""
     blocks = x.float().view(x.shape[0], -1, SUPER_BLOCK)
     amax = blocks.abs().amax(-1, keepdim=True)
-    inverse = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    # (127.0 / amax would be amax.reciprocal() * 127: two roundings)
+    inverse = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     return (torch.round(blocks * inverse).double() * (amax / 127).double()).view(x.shape)
 
 
-def check_close(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
+def check_close(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                rounding: float = 0.0) -> None:
     """y against x @ weight.T in fp64, each output within what fp32 sums of
-    its terms may lose (the int32 sums are exact)."""
+    its terms may lose (the int32 sums are exact), and `rounding` of itself
+    (y rounded to bf16: 2^-8)."""
     exact = x.double() @ weight.double().T
-    bound = 1e-5 * (x.double().abs() @ weight.double().abs().T) + 1e-30
+    bound = 1e-5 * (x.double().abs() @ weight.double().abs().T) + rounding * exact.abs() + 1e-30
     assert bool(((y.double() - exact).abs() <= bound).all()), \
         float(((y.double() - exact).abs() / bound).max())
 
@@ -86,10 +95,9 @@ def test_native_products_for_every_row_count(type_name, shape):
     blocks = random_blocks(type_name, n_out, n_in, seed=2)
     layer, weight = KQuantLinear([blocks]), blocks.dequantize()
     assert layer.native
-    torch.manual_seed(0)
     for rows in ROWS:
         x = torch.randn(rows, n_in)
-        y = layer(x)
+        y = layer.int8_product(x)
         assert y.dtype == torch.float32 and y.shape == (rows, n_out)
         check_close(y, q8k_x(x), weight)
         # and x's own values, to what 8 bits per 256 lose
@@ -98,13 +106,29 @@ def test_native_products_for_every_row_count(type_name, shape):
 
 
 @native
+@pytest.mark.parametrize("type_name", TYPES)
+def test_many_rows_take_the_weights_dequantized_to_bf16(type_name, monkeypatch):
+    """Tiles of the weights in bf16 (a tile smaller than a run, so that
+    several tiles fill its columns) times x in bf16."""
+    monkeypatch.setattr(kquant, "DENSE_TILE_BYTES", 2 * 512 * 48)
+    parts = [random_blocks(type_name, 80, 512, seed=12), random_blocks("Q6_K", 32, 512, seed=13)]
+    layer = KQuantLinear(parts)
+    x = torch.randn(kquant.DENSE_FROM_ROWS, 512)
+    weight = torch.cat([p.dequantize() for p in parts]).bfloat16()
+    y = layer(x)
+    assert y.dtype == torch.float32
+    # bf16 products sum in fp32; the result is rounded to bf16
+    check_close(y, x.bfloat16(), weight, rounding=2 ** -8)
+    assert not torch.allclose(y, layer.int8_product(x), rtol=0, atol=0)  # not the int8 way
+
+
+@native
 def test_bf16_x_gives_bf16_y():
     blocks = random_blocks("Q4_K", 64, 512, seed=3)
     x = torch.randn(5, 512).bfloat16()
     y = KQuantLinear([blocks])(x)
     assert y.dtype == torch.bfloat16
-    expected = (q8k_x(x) @ blocks.dequantize().double().T)
-    assert torch.allclose(y.double(), expected, rtol=2 ** -7, atol=1e-6)
+    check_close(y.float(), q8k_x(x), blocks.dequantize(), rounding=2 ** -8)
 
 
 @pytest.mark.parametrize("type_name", TYPES)
@@ -163,8 +187,11 @@ def test_each_row_comes_out_as_if_alone(type_name):
             y = layer(x[:rows])
             differ = [r for r in range(rows) if not torch.equal(y[r], alone[r])]
             assert not differ, f"{rows} rows: rows {differ} differ from each alone"
-    shuffled = layer(x.flip(0))
-    assert torch.equal(shuffled.flip(0), alone)
+        shuffled = layer(x.flip(0))
+        assert torch.equal(shuffled.flip(0), alone)
+        # rows past DENSE_FROM_ROWS too: the int8 kernels take every row count here
+        many = torch.cat([x] * (kquant.DENSE_FROM_ROWS // 33 + 1))
+        assert torch.equal(layer(many)[:33], alone)
 
 
 @pytest.mark.parametrize("type_name", ["Q2_K", "IQ4_XS", "Q8_0"])

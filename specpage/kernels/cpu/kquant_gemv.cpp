@@ -45,8 +45,10 @@
 #include <cstring>
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#include <immintrin.h>
 #define KQUANT_VNNI 1
+#endif
+#if defined(KQUANT_VNNI) || defined(__F16C__)
+#include <immintrin.h>
 #endif
 
 #include "vec.h"
@@ -68,24 +70,33 @@ struct Q8KBlock {
 };
 static_assert(sizeof(Q8KBlock) == 292, "block_q8_K is 292 bytes");
 
-float half_at(const uint8_t* p) {
+inline float half_at(const uint8_t* p) {
   uint16_t bits;
   std::memcpy(&bits, p, sizeof(bits));
+#if defined(__F16C__)
+  return _cvtsh_ss(bits);  // (c10::Half's conversion is a dozen integer ops)
+#else
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+#endif
 }
 
-// Q4_K/Q5_K's 12 bytes to sc[8] (bytes 0-7) and m[8] (bytes 8-15), as
-// llama.cpp unpacks them (6 bits each; the top 2 of subs 4-7 in bytes 0-7).
-inline void unpack_scales(const uint8_t* packed, uint8_t* scales_mins) {
+// Q4_K/Q5_K's 12 bytes to four words: bytes 0-7 sc[8], bytes 8-15 m[8], as
+// llama.cpp unpacks them (6 bits each; the top 2 of sub-blocks 4-7 in the
+// top bits of bytes 0-7). Words, not bytes in memory: a vector load of
+// bytes just stored as words waits for the stores to retire.
+inline void scale_words(const uint8_t* packed, uint32_t* u) {
   constexpr uint32_t kLow6 = 0x3f3f3f3f, kLow4 = 0x0f0f0f0f, kLow2 = 0x03030303;
-  uint32_t u[4];
   std::memcpy(u, packed, 12);
   u[3] = ((u[2] >> 4) & kLow4) | (((u[1] >> 6) & kLow2) << 4);
   const uint32_t mins_low = u[1] & kLow6;
   u[1] = (u[2] & kLow4) | (((u[0] >> 6) & kLow2) << 4);
   u[2] = mins_low;
   u[0] &= kLow6;
-  // now u[0], u[1]: sc[0..7]; u[2], u[3]: m[0..7]
+}
+
+inline void unpack_scales(const uint8_t* packed, uint8_t* scales_mins) {
+  uint32_t u[4];
+  scale_words(packed, u);
   std::memcpy(scales_mins, u, 16);
 }
 
@@ -130,13 +141,51 @@ inline __m512i both_halves(const uint8_t* p) {
   return _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
+// A super-block's 256 levels, unsigned, as four vectors of 64: vector c
+// holds values 64c..64c+63 in order (as x's q lie).
+template <int64_t kType>
+inline void unpack_levels(const uint8_t* block, __m512i* levels) {
+  const __m512i low4 = _mm512_set1_epi8(0x0f);
+  if constexpr (kType == kQ4K || kType == kQ5K) {
+    const uint8_t* nibbles = block + (kType == kQ4K ? 16 : 48);
+    // shift counts per 16-bit word: the low half of a vector 0, the high half 4
+    const __m512i shift_0_4 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+    for (int c = 0; c < 4; ++c) {
+      // chunk c's low nibbles are sub-block 2c, its high ones 2c + 1
+      levels[c] = _mm512_and_si512(_mm512_srlv_epi16(both_halves(nibbles + 32 * c), shift_0_4), low4);
+    }
+    if constexpr (kType == kQ5K) {
+      const __m512i high = both_halves(block + 16);  // bit s of byte i: value 32s + i's
+      for (int c = 0; c < 4; ++c) {
+        const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8(static_cast<char>(1 << (2 * c))),
+                                               _mm256_set1_epi8(static_cast<char>(2 << (2 * c))), 1);
+        const __mmask64 set = _mm512_test_epi8_mask(high, bit);
+        levels[c] = _mm512_mask_add_epi8(levels[c], set, levels[c], _mm512_set1_epi8(16));
+      }
+    }
+  } else {
+    const uint8_t* low = block;         // 128 bytes
+    const uint8_t* high = block + 128;  // 64 bytes
+    const __m512i low2 = _mm512_set1_epi8(0x03);
+    const __m512i shift_0_2 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+    const __m512i shift_4_6 = _mm512_add_epi16(shift_0_2, _mm512_set1_epi16(4));
+    for (int h = 0; h < 2; ++h) {
+      const __m512i nibbles = _mm512_loadu_si512(low + 64 * h);
+      const __m512i pairs = both_halves(high + 32 * h);
+      // values 128h + 0..63: low nibbles, bits 0-1 (first 32) and 2-3 of the pairs;
+      // 128h + 64..127: high nibbles, bits 4-5 and 6-7
+      const __m512i top_a = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(pairs, shift_0_2), low2), 4);
+      const __m512i top_b = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(pairs, shift_4_6), low2), 4);
+      levels[2 * h] = _mm512_or_si512(_mm512_and_si512(nibbles, low4), top_a);
+      levels[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(nibbles, 4), low4), top_b);
+    }
+  }
+}
+
 template <int64_t kRows, int64_t kType>
 void row_product(const uint8_t* w, int64_t supers, const Q8KBlock* x, int64_t stride,
                  float* dots) {
   constexpr int64_t kBytes = kType == kQ4K ? kQ4KBytes : kType == kQ5K ? kQ5KBytes : kQ6KBytes;
-  const __m512i low4 = _mm512_set1_epi8(0x0f);
-  // shift counts per 16-bit word: the low half of a vector 0, the high half 4
-  const __m512i shift_0_4 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
   __m512 total[kRows];
   for (int64_t r = 0; r < kRows; ++r) total[r] = _mm512_setzero_ps();
   for (int64_t s = 0; s < supers; ++s) {
@@ -144,29 +193,20 @@ void row_product(const uint8_t* w, int64_t supers, const Q8KBlock* x, int64_t st
     __builtin_prefetch(block + kPrefetchAhead, 0, 2);
     __m512i levels[4];  // values 64c..64c+63, unsigned
     __m512i scales[4];  // int32, each lane the scale of its values
+    unpack_levels<kType>(block, levels);
     if constexpr (kType == kQ4K || kType == kQ5K) {
-      const uint8_t* nibbles = block + (kType == kQ4K ? 16 : 48);
-      alignas(16) uint8_t scales_mins[16];
-      unpack_scales(block + 4, scales_mins);
-      const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales_mins)));
+      uint32_t u[4];
+      scale_words(block + 4, u);
+      const __m128i scales_mins = _mm_set_epi32(static_cast<int>(u[3]), static_cast<int>(u[2]),
+                                                static_cast<int>(u[1]), static_cast<int>(u[0]));
+      const __m512i sc = _mm512_cvtepu8_epi32(scales_mins);  // lanes 0-7 sc, 8-15 m
       for (int c = 0; c < 4; ++c) {
-        // chunk c's low nibbles are sub-block 2c, its high ones 2c + 1
-        levels[c] = _mm512_and_si512(_mm512_srlv_epi16(both_halves(nibbles + 32 * c), shift_0_4), low4);
         const __m512i index = _mm512_inserti64x4(
             _mm512_set1_epi32(2 * c), _mm256_set1_epi32(2 * c + 1), 1);
         scales[c] = _mm512_permutexvar_epi32(index, sc);
       }
-      if constexpr (kType == kQ5K) {
-        const __m512i high = both_halves(block + 16);
-        for (int c = 0; c < 4; ++c) {
-          const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8(static_cast<char>(1 << (2 * c))),
-                                                 _mm256_set1_epi8(static_cast<char>(2 << (2 * c))), 1);
-          const __mmask64 set = _mm512_test_epi8_mask(high, bit);
-          levels[c] = _mm512_mask_add_epi8(levels[c], set, levels[c], _mm512_set1_epi8(16));
-        }
-      }
       // mins: m[s] against the sums of x's sub-block s (two of its 16s)
-      const __m128i mins = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(scales_mins + 8));
+      const __m128i mins = _mm_unpackhi_epi64(scales_mins, scales_mins);
       const __m256i mins_paired = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mins, mins));
       const float d = half_at(block), dmin = half_at(block + 2);
       for (int64_t r = 0; r < kRows; ++r) {
@@ -184,28 +224,13 @@ void row_product(const uint8_t* w, int64_t supers, const Q8KBlock* x, int64_t st
                                     _mm512_set1_ps(dmin * xb.d), total[r]);
       }
     } else {
-      const uint8_t* low = block;          // 128 bytes
-      const uint8_t* high = block + 128;   // 64 bytes
       const int8_t* group_scales = reinterpret_cast<const int8_t*>(block + 192);
       const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(group_scales)));
-      const __m512i low2 = _mm512_set1_epi8(0x03);
-      for (int h = 0; h < 2; ++h) {
-        const __m512i nibbles = _mm512_loadu_si512(low + 64 * h);
-        const __m512i pairs = both_halves(high + 32 * h);
-        // values 128h + 0..63: low nibbles, bits 0-1 (first 32) and 2-3 of the pairs;
-        // 128h + 64..127: high nibbles, bits 4-5 and 6-7
-        const __m512i shift_0_2 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
-        const __m512i shift_4_6 = _mm512_add_epi16(shift_0_2, _mm512_set1_epi16(4));
-        const __m512i top_a = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(pairs, shift_0_2), low2), 4);
-        const __m512i top_b = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(pairs, shift_4_6), low2), 4);
-        levels[2 * h] = _mm512_or_si512(_mm512_and_si512(nibbles, low4), top_a);
-        levels[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(nibbles, 4), low4), top_b);
-      }
+      const __m512i quarter = _mm512_srli_epi32(
+          _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 2);
       for (int c = 0; c < 4; ++c) {
         // values 64c..64c+63: scales 4c..4c+3, four lanes each
-        const __m512i index = _mm512_add_epi32(_mm512_set1_epi32(4 * c),
-                                               _mm512_srli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 2));
-        scales[c] = _mm512_permutexvar_epi32(index, sc);
+        scales[c] = _mm512_permutexvar_epi32(_mm512_add_epi32(_mm512_set1_epi32(4 * c), quarter), sc);
       }
       const float d = half_at(block + 208);
       for (int64_t r = 0; r < kRows; ++r) {
@@ -223,6 +248,41 @@ void row_product(const uint8_t* w, int64_t supers, const Q8KBlock* x, int64_t st
     }
   }
   for (int64_t r = 0; r < kRows; ++r) dots[r] = _mm512_reduce_add_ps(total[r]);
+}
+
+// A super-block's weights in fp32 as GGML computes them ((d sc) q - dmin m,
+// or (d sc) (q - 32)), rounded to bf16.
+template <int64_t kType>
+void dequantize_block(const uint8_t* block, c10::BFloat16* out) {
+  alignas(64) uint8_t levels[kSuper];
+  {
+    __m512i vectors[4];
+    unpack_levels<kType>(block, vectors);
+    for (int c = 0; c < 4; ++c) _mm512_store_si512(levels + 64 * c, vectors[c]);
+  }
+  float scale[kSuper / 16], min[kSuper / 16] = {};  // per 16 values
+  if constexpr (kType == kQ6K) {
+    const float d = half_at(block + 208);
+    for (int g = 0; g < 16; ++g) scale[g] = d * static_cast<float>(reinterpret_cast<const int8_t*>(block + 192)[g]);
+  } else {
+    uint8_t scales_mins[16];
+    unpack_scales(block + 4, scales_mins);
+    const float d = half_at(block), dmin = half_at(block + 2);
+    for (int g = 0; g < 16; ++g) {
+      scale[g] = d * static_cast<float>(scales_mins[g / 2]);
+      min[g] = dmin * static_cast<float>(scales_mins[8 + g / 2]);
+    }
+  }
+  const __m512i offset = _mm512_set1_epi32(kType == kQ6K ? 32 : 0);
+  for (int g = 0; g < 16; ++g) {
+    const __m512i q = _mm512_sub_epi32(
+        _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(levels + 16 * g))), offset);
+    // one rounding, as GGML's: Q4_K/Q5_K's product is exact (d sc has 17
+    // bits, q 5), Q6_K subtracts nothing
+    const __m512 w = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(scale[g]), _mm512_cvtepi32_ps(q)),
+                                   _mm512_set1_ps(min[g]));
+    store(out + 16 * g, (vfloat)w);
+  }
 }
 #else
 // The portable way: the same int32 sums, per sub-block, in plain loops.
@@ -279,6 +339,34 @@ void row_product(const uint8_t* w, int64_t supers, const Q8KBlock* x, int64_t st
     }
   }
   for (int64_t r = 0; r < kRows; ++r) dots[r] = total[r];
+}
+
+template <int64_t kType>
+void dequantize_block(const uint8_t* block, c10::BFloat16* out) {
+  float values[kSuper];
+  if constexpr (kType == kQ6K) {
+    const float d = half_at(block + 208);
+    const int8_t* scales = reinterpret_cast<const int8_t*>(block + 192);
+    for (int i = 0; i < kSuper; ++i) {
+      const int h = i / 128, j = i % 128;
+      const int nibble = block[64 * h + j % 64] >> (4 * (j / 64)) & 0x0f;
+      const int pair = block[128 + 32 * h + j % 32] >> (2 * (j / 32)) & 0x03;
+      values[i] = d * static_cast<float>(scales[i / 16]) * static_cast<float>((nibble | pair << 4) - 32);
+    }
+  } else {
+    const uint8_t* nibbles = block + (kType == kQ4K ? 16 : 48);
+    uint8_t scales_mins[16];
+    unpack_scales(block + 4, scales_mins);
+    const float d = half_at(block), dmin = half_at(block + 2);
+    for (int i = 0; i < kSuper; ++i) {
+      const int sub = i / 32, c = i / 64;
+      int q = nibbles[32 * c + i % 32] >> (4 * (sub % 2)) & 0x0f;
+      if constexpr (kType == kQ5K) q |= ((block[16 + i % 32] >> sub) & 1) << 4;
+      values[i] = d * static_cast<float>(scales_mins[sub]) * static_cast<float>(q) -
+                  dmin * static_cast<float>(scales_mins[8 + sub]);
+    }
+  }
+  for (int64_t i = 0; i < kSuper; i += kLanes) store(out + i, load(values + i));
 }
 #endif
 
@@ -361,8 +449,7 @@ void kquant_gemv(const at::Tensor& xq, const at::Tensor& blocks, int64_t type, a
   }
 }
 
-// The weights as bf16 [out, in]: each value d sc q - dmin m (or d sc (q - 32))
-// in fp32 as GGML computes it, then rounded.
+// The weights as bf16 [out, in] (dequantize_block).
 at::Tensor kquant_dequantize(const at::Tensor& blocks, int64_t type) {
   const int64_t bytes = block_bytes(type);
   TORCH_CHECK(blocks.dim() == 2 && blocks.is_contiguous() && blocks.scalar_type() == at::kByte &&
@@ -374,32 +461,11 @@ at::Tensor kquant_dequantize(const at::Tensor& blocks, int64_t type) {
   c10::BFloat16* dense = w.data_ptr<c10::BFloat16>();
   at::parallel_for(0, out * supers, 64, [&](int64_t first, int64_t last) {
     for (int64_t at = first; at < last; ++at) {
-      const uint8_t* block = data + at * bytes;
-      float values[kSuper];
-      if (type == kQ6K) {
-        const float d = half_at(block + 208);
-        const int8_t* scales = reinterpret_cast<const int8_t*>(block + 192);
-        for (int i = 0; i < kSuper; ++i) {
-          const int h = i / 128, j = i % 128;
-          const int nibble = block[64 * h + j % 64] >> (4 * (j / 64)) & 0x0f;
-          const int pair = block[128 + 32 * h + j % 32] >> (2 * (j / 32)) & 0x03;
-          values[i] = d * static_cast<float>(scales[i / 16]) * static_cast<float>((nibble | pair << 4) - 32);
-        }
-      } else {
-        const uint8_t* nibbles = block + (type == kQ4K ? 16 : 48);
-        uint8_t scales_mins[16];
-        unpack_scales(block + 4, scales_mins);
-        const float d = half_at(block), dmin = half_at(block + 2);
-        for (int i = 0; i < kSuper; ++i) {
-          const int sub = i / 32, c = i / 64;
-          int q = nibbles[32 * c + i % 32] >> (4 * (sub % 2)) & 0x0f;
-          if (type == kQ5K) q |= ((block[16 + i % 32] >> sub) & 1) << 4;
-          values[i] = d * static_cast<float>(scales_mins[sub]) * static_cast<float>(q) -
-                      dmin * static_cast<float>(scales_mins[8 + sub]);
-        }
+      switch (type) {
+        case kQ4K: dequantize_block<kQ4K>(data + at * bytes, dense + at * kSuper); break;
+        case kQ5K: dequantize_block<kQ5K>(data + at * bytes, dense + at * kSuper); break;
+        default: dequantize_block<kQ6K>(data + at * bytes, dense + at * kSuper); break;
       }
-      c10::BFloat16* row = dense + at * kSuper;
-      for (int64_t i = 0; i < kSuper; i += kLanes) store(row + i, load(values + i));
     }
   });
   return w;
