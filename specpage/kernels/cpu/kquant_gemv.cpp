@@ -182,68 +182,80 @@ inline void unpack_levels(const uint8_t* block, __m512i* levels) {
   }
 }
 
+// The scales of a pair of vectors' dot products (vectors 2p and 2p + 1 of
+// a super-block), as _mm512_packs_epi32 lays out those int32 sums in int16:
+// in 128-bit lane k, four of vector 2p's lanes (4k..4k+3), then four of
+// 2p + 1's. Entries index the super-block's scales as int16 lanes.
+// Q4_K/Q5_K: a vector's lanes 0-7 are sub-block 2c, 8-15 sub-block 2c + 1.
+alignas(64) constexpr int16_t kSubBlockPairs[2][32] = {
+    {0, 0, 0, 0, 2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2, 2, 1, 1, 1, 1, 3, 3, 3, 3, 1, 1, 1, 1, 3, 3, 3, 3},
+    {4, 4, 4, 4, 6, 6, 6, 6, 4, 4, 4, 4, 6, 6, 6, 6, 5, 5, 5, 5, 7, 7, 7, 7, 5, 5, 5, 5, 7, 7, 7, 7}};
+// Q6_K: a vector c's lanes 4k..4k+3 are its 16s 4c + k.
+alignas(64) constexpr int16_t kSixteenPairs[2][32] = {
+    {0, 0, 0, 0, 4, 4, 4, 4, 1, 1, 1, 1, 5, 5, 5, 5, 2, 2, 2, 2, 6, 6, 6, 6, 3, 3, 3, 3, 7, 7, 7, 7},
+    {8, 8, 8, 8, 12, 12, 12, 12, 9, 9, 9, 9, 13, 13, 13, 13,
+     10, 10, 10, 10, 14, 14, 14, 14, 11, 11, 11, 11, 15, 15, 15, 15}};
+
+// Each row's sum over a super-block: per vector of 64 levels, vpdpbusd's
+// int32 sums of four products a lane (at most 4 x 63 x 127, so int16 holds
+// them), two vectors' packed to int16 and multiplied by their scales with
+// vpdpwssd into one int32 sum: exact, and 5 instructions per 128 values.
 template <int64_t kRows, int64_t kType>
 void row_product(const uint8_t* w, int64_t supers, const Q8KBlock* x, int64_t stride,
                  float* dots) {
   constexpr int64_t kBytes = kType == kQ4K ? kQ4KBytes : kType == kQ5K ? kQ5KBytes : kQ6KBytes;
+  constexpr bool kMins = kType != kQ6K;
+  const auto& pair_index = kMins ? kSubBlockPairs : kSixteenPairs;
+  const __m512i index0 = _mm512_load_si512(pair_index[0]);
+  const __m512i index1 = _mm512_load_si512(pair_index[1]);
   __m512 total[kRows];
   for (int64_t r = 0; r < kRows; ++r) total[r] = _mm512_setzero_ps();
   for (int64_t s = 0; s < supers; ++s) {
     const uint8_t* block = w + s * kBytes;
     __builtin_prefetch(block + kPrefetchAhead, 0, 2);
     __m512i levels[4];  // values 64c..64c+63, unsigned
-    __m512i scales[4];  // int32, each lane the scale of its values
     unpack_levels<kType>(block, levels);
-    if constexpr (kType == kQ4K || kType == kQ5K) {
+    __m256i scales16;  // int16: Q4_K/Q5_K sc[8] then m[8]; Q6_K its 16 scales
+    // Q4_K/Q5_K: m[s] against x's sums of sub-block s (its two 16s): m[s]
+    // in both int16 of word s; Q6_K: each 16's scale against x's sum of it
+    // (the offset -32)
+    __m256i sum_weights;
+    float d, dmin = 0.0f;
+    if constexpr (kMins) {
       uint32_t u[4];
       scale_words(block + 4, u);
-      const __m128i scales_mins = _mm_set_epi32(static_cast<int>(u[3]), static_cast<int>(u[2]),
-                                                static_cast<int>(u[1]), static_cast<int>(u[0]));
-      const __m512i sc = _mm512_cvtepu8_epi32(scales_mins);  // lanes 0-7 sc, 8-15 m
-      for (int c = 0; c < 4; ++c) {
-        const __m512i index = _mm512_inserti64x4(
-            _mm512_set1_epi32(2 * c), _mm256_set1_epi32(2 * c + 1), 1);
-        scales[c] = _mm512_permutexvar_epi32(index, sc);
-      }
-      // mins: m[s] against the sums of x's sub-block s (two of its 16s)
-      const __m128i mins = _mm_unpackhi_epi64(scales_mins, scales_mins);
-      const __m256i mins_paired = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mins, mins));
-      const float d = half_at(block), dmin = half_at(block + 2);
-      for (int64_t r = 0; r < kRows; ++r) {
-        const Q8KBlock& xb = x[r * stride + s];
-        __m512i sum = _mm512_setzero_si512();
-        for (int c = 0; c < 4; ++c) {
-          const __m512i q = _mm512_loadu_si512(xb.q + 64 * c);
-          const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), levels[c], q);
-          sum = _mm512_add_epi32(sum, _mm512_mullo_epi32(dot, scales[c]));
-        }
-        const __m256i xsums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb.sums));
-        const __m256i min_terms = _mm256_madd_epi16(xsums, mins_paired);  // 8 sub-blocks
-        total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(d * xb.d), total[r]);
-        total[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(_mm512_zextsi256_si512(min_terms)),
-                                    _mm512_set1_ps(dmin * xb.d), total[r]);
-      }
+      const __m128i bytes = _mm_set_epi32(static_cast<int>(u[3]), static_cast<int>(u[2]),
+                                          static_cast<int>(u[1]), static_cast<int>(u[0]));
+      scales16 = _mm256_cvtepu8_epi16(bytes);
+      sum_weights = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(bytes, bytes));
+      d = half_at(block);
+      dmin = half_at(block + 2);
     } else {
-      const int8_t* group_scales = reinterpret_cast<const int8_t*>(block + 192);
-      const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(group_scales)));
-      const __m512i quarter = _mm512_srli_epi32(
-          _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 2);
-      for (int c = 0; c < 4; ++c) {
-        // values 64c..64c+63: scales 4c..4c+3, four lanes each
-        scales[c] = _mm512_permutexvar_epi32(_mm512_add_epi32(_mm512_set1_epi32(4 * c), quarter), sc);
+      scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 192)));
+      sum_weights = scales16;
+      d = half_at(block + 208);
+    }
+    const __m512i wide = _mm512_castsi256_si512(scales16);  // (the index reads lanes 0-15 only)
+    const __m512i pair_scales[2] = {_mm512_permutexvar_epi16(index0, wide),
+                                    _mm512_permutexvar_epi16(index1, wide)};
+    for (int64_t r = 0; r < kRows; ++r) {
+      const Q8KBlock& xb = x[r * stride + s];
+      const __m256i xsums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb.sums));
+      const __m256i offsets = _mm256_madd_epi16(xsums, sum_weights);  // 8 int32
+      __m512i sum = kMins ? _mm512_setzero_si512()
+                          : _mm512_zextsi256_si512(_mm256_sub_epi32(_mm256_setzero_si256(),
+                                                                    _mm256_slli_epi32(offsets, 5)));
+      for (int p = 0; p < 2; ++p) {
+        const __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), levels[2 * p],
+                                              _mm512_loadu_si512(xb.q + 128 * p));
+        const __m512i b = _mm512_dpbusd_epi32(_mm512_setzero_si512(), levels[2 * p + 1],
+                                              _mm512_loadu_si512(xb.q + 128 * p + 64));
+        sum = _mm512_dpwssd_epi32(sum, _mm512_packs_epi32(a, b), pair_scales[p]);
       }
-      const float d = half_at(block + 208);
-      for (int64_t r = 0; r < kRows; ++r) {
-        const Q8KBlock& xb = x[r * stride + s];
-        // sum sc (q - 32) x = sum sc q x - 32 sum sc xsum, per lane: lane g the 16s' offsets
-        const __m512i xsums = _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb.sums)));
-        __m512i sum = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(_mm512_mullo_epi32(xsums, sc), 5));
-        for (int c = 0; c < 4; ++c) {
-          const __m512i q = _mm512_loadu_si512(xb.q + 64 * c);
-          const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), levels[c], q);
-          sum = _mm512_add_epi32(sum, _mm512_mullo_epi32(dot, scales[c]));
-        }
-        total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(d * xb.d), total[r]);
+      total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(d * xb.d), total[r]);
+      if constexpr (kMins) {
+        total[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(_mm512_zextsi256_si512(offsets)),
+                                    _mm512_set1_ps(dmin * xb.d), total[r]);
       }
     }
   }
