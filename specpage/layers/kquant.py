@@ -42,7 +42,7 @@ SUPER_BLOCK = 256  # inputs per super-block (GGML's QK_K)
 # tile by tile and the CPU's bf16 product (oneDNN), outside row-invariant
 # mode: the int8 kernels are bound by their multiplies past a few rows
 # (bench/kquant.py; docs/BENCHMARKS.md, "K-quant products").
-DENSE_FROM_ROWS = 64
+DENSE_FROM_ROWS = 48
 DENSE_TILE_BYTES = 4 << 20  # bf16 weights dequantized at a time: a few MB, reused from cache
 
 
