@@ -190,11 +190,11 @@ def runs_of_one_type(parts: Sequence[KQuantBlocks]) -> list[KQuantBlocks]:
 
 
 class KQuantLinear(nn.Module):
-    """A linear layer (no bias) on K-quant blocks: x [rows, in] (fp32 or
-    bf16) -> [rows, out] in x's dtype, out the parts' rows stacked in order.
-    The same call shape as layers.linear.Linear."""
+    """A linear layer on K-quant blocks: x [rows, in] (fp32 or bf16) ->
+    [rows, out] in x's dtype, out the parts' rows stacked in order (and the
+    bias, [out], where given). The same call shape as layers.linear.Linear."""
 
-    def __init__(self, parts: Sequence[KQuantBlocks]) -> None:
+    def __init__(self, parts: Sequence[KQuantBlocks], bias: torch.Tensor | None = None) -> None:
         super().__init__()
         assert parts, "at least one part"
         assert len({p.cols for p in parts}) == 1, "every part takes the same inputs"
@@ -211,19 +211,25 @@ class KQuantLinear(nn.Module):
             self.register_buffer(f"blocks_{index}", run.data, persistent=False)
             self.columns.append((run.format.ggml_type, column))
             column += run.rows
+        assert bias is None or bias.shape == (self.out_features,), "bias: [out]"
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(),
+                                                           requires_grad=False)
 
     def _blocks(self) -> list[torch.Tensor]:
         return [getattr(self, f"blocks_{i}") for i in range(len(self.type_names))]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.native:
-            return self.dequantized_product(x)
-        if x.shape[0] >= DENSE_FROM_ROWS and not row_invariant_on():
-            return self.dense_product(x)
-        return self.int8_product(x).to(x.dtype)
+            y = self.dequantized_product(x)
+        elif x.shape[0] >= DENSE_FROM_ROWS and not row_invariant_on():
+            y = self.dense_product(x)
+        else:
+            y = self.int8_product(x).to(x.dtype)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def int8_product(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ W.T on the native kernels, fp32: x to int8 once for every run."""
+        """x @ W.T on the native kernels, fp32, no bias: x to int8 once for
+        every run."""
         kernels = kquant_kernels()
         xq = kernels.kquant_quantize_x(x.contiguous())
         y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
@@ -233,7 +239,7 @@ class KQuantLinear(nn.Module):
 
     def dequantized_product(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W.T on the weights dequantized to fp32 for this call (where the
-        native kernels are not built: slow, but exact in its weights)."""
+        native kernels are not built: slow, but exact in its weights), no bias."""
         weight = self.dequantize()
         product = invariant_linear if row_invariant_on() else F.linear
         return product(x.float(), weight, None).to(x.dtype)
@@ -241,7 +247,7 @@ class KQuantLinear(nn.Module):
     def dense_product(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W.T in bf16 on the native kernels: each run's rows dequantized
         to bf16 a tile of DENSE_TILE_BYTES at a time, each tile's product
-        into its columns of y (x's dtype)."""
+        into its columns of y (x's dtype), no bias."""
         kernels = kquant_kernels()
         xb = x.to(torch.bfloat16).contiguous()
         y = torch.empty(x.shape[0], self.out_features, dtype=torch.bfloat16)
@@ -266,4 +272,5 @@ class KQuantLinear(nn.Module):
         types = "+".join(f"{name}[{blocks.shape[0]}]"
                          for name, blocks in zip(self.type_names, self._blocks(), strict=True))
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"parts={types}, kernel={'native' if self.native else 'torch'}")
+                f"parts={types}, bias={self.bias is not None}, "
+                f"kernel={'native' if self.native else 'torch'}")

@@ -164,6 +164,19 @@ def test_fused_parts_of_several_types(use_native):
         assert torch.equal(layer(x), alone)
 
 
+@pytest.mark.parametrize("use_native", [pytest.param(True, marks=native), False])
+def test_a_bias_is_added_in_xs_dtype(use_native):
+    blocks = random_blocks("Q5_K", 32, 256, seed=14)
+    bias = torch.randn(32)
+    plain, biased = KQuantLinear([blocks]), KQuantLinear([blocks], bias)
+    plain.native = biased.native = use_native
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(3, 256).to(dtype)
+        y = biased(x)
+        assert y.dtype == dtype
+        assert torch.equal(y, plain(x) + bias.to(dtype))
+
+
 def test_taking_and_stacking_rows():
     blocks = random_blocks("Q6_K", 40, 256, seed=10)
     order = torch.randperm(40, generator=torch.Generator().manual_seed(0))
