@@ -34,14 +34,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specpage.kernels.cpu import features as cpu
 from specpage.kernels.cpu.native import loaded_kernels
 from specpage.layers.products import invariant_linear, row_invariant_on
 
 SUPER_BLOCK = 256  # inputs per super-block (GGML's QK_K)
-# Products of this many rows or more take the weights dequantized to bf16
-# tile by tile and the CPU's bf16 product (oneDNN), outside row-invariant
-# mode: the int8 kernels are bound by their multiplies past a few rows
-# (bench/kquant.py; docs/BENCHMARKS.md, "K-quant products").
+# Where the CPU has AMX, products of this many rows or more take the weights
+# dequantized to bf16 tile by tile and oneDNN's bf16 product on the tiles,
+# outside row-invariant mode: the int8 kernels are bound by their
+# multiplies past a few rows (bench/kquant.py; docs/BENCHMARKS.md, "K-quant
+# products"). Without AMX, oneDNN's bf16 products are the slower for every
+# row count (as for the int4 layers: "Quantized linears: the dense copy").
 DENSE_FROM_ROWS = 48
 DENSE_TILE_BYTES = 4 << 20  # bf16 weights dequantized at a time: a few MB, reused from cache
 
@@ -202,6 +205,7 @@ class KQuantLinear(nn.Module):
         self.out_features = sum(p.rows for p in parts)
         runs = runs_of_one_type(parts)
         self.native = kquant_kernels() is not None
+        self.dense_tiles = self.native and cpu.has_amx()  # for many rows
         self.type_names = [run.type_name for run in runs]
         # (GGML type, first column) of each run, in order
         self.columns: list[tuple[int, int]] = []
@@ -221,7 +225,7 @@ class KQuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.native:
             y = self.dequantized_product(x)
-        elif x.shape[0] >= DENSE_FROM_ROWS and not row_invariant_on():
+        elif self.dense_tiles and x.shape[0] >= DENSE_FROM_ROWS and not row_invariant_on():
             y = self.dense_product(x)
         else:
             y = self.int8_product(x).to(x.dtype)
@@ -273,4 +277,4 @@ class KQuantLinear(nn.Module):
                          for name, blocks in zip(self.type_names, self._blocks(), strict=True))
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"parts={types}, bias={self.bias is not None}, "
-                f"kernel={'native' if self.native else 'torch'}")
+                f"kernel={'native' if self.native else 'torch'}, dense_tiles={self.dense_tiles}")

@@ -113,6 +113,7 @@ def test_many_rows_take_the_weights_dequantized_to_bf16(type_name, monkeypatch):
     monkeypatch.setattr(kquant, "DENSE_TILE_BYTES", 2 * 512 * 48)
     parts = [random_blocks(type_name, 80, 512, seed=12), random_blocks("Q6_K", 32, 512, seed=13)]
     layer = KQuantLinear(parts)
+    layer.dense_tiles = True  # (a CPU without AMX never takes them: its oneDNN is the slower)
     x = torch.randn(kquant.DENSE_FROM_ROWS, 512)
     weight = torch.cat([p.dequantize() for p in parts]).bfloat16()
     y = layer(x)
@@ -193,6 +194,7 @@ def test_each_row_comes_out_as_if_alone(type_name):
     """The rule of layers/products.py's row_invariant, which these kernels keep
     always: a row's result does not depend on the rows beside it."""
     layer = KQuantLinear([random_blocks(type_name, 96, 768, seed=11)])
+    layer.dense_tiles = True  # as on a CPU with AMX
     x = torch.randn(33, 768)
     alone = torch.cat([layer(x[r : r + 1]) for r in range(33)])
     with row_invariant(True):
