@@ -209,6 +209,16 @@ def test_each_row_comes_out_as_if_alone(type_name):
         assert torch.equal(layer(many)[:33], alone)
 
 
+@native
+def test_a_row_that_is_not_finite_comes_out_nan_alone():
+    layer = KQuantLinear([random_blocks("Q6_K", 32, 512, seed=15)])
+    x = torch.randn(3, 512)
+    x[1, 300] = float("inf")
+    y = layer(x)
+    assert bool(y[1].isnan().all()) and bool(y[[0, 2]].isfinite().all())
+    assert torch.equal(y[[0, 2]], layer(x[[0, 2]]))
+
+
 @pytest.mark.parametrize("type_name", ["Q2_K", "IQ4_XS", "Q8_0"])
 def test_an_unsupported_type_is_named(type_name):
     raw = np.zeros((4, 144), dtype=np.uint8)
