@@ -9,8 +9,8 @@
 //   Q6_K (210 bytes): 128 bytes of low nibbles, 64 of high 2-bit pairs, 16
 //        int8 scales (one per 16 values), fp16 d; w = d sc[g] (q - 32).
 // As llama.cpp does on a CPU, x is first taken to int8 per row and
-// super-block (its Q8_K: d = max |x| / 127, q = round(x / d), and the sums of
-// q per 16 for the mins and offsets), then the weights' integer levels times
+// super-block (a Q8_K block: here d = max |x| / 127 and q = round(x / d) to
+// nearest even, the sums of q per 16 for the mins and offsets), then the weights' integer levels times
 // q are summed exactly in int32 with vpdpbusd, the sub-block scales applied
 // to those int32 sums, and per super-block
 //   y += d_w d_x sum_s sc[s] dot_s - dmin_w d_x sum_s m[s] xsum_s.
