@@ -15,6 +15,11 @@ torch's cpp_extension into the specpage cache, loaded from there afterwards.
   (specpage/layers/quant.py; torch's int4 kernel elsewhere), and, where the
   CPU has AVX-512 VNNI, int4 and Q8_0 products of any number of rows with
   x taken to int8 per group of 32 (int8x_gemv);
+- kquant_gemv.cpp: products of GGML's K-quant blocks (Q4_K, Q5_K, Q6_K)
+  as a GGUF stores them, x taken to int8 per 256 values (vpdpbusd where
+  the CPU has AVX-512 VNNI, a portable loop elsewhere), and their
+  dequantization to bf16 (specpage/layers/kquant.py, which holds the
+  reference);
 - decoder_stack.cpp: a decoder's layers in one call, the ops above called
   from C++ in the order DecoderLayer.forward calls them
   (specpage/layers/native_stack.py).
