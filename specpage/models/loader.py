@@ -1,6 +1,7 @@
 """Loading checkpoints: an HF folder (``config.json`` + ``*.safetensors``,
-sharded too) or a single GGUF file, dequantized once and cached as an HF
-folder under the model cache (``specpage.models.fetch.cache_dir()``)."""
+sharded too) or a single GGUF file, read directly (models/gguf_file.py: its
+tensors dequantized in memory, its tokenizer kept in a small folder of the
+model cache, ``specpage.models.fetch.cache_dir()``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -18,6 +20,7 @@ from specpage.layers.rope import inverse_frequencies
 from specpage.models.config import ModelConfig, ModelLoadError, is_head_folder
 from specpage.models.decoder import DecoderModel
 from specpage.models.eagle3 import LoadedHead, load_head
+from specpage.models.gguf_file import GGUFFile, gguf_of, metadata_folder
 from specpage.models.quant_names import Quantization
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -86,8 +89,9 @@ def load_model(
     quantization: models/quant_names (None: "none")."""
     Quantization.parse(quantization)  # a bad name fails before any loading
     device = torch.device(device)
-    folder = resolve_folder(Path(path))
-    if is_head_folder(folder):
+    path = Path(path)
+    if path.is_dir() and is_head_folder(path):
+        folder = path
         files = weight_files(folder)
         head = load_head(folder, read_tensors(files), resolve_dtype(dtype, device), device,
                          identity(folder, files))
@@ -98,36 +102,61 @@ def load_model(
                                  dtype_chosen=dtype is not None)
         hugepages.pack(head.model)
         return head
-    config = ModelConfig.from_folder(folder)
+    checkpoint = read_checkpoint(path)
+    config = checkpoint.config
     torch_dtype = resolve_dtype(dtype, device)
-    files = weight_files(folder)
-    tensors = read_tensors(files)
     with torch.device("meta"):
         model = DecoderModel(config)
-    state = hf_to_fused(tensors, config, folder)
-    model.load_state_dict(state, strict=True, assign=True)
+    model.load_state_dict(checkpoint.state, strict=True, assign=True)
     model.inv_freq = torch.empty(0)  # the meta buffer; set for real below
     model = model.to(device=device, dtype=torch_dtype).eval()
     # fp32 whatever the weights' dtype, as HF keeps it
     model.inv_freq = inverse_frequencies(config.rope, config.head_dim).to(device)
-    loaded = LoadedModel(model, config, folder, identity(folder, files))
+    loaded = LoadedModel(model, config, checkpoint.folder, checkpoint.identity)
     if quantization not in (None, "none"):
         from specpage.models.quant_load import quantize_loaded
 
-        loaded = quantize_loaded(loaded, Quantization.parse(quantization), Path(path),
+        loaded = quantize_loaded(loaded, Quantization.parse(quantization), path,
                                  dtype_chosen=dtype is not None)
     hugepages.pack(loaded.model)
     return loaded
 
 
+class Checkpoint(NamedTuple):
+    folder: Path  # config.json and the tokenizer: the HF folder, or a GGUF's metadata folder
+    config: ModelConfig
+    state: dict[str, torch.Tensor]  # our parameter names (hf_to_fused)
+    identity: bytes  # LoadedModel.identity
+
+
+def read_checkpoint(path: Path) -> Checkpoint:
+    """The config and weights of an HF folder, or of a GGUF file (or the
+    metadata folder made from one), read without writing any weights."""
+    gguf_path = gguf_of(path)
+    if gguf_path is None:
+        folder = resolve_folder(path)
+        config = ModelConfig.from_folder(folder)
+        files = weight_files(folder)
+        return Checkpoint(folder, config, hf_to_fused(read_tensors(files), config, folder),
+                          identity(folder, files))
+    from specpage.models.fetch import cache_dir
+
+    gguf = GGUFFile(gguf_path)
+    config = ModelConfig.from_dict(gguf.config(), str(gguf_path))
+    folder = metadata_folder(gguf, cache_dir())
+    return Checkpoint(folder, config, hf_to_fused(gguf.tensors(), config, gguf_path),
+                      gguf.identity)
+
+
 def resolve_folder(path: Path) -> Path:
+    """The folder holding a checkpoint's config.json: the HF folder itself,
+    or a GGUF's metadata folder (written on first use)."""
     if not path.exists():
         raise ModelLoadError(f"{path}: no such file or folder")
     if path.is_file() and path.suffix == ".gguf":
-        from specpage.models.fetch import cache_dir, convert_gguf, sha256_file
+        from specpage.models.fetch import cache_dir
 
-        out = cache_dir() / "gguf" / "converted" / sha256_file(path)[:24]
-        return convert_gguf(path, out)
+        return metadata_folder(GGUFFile(path), cache_dir())
     if path.is_file():
         raise ModelLoadError(f"{path}: expected an HF model folder or a .gguf file")
     return path

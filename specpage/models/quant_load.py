@@ -49,6 +49,7 @@ from specpage.layers.quant import (
     Q8Head,
 )
 from specpage.models.gguf_blocks import FORMATS, GGUF_PARTS, GGUFWeights
+from specpage.models.gguf_file import gguf_of
 from specpage.models.quant_names import Quantization, QuantizationError
 
 if TYPE_CHECKING:
@@ -83,13 +84,15 @@ CACHE_VERSION = 1  # bump when the cached layout changes
 
 
 def gguf_source(path: Path, folder: Path) -> Path | None:
-    """The GGUF a checkpoint came from: the path itself, or the cached file a
-    converted folder names (specpage-source.json, written by convert_gguf),
-    when it is still there with the recorded digest."""
+    """The GGUF a checkpoint came from: the path itself (or the file a GGUF's
+    metadata folder was made from), or the cached file a converted folder
+    names (specpage-source.json, written by convert_gguf), when it is still
+    there with the recorded digest."""
     from specpage.models.fetch import SOURCE_FILE, cache_dir, sha256_file
 
-    if path.is_file() and path.suffix == ".gguf":
-        return path
+    direct = gguf_of(path)
+    if direct is not None:
+        return direct
     record = folder / SOURCE_FILE
     if not record.is_file():
         return None

@@ -400,11 +400,11 @@ def test_ensure_model_real_smollm2() -> None:
     assert source["gguf_sha256"] == fetch.SMOLLM2_SHA256
 
 
-def test_load_model_takes_a_gguf_file_and_caches_its_conversion(
+def test_load_model_reads_a_gguf_file_and_caches_only_its_tokenizer(
     tiny_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, GgufConfig
 
     from specpage.core.span import Span
     from specpage.executor.model_runner import ModelRunner
@@ -412,12 +412,16 @@ def test_load_model_takes_a_gguf_file_and_caches_its_conversion(
 
     monkeypatch.setenv("SPECPAGE_CACHE_DIR", str(tmp_path / "cache"))
     first = load_model(tiny_gguf)
-    assert first.folder.is_relative_to(tmp_path / "cache" / "gguf" / "converted")
-    stamp = (first.folder / "model.safetensors").stat().st_mtime_ns
-    second = load_model(tiny_gguf)  # the cached conversion, not a new one
+    assert first.folder.is_relative_to(tmp_path / "cache" / "gguf" / "metadata")
+    assert not (tmp_path / "cache" / "gguf" / "converted").exists()
+    assert not list(first.folder.glob("*.safetensors"))
+    stamp = (first.folder / "tokenizer.json").stat().st_mtime_ns
+    second = load_model(tiny_gguf)  # the cached tokenizer, not a new one
     assert second.folder == first.folder
-    assert (second.folder / "model.safetensors").stat().st_mtime_ns == stamp
-    reference = AutoModelForCausalLM.from_pretrained(first.folder).eval()
+    assert (second.folder / "tokenizer.json").stat().st_mtime_ns == stamp
+    reference = AutoModelForCausalLM.from_pretrained(
+        tiny_gguf.parent, gguf_file=tiny_gguf.name, dtype=torch.float32,
+        quantization_config=GgufConfig(dequantize=True)).eval()
     runner = ModelRunner(second, num_blocks=8, block_size=4)
     ids = [3, 5, 7, 9, 11]
     with torch.no_grad():
