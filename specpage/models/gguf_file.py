@@ -299,14 +299,14 @@ def _source(folder: Path) -> dict[str, Any]:
 
 
 def metadata_folder(file: GGUFFile, cache: Path) -> Path:
-    """``<cache>/gguf/metadata/<key>``: the file's tokenizer files as
+    """``<cache>/gguf-metadata/<key>``: the file's tokenizer files as
     transformers builds them from it (chat template included), its config,
     and where the file is; written once, atomically."""
     path = file.path.resolve()
     # Keyed by the path too: two files with one header (the same model
     # quantized alike) differ in weights, and the folder points at one file.
     key = hashlib.sha256(file.identity + str(path).encode()).hexdigest()[:24]
-    folder = cache / "gguf" / "metadata" / key
+    folder = cache / "gguf-metadata" / key
     if (folder / SOURCE_FILE).is_file():
         return folder
     # Imported here: transformers is slow to import, and a cached folder needs none of it.
