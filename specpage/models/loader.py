@@ -144,6 +144,10 @@ def read_checkpoint(path: Path) -> Checkpoint:
     gguf = GGUFFile(gguf_path)
     config = ModelConfig.from_dict(gguf.config(), str(gguf_path))
     folder = metadata_folder(gguf, cache_dir())
+    # Every tensor is dequantized here. A module computing on the stored
+    # blocks (K-quants) takes a projection instead from
+    # gguf.projection_parts(layer, projection): its parts' bytes, [rows,
+    # bytes per row] in HF row order, and their GGML types.
     return Checkpoint(folder, config, hf_to_fused(gguf.tensors(), config, gguf_path),
                       gguf.identity)
 
