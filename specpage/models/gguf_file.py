@@ -237,8 +237,13 @@ def _half(blocks: torch.Tensor, start: int) -> torch.Tensor:
 
 
 def _nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """GGML order: weight j in the low nibble of byte j, j + 16 in its high one."""
-    return torch.cat([packed & 0x0F, packed >> 4], dim=-1)
+    """fp32 4-bit values [rows, blocks, 32] of the packed bytes [rows, blocks,
+    16], in GGML order: weight j in the low nibble of byte j, j + 16 in its
+    high one. Written into one buffer, which the callers scale in place."""
+    values = torch.empty(*packed.shape[:-1], BLOCK)
+    values[..., :BLOCK // 2] = packed & 0x0F
+    values[..., BLOCK // 2:] = packed >> 4
+    return values
 
 
 def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
@@ -246,12 +251,12 @@ def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
 
 
 def _q4_0(blocks: torch.Tensor) -> torch.Tensor:
-    return _half(blocks, 0) * (_nibbles(blocks[..., 2:]).to(torch.int8) - 8).float()
+    return _nibbles(blocks[..., 2:]).sub_(8).mul_(_half(blocks, 0))  # small integers: exact
 
 
 def _q4_1(blocks: torch.Tensor) -> torch.Tensor:
-    values = _half(blocks, 0) * _nibbles(blocks[..., 4:]).float()
-    return values.add_(_half(blocks, 2))  # a separate add, as gguf.quants: no fused rounding
+    # a separate multiply and add, as gguf.quants: no fused rounding
+    return _nibbles(blocks[..., 4:]).mul_(_half(blocks, 0)).add_(_half(blocks, 2))
 
 
 LEGACY_BLOCKS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1}
