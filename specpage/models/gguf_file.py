@@ -35,6 +35,7 @@ from specpage.models.gguf_blocks import (
     GGUF_PARTS,
     PERMUTED_QK,
     Header,
+    TensorInfo,
     read_gguf_header,
     rope_unpermute,
 )
@@ -142,10 +143,7 @@ class GGUFFile:
     def raw(self, name: str) -> RawTensor:
         import gguf
 
-        try:
-            info = self.header.tensors[name]
-        except KeyError:
-            raise ModelLoadError(f"{self.path}: GGUF lacks tensor {name!r}") from None
+        info = self.raw_info(name)
         block_size, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[info.type_name]]
         cols, rows = info.shape[0], math.prod(info.shape[1:])
         row_bytes = cols // block_size * type_size
@@ -171,9 +169,29 @@ class GGUFFile:
             tensor -= 1
         return tensor
 
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """Every tensor, dense, by its HF name."""
-        return {self.hf_name(name): self.dense(name) for name in self.header.tensors}
+    def linear_names(self) -> list[str]:
+        """The GGUF names of every layer's linear weights."""
+        layers = int(self.header.metadata[f"{self.architecture}.block_count"])  # type: ignore[call-overload]
+        return [f"blk.{i}.{part}.weight" for i in range(layers)
+                for parts in GGUF_PARTS.values() for part in parts]
+
+    def linear_types(self) -> set[str]:
+        return {self.raw_info(name).type_name for name in self.linear_names()}
+
+    def raw_info(self, name: str) -> TensorInfo:
+        try:
+            return self.header.tensors[name]
+        except KeyError:
+            raise ModelLoadError(f"{self.path}: GGUF lacks tensor {name!r}") from None
+
+    def tensors(self, dense_linears: bool = True) -> dict[str, torch.Tensor]:
+        """Every tensor, dense, by its HF name. dense_linears False: the
+        layers' linear weights are zeros of their shape instead, for a
+        caller that swaps those linears for modules on the stored blocks."""
+        placeholders = set() if dense_linears else set(self.linear_names())
+        return {self.hf_name(name): (torch.zeros(self.raw_info(name).shape[::-1])
+                                     if name in placeholders else self.dense(name))
+                for name in self.header.tensors}
 
     def hf_name(self, name: str) -> str:
         parts = name.split(".")

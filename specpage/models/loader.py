@@ -23,6 +23,8 @@ from specpage.models.eagle3 import LoadedHead, load_head
 from specpage.models.gguf_file import GGUFFile, gguf_of, metadata_folder
 from specpage.models.quant_names import Quantization
 
+NO_QUANTIZATION = Quantization.parse(None)
+
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 _FUSED = {  # our parameter -> the HF tensors concatenated into it, in order
@@ -102,7 +104,7 @@ def load_model(
                                  dtype_chosen=dtype is not None)
         hugepages.pack(head.model)
         return head
-    checkpoint = read_checkpoint(path)
+    checkpoint = read_checkpoint(path, Quantization.parse(quantization))
     config = checkpoint.config
     torch_dtype = resolve_dtype(dtype, device)
     with torch.device("meta"):
@@ -129,9 +131,11 @@ class Checkpoint(NamedTuple):
     identity: bytes  # LoadedModel.identity
 
 
-def read_checkpoint(path: Path) -> Checkpoint:
+def read_checkpoint(path: Path, quantization: Quantization = NO_QUANTIZATION) -> Checkpoint:
     """The config and weights of an HF folder, or of a GGUF file (or the
-    metadata folder made from one), read without writing any weights."""
+    metadata folder made from one), read without writing any weights. A
+    GGUF's linears that ``quantization`` will run on the file's own blocks
+    are not dequantized (zeros in their place until they are swapped)."""
     gguf_path = gguf_of(path)
     if gguf_path is None:
         folder = resolve_folder(path)
@@ -144,12 +148,18 @@ def read_checkpoint(path: Path) -> Checkpoint:
     gguf = GGUFFile(gguf_path)
     config = ModelConfig.from_dict(gguf.config(), str(gguf_path))
     folder = metadata_folder(gguf, cache_dir())
-    # Every tensor is dequantized here. A module computing on the stored
-    # blocks (K-quants) takes a projection instead from
-    # gguf.projection_parts(layer, projection): its parts' bytes, [rows,
-    # bytes per row] in HF row order, and their GGML types.
-    return Checkpoint(folder, config, hf_to_fused(gguf.tensors(), config, gguf_path),
-                      gguf.identity)
+    # The one place a GGUF's linears are dequantized or left to a module on
+    # their stored blocks (models/quant_load: Q4_0/Q4_1; K-quants would join
+    # there), which takes each projection from gguf.projection_parts(layer,
+    # projection): its parts' bytes, [rows, bytes per row] in HF row order,
+    # and their GGML types.
+    on_blocks = False
+    if quantization.kind != "none":
+        from specpage.models.quant_load import runs_on_gguf_blocks
+
+        on_blocks = runs_on_gguf_blocks(quantization, gguf.linear_types())
+    state = hf_to_fused(gguf.tensors(dense_linears=not on_blocks), config, gguf_path)
+    return Checkpoint(folder, config, state, gguf.identity)
 
 
 def resolve_folder(path: Path) -> Path:

@@ -105,6 +105,18 @@ def gguf_source(path: Path, folder: Path) -> Path | None:
     return None
 
 
+def reusable(linear_types: set[str]) -> bool:
+    """Whether linears of these GGML types run on the GGUF's own blocks."""
+    return bool(linear_types) and linear_types <= FORMATS.keys()
+
+
+def runs_on_gguf_blocks(quantization: Quantization, linear_types: set[str]) -> bool:
+    """Whether quantize_loaded swaps every linear of a GGUF whose linears are
+    of these types for the file's blocks: then the loader need not
+    dequantize them."""
+    return quantization.kind in ("auto", "q4") and reusable(linear_types)
+
+
 def quantize_loaded(loaded: L, quantization: Quantization, path: Path,
                     dtype_chosen: bool) -> L:
     """``loaded`` with its projections swapped for Int4Linear (in place), its
@@ -119,7 +131,7 @@ def quantize_loaded(loaded: L, quantization: Quantization, path: Path,
     gguf = gguf_source(path, loaded.folder)
     weights = GGUFWeights(gguf, loaded.config) if gguf is not None else None
     types = weights.linear_types() if weights is not None else set()
-    reuse = weights is not None and types <= FORMATS.keys()
+    reuse = weights is not None and reusable(types)
     if quantization.kind == "auto":
         if not reuse:
             return loaded

@@ -13,6 +13,7 @@ import transformers
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from specpage.executor.model_runner import ModelRunner
+from specpage.models import gguf_file
 from specpage.models.config import ModelConfig, ModelLoadError
 from specpage.models.fetch import cache_dir
 from specpage.models.gguf_file import SUPPORTED_TYPES, GGUFFile
@@ -174,3 +175,23 @@ def test_not_a_gguf_is_named(tmp_path):
     path.write_bytes(b"not a gguf file at all, just bytes" * 4)
     with pytest.raises(ModelLoadError, match="junk.gguf: unreadable GGUF"):
         load_model(path)
+
+
+def test_linears_run_on_their_blocks_are_not_dequantized(tmp_path, monkeypatch):
+    _, path = hf_and_gguf(tmp_path, "llama", lambda name: Q.Q4_1)
+    read: list[str] = []
+    real = gguf_file.dequantize
+
+    def recording(raw, where):
+        read.append(raw.name)
+        return real(raw, where)
+
+    monkeypatch.setattr(gguf_file, "dequantize", recording)
+    loaded = load_model(path, quantization="auto")
+    assert loaded.quantization.startswith("q4 from GGUF Q4_1 blocks")
+    linears = set(GGUFFile(path).linear_names())
+    assert len(linears) == 14
+    assert read and not linears & set(read)
+    read.clear()
+    load_model(path)  # the exact path dequantizes them
+    assert linears <= set(read)
