@@ -16,7 +16,8 @@ from specpage.executor.model_runner import ModelRunner
 from specpage.models import gguf_file
 from specpage.models.config import ModelConfig, ModelLoadError
 from specpage.models.fetch import cache_dir
-from specpage.models.gguf_file import SUPPORTED_TYPES, GGUFFile
+from specpage.models.gguf_dequant import SUPPORTED_TYPES
+from specpage.models.gguf_file import GGUFFile
 from specpage.models.loader import load_model
 from tests.support.checkpoints import greedy_through_pool, tiny_checkpoint
 from tests.support.gguf_files import CHAT_TEMPLATE, VOCAB_SIZE, write_gguf
