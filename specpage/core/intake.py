@@ -66,7 +66,10 @@ class Intake:
             if self.tokenizer is None:
                 raise ValidationError(prompt_field,
                                       "text prompts need a tokenizer; send token ids")
-            return list(self.tokenizer.encode(prompt, add_special_tokens=False))
+            # with the tokenizer's own special tokens (a BOS, where the model
+            # wants one: Gemma's text is garbage without it), as vLLM's
+            # completions and llama.cpp's server tokenize a prompt
+            return list(self.tokenizer.encode(prompt, add_special_tokens=True))
         return list(prompt)
 
     def _check_fits(self, prompt_len: int, params: SamplingParams) -> None:

@@ -2,12 +2,16 @@
 
     none   the weights as loaded (fp32 on CPU): the exact path
     q4     int4, group 32 (q4-g64, q4-g128: larger groups). From a Q4_0/Q4_1
-           GGUF its own blocks; otherwise round-to-nearest from the loaded
-           weights, cached under <cache>/quantized/
+           GGUF its own blocks, and from a GGUF whose linears are all
+           K-quants (Q4_K, Q5_K, Q6_K: any _K_M or _K_S file whose every
+           linear takes 256-wide super-blocks) those blocks on their own
+           kernels (layers/kquant.py); otherwise round-to-nearest from the
+           loaded weights, cached under <cache>/quantized/
     q8     refused: torch's CPU int8 weight-only kernel is slower than q4 here,
            and not consistently faster than fp32 (quant_names.Q8_REFUSED)
     auto   q4 where the checkpoint is a GGUF whose linears are all Q4_0/Q4_1
-           (their blocks are reused, nothing is re-quantized), else none
+           or all K-quants (their blocks are reused, nothing is
+           re-quantized), else none
 
 Only each layer's qkv_proj, o_proj, gate_up_proj and down_proj are swapped,
 after loading (an EAGLE-3 head's too, with its fc and its LM head over the
@@ -39,6 +43,8 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 import torch
 from safetensors.torch import load_file, save_file
 
+from specpage.layers.kquant import FORMATS as KQUANT_FORMATS
+from specpage.layers.kquant import KQuantBlocks, KQuantLinear
 from specpage.layers.quant import (
     GROUP_SIZES,
     KERNEL_DTYPE,
@@ -49,7 +55,7 @@ from specpage.layers.quant import (
     Q8Head,
 )
 from specpage.models.gguf_blocks import FORMATS, GGUF_PARTS, GGUFWeights
-from specpage.models.gguf_file import gguf_of
+from specpage.models.gguf_file import GGUFFile, gguf_of
 from specpage.models.quant_names import Quantization, QuantizationError
 
 if TYPE_CHECKING:
@@ -106,8 +112,10 @@ def gguf_source(path: Path, folder: Path) -> Path | None:
 
 
 def reusable(linear_types: set[str]) -> bool:
-    """Whether linears of these GGML types run on the GGUF's own blocks."""
-    return bool(linear_types) and linear_types <= FORMATS.keys()
+    """Whether linears of these GGML types run on the GGUF's own blocks:
+    all Q4_0/Q4_1 (int4 groups), or all K-quants (their own kernels)."""
+    return bool(linear_types) and (linear_types <= FORMATS.keys()
+                                   or linear_types <= KQUANT_FORMATS.keys())
 
 
 def runs_on_gguf_blocks(quantization: Quantization, linear_types: set[str]) -> bool:
@@ -147,7 +155,11 @@ def quantize_loaded(loaded: L, quantization: Quantization, path: Path,
             "re-quantize weights already quantized: use q4")
     # bf16 activations (Q8Head's, and int8 product inputs'): the default, or chosen
     bf16 = bf16_activations(loaded, dtype_chosen)
-    if reuse:
+    if reuse and types <= KQUANT_FORMATS.keys():
+        assert gguf is not None
+        _swap_kquant(loaded.model, GGUFFile(gguf))
+        applied = f"GGUF {'/'.join(sorted(types))} blocks"
+    elif reuse:
         assert weights is not None
         _swap(loaded.model, weights.blocks, int8x=bf16)
         applied = f"q4 from GGUF {'/'.join(sorted(types))} blocks"
@@ -175,7 +187,8 @@ def _applied(loaded: H, applied: str, dtype_chosen: bool) -> H:
         model.inv_freq = inv_freq
     if model.norm.weight.dtype == QUANTIZED_DTYPE:
         applied += ", bf16 activations"
-    if any(isinstance(m, Int4Linear) and m.int8x for m in model.modules()):
+    if any(isinstance(m, Int4Linear) and m.int8x or isinstance(m, KQuantLinear)
+           for m in model.modules()):
         applied += ", int8 product inputs"  # x to int8 per 32 at each product (layers/quant.py)
     log.info("quantized %s: %s", loaded.folder, applied)
     identity = hashlib.sha256(loaded.identity + applied.encode()).digest()
@@ -224,6 +237,22 @@ def _swap(model: DecoderModel, blocks_of: Callable[[int, str], Int4Blocks],
             check_shape(f"layers.{i}.{name}", in_features, blocks.group, out_features)
             bias = None if dense.bias is None else dense.bias.detach()
             setattr(layer, name, Int4Linear(blocks, bias, int8x))
+
+
+def _swap_kquant(model: DecoderModel, gguf: GGUFFile) -> None:
+    """Each projection swapped for a KQuantLinear on the file's K-quant
+    blocks, its parts (q, k, v; gate, up) each of its own type."""
+    for i, layer in enumerate(model.layers):
+        for name in PROJECTIONS:
+            dense = getattr(layer, name)
+            parts = [KQuantBlocks.from_gguf(raw.name, raw.type_name, raw.data)
+                     for raw in gguf.projection_parts(i, name)]
+            shape = (sum(p.rows for p in parts), parts[0].cols)
+            if shape != tuple(dense.weight.shape):
+                raise QuantizationError(f"layers.{i}.{name}: the GGUF's blocks are {shape}, "
+                                        f"the model's weight {tuple(dense.weight.shape)}")
+            bias = None if dense.bias is None else dense.bias.detach()
+            setattr(layer, name, KQuantLinear(parts, bias))
 
 
 def _rtn_cached(loaded: Loaded, group: int) -> dict[str, Int4Blocks]:

@@ -318,7 +318,8 @@ def test_a_restricted_draft_vocabulary_keeps_greedy_output_exact(tmp_path):
     proposed = []
     proposer = eng.executor.proposer
     propose = proposer.propose
-    proposer.propose = lambda batch: proposed.append(propose(batch)) or proposed[-1]
+    proposer.propose = (lambda batch, guides: proposed.append(propose(batch, guides))
+                        or proposed[-1])
     batch = prompts(4, seed=3)
     results = drain(eng, {0: [(str(i), p, GREEDY) for i, p in enumerate(batch)]})
     for i, p in enumerate(batch):
@@ -350,7 +351,8 @@ def test_forward_costs_reach_the_policy_without_prefill_steps(models):
     assert eng.policy.target_cost.observations == 0
     results = []
     execute = eng.executor.execute
-    eng.executor.execute = lambda batch: results.append(execute(batch)) or results[-1]
+    eng.executor.execute = (lambda batch, guides=None: results.append(execute(batch, guides))
+                             or results[-1])
     while not any(r.draft_costs for r in results):
         eng.step()
     # the first draft run catches up over the prompt, then proposes one position

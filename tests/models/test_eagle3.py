@@ -64,7 +64,8 @@ def record_proposals(eng):
     seen = []
     proposer = eng.executor.proposer
     propose = proposer.propose
-    proposer.propose = lambda batch: seen.append((batch, propose(batch))) or seen[-1][1]
+    proposer.propose = (lambda batch, guides: seen.append((batch, propose(batch, guides)))
+                        or seen[-1][1])
     return seen
 
 

@@ -12,7 +12,9 @@ import torch
 import transformers
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
+from specpage.core.span import Span
 from specpage.executor.model_runner import ModelRunner
+from specpage.layers.kquant import KQuantLinear
 from specpage.models import gguf_file
 from specpage.models.config import ModelConfig, ModelLoadError
 from specpage.models.fetch import cache_dir
@@ -196,3 +198,45 @@ def test_linears_run_on_their_blocks_are_not_dequantized(tmp_path, monkeypatch):
     read.clear()
     load_model(path)  # the exact path dequantizes them
     assert linears <= set(read)
+
+
+def k_quant_m(name: str) -> gguf.GGMLQuantizationType:
+    """Q4_K_M's mix: Q6_K for v and down, Q4_K for the other linears."""
+    if not name.startswith("model.layers."):
+        return Q.F32
+    return Q.Q6_K if name.endswith(("v_proj.weight", "down_proj.weight")) else Q.Q4_K
+
+
+def test_k_quant_linears_run_on_the_files_blocks(tmp_path, monkeypatch):
+    """A GGUF whose linears are all K-quants (Q4_K_M's Q4_K and Q6_K, a
+    fused projection's parts of both types, Qwen2's with a bias): auto runs
+    them on their blocks, never dequantized, and its logits are the exact
+    model's to within the int8 inputs' rounding."""
+    folder, path = hf_and_gguf(tmp_path, "qwen2", k_quant_m, hidden_size=256,
+                               intermediate_size=512, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=64)
+    read: list[str] = []
+    real = gguf_file.dequantize
+
+    def recording(raw, where):
+        read.append(raw.name)
+        return real(raw, where)
+
+    monkeypatch.setattr(gguf_file, "dequantize", recording)
+    quantized = load_model(path, quantization="auto", dtype="float32")
+    assert quantized.quantization.startswith("GGUF Q4_K/Q6_K blocks")
+    assert not set(GGUFFile(path).linear_names()) & set(read)
+    layer = quantized.model.layers[0]
+    assert isinstance(layer.qkv_proj, KQuantLinear) and layer.qkv_proj.type_names == [
+        "Q4_K", "Q6_K"]
+    exact = load_model(folder)
+    prompt = list(range(5, 45))
+    ours = greedy_logits(quantized, prompt)
+    reference = greedy_logits(exact, prompt)
+    assert ((ours - reference).abs().max() / reference.std()) < 0.05
+
+
+def greedy_logits(loaded, prompt: list[int]) -> torch.Tensor:
+    """The last position's logits after the prompt, one whole prefill."""
+    runner = ModelRunner(loaded, num_blocks=8, block_size=16)
+    return runner.forward([Span(prompt, 0, [0, 1, 2])])[-1]

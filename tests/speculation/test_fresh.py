@@ -116,7 +116,8 @@ def test_each_step_reports_its_whole_time_beyond_its_forwards(models, monkeypatc
                                                  spec_k=4, spec_methods=""))
     results, execute = [], engine.executor.execute
     monkeypatch.setattr(engine.executor, "execute",
-                        lambda batch: results.append(execute(batch)) or results[-1])
+                        lambda batch, guides=None: results.append(execute(batch, guides))
+                        or results[-1])
     engine.add_request("r", PROMPT, SamplingParams(max_tokens=16, temperature=0.0,
                                                    ignore_eos=True))
     while engine.has_unfinished():

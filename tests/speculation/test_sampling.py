@@ -67,7 +67,8 @@ def sampled_joint(target, draft, params, proposed=None, prompt=PROMPT, methods="
         deterministic=deterministic))
     if proposed is not None:
         propose = engine.executor.proposer.propose
-        engine.executor.proposer.propose = lambda scheduled: record(propose(scheduled), proposed)
+        engine.executor.proposer.propose = (
+            lambda scheduled, guides: record(propose(scheduled, guides), proposed))
     for seed in range(RUNS):
         engine.add_request(str(seed), prompt, SamplingParams(
             max_tokens=4, temperature=params.temperature, top_k=params.top_k,

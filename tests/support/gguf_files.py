@@ -98,7 +98,12 @@ def write_gguf(model: torch.nn.Module, path: Path,
         values = tensor.detach().float().numpy()
         stored = gguf_name(name, architecture)
         qtype = type_of(name) if values.ndim == 2 else F32
-        if qtype != F32:
+        raw = None
+        if qtype.name in K_SCALES:  # gguf cannot quantize to these: random blocks
+            assert architecture != "llama", "K-quant blocks are written unpermuted"
+            raw = random_kquant(*values.shape, qtype, len(held))
+            values = gguf.quants.dequantize(raw, qtype)
+        elif qtype != F32:
             values = gguf.quants.dequantize(gguf.quants.quantize(values, qtype), qtype)
         held[name] = torch.from_numpy(values.copy())
         heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
@@ -110,6 +115,8 @@ def write_gguf(model: torch.nn.Module, path: Path,
             held[name] = torch.from_numpy(values - np.float32(1))  # what reading it back gives
         if qtype == F32:
             w.add_tensor(stored, np.ascontiguousarray(values))
+        elif raw is not None:
+            w.add_tensor(stored, raw, raw_dtype=qtype)
         else:
             w.add_tensor(stored, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
     w.write_header_to_file()
@@ -117,6 +124,23 @@ def write_gguf(model: torch.nn.Module, path: Path,
     w.write_tensors_to_file()
     w.close()
     return held
+
+
+# K-quant type -> (bytes per super-block of 256, where its fp16 scales lie, their value)
+K_SCALES = {"Q4_K": (144, (0, 2), (2e-4, 1e-4)), "Q5_K": (176, (0, 2), (1e-4, 1e-4)),
+            "Q6_K": (210, (208,), (2e-5,))}
+
+
+def random_kquant(rows: int, cols: int, qtype: gguf.GGMLQuantizationType,
+                  seed: int) -> np.ndarray:
+    """[rows, bytes per row] uint8: super-blocks of random levels and
+    sub-block scales, their fp16 scales set so the weights stay small."""
+    size, offsets, scales = K_SCALES[qtype.name]
+    blocks = np.random.default_rng(seed).integers(0, 256, (rows, cols // 256, size),
+                                                   dtype=np.uint8)
+    for offset, scale in zip(offsets, scales, strict=True):
+        blocks[..., offset:offset + 2] = np.array([scale], np.float16).view(np.uint8)
+    return blocks.reshape(rows, -1)
 
 
 def _add_tokenizer(w: gguf.GGUFWriter) -> None:
