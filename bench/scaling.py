@@ -21,8 +21,8 @@ into specpage's cache (bench-scaling/) and reused while the shape, seed and
 writer recorded beside each are the same.
 
 A fourth row, with real weights, is Gemma 3 270M's Q4_K_M GGUF (`specpage
-models fetch gemma3-270m`), where specpage can serve it (else the row says
-why not).
+models fetch gemma3-270m`): specpage serves it by that name where it knows
+it, else the file; where specpage cannot serve it, the row says why not.
 
 Each model is served in turn by specpage (`specpage serve --model FILE`,
 speculation off: no draft and no model-free proposers, so both servers run
@@ -90,6 +90,7 @@ from bench.serving import (  # noqa: E402
     drive,
     greedy_answers,
 )
+from specpage.models import fetch  # noqa: E402
 from specpage.models.fetch import SMOLLM2_GGUF_NAME, SOURCE_FILE, cache_dir  # noqa: E402
 
 ROUNDS = {False: 3, True: 1}  # by --quick
@@ -306,7 +307,9 @@ def memory_limit() -> int:
     raise BenchError("no MemAvailable in /proc/meminfo")
 
 
-def specpage_server(model: Path, threads: int, limit: int) -> ServerSpec:
+def specpage_server(model: Path | str, threads: int, limit: int) -> ServerSpec:
+    """specpage's daemon and HTTP front on `model` (a GGUF file or a known
+    name), speculation off, under a data limit of `limit` bytes."""
     port = free_port()
     argv = ["prlimit", f"--data={limit}", "--", str(SPECPAGE), "serve", "--model", str(model),
             "--served-model-name", MODEL, "--draft", "", "--spec-methods", "",
@@ -438,7 +441,10 @@ def main() -> None:
     limit = memory_limit()
     specs: dict[str, Callable[[], ServerSpec]] = {}
     for name, path in files.items():
-        specs[f"{name}/specpage"] = partial(specpage_server, path, args.threads, limit)
+        # A known name brings what the fetch step records with the file (its
+        # chat template, for one); specpage's own list says which it knows.
+        target = name if name in fetch.MODELS else path
+        specs[f"{name}/specpage"] = partial(specpage_server, target, args.threads, limit)
         specs[f"{name}/llama_cpp"] = partial(llama_cpp_server, path, args.threads)
     prompts = chat_prompts(STREAMS)
     tokens = OUTPUT_TOKENS[args.quick]
