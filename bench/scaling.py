@@ -53,6 +53,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from dataclasses import asdict
 from functools import partial
@@ -178,14 +180,36 @@ def one_round(spec: ServerSpec, jobs: list[Workload], warmups: list[Workload],
         folder = Path(name)
         server = Running(spec, folder / "server.log")
         try:
-            for warmup in warmups:
-                drive(spec.url, warmup, folder)
+            try:
+                for warmup in warmups:
+                    drive(spec.url, warmup, folder)
+            except BenchError as error:  # loadgen gives a status; the server says why
+                raise BenchError(f"{error}; {spec.name} says: {refusal(spec.url)}") from error
             figures: Figures = {job.name: drive(spec.url, job, folder, server) for job in jobs}
             figures["outputs"] = greedy_answers(spec.url, compared)
         finally:
             server.stop()
     figures["startup_s"] = server.startup_s
     return figures
+
+
+def refusal(url: str) -> str:
+    """The error message a server answers one chat request with ("" if none)."""
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+                       "max_tokens": 1}).encode()
+    request = urllib.request.Request(f"{url}/v1/chat/completions", body,
+                                     {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60):
+            return ""
+    except urllib.error.HTTPError as error:
+        text = error.read().decode(errors="replace")
+    except OSError as error:
+        return str(error)
+    try:
+        return str(json.loads(text)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return text[:300]
 
 
 def read_rate_gb_s() -> float:
