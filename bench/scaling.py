@@ -59,7 +59,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -217,9 +217,14 @@ def read_rate_gb_s() -> float:
     return statistics.median(read_bandwidth() / 1e9 for _ in range(3))
 
 
+class Rounds(NamedTuple):
+    figures: dict[str, list[Figures]]  # system -> its figures, one per round
+    rates: list[float]  # read bandwidth (GB/s) at the start of each round
+    errors: dict[str, str]  # system -> why it was left out
+
+
 def run_rounds(specs: dict[str, Callable[[], ServerSpec]], jobs: list[Workload],
-               warmups: list[Workload], count: int
-               ) -> tuple[dict[str, list[Figures]], list[float], dict[str, str]]:
+               warmups: list[Workload], count: int) -> Rounds:
     """Every system once per round, one server at a time, the order rotated;
     the read bandwidth at the start of each round. A system that fails once
     is left out from then on, with the reason."""
@@ -245,18 +250,17 @@ def run_rounds(specs: dict[str, Callable[[], ServerSpec]], jobs: list[Workload],
             print(f"round {r}: {name}: single {got['single']['tpot_p50_s'] * 1e3:.1f} ms/token, "
                   f"32 streams {got['streams32']['tok_s']:.1f} tok/s, "
                   f"start-up {got['startup_s']:.1f} s", file=sys.stderr, flush=True)
-    return {n: f for n, f in figures.items() if n not in errors}, rates, errors
+    return Rounds({n: f for n, f in figures.items() if n not in errors}, rates, errors)
 
 
-def summary(model: str, runs: dict[str, list[Figures]], rates: list[float],
-            nbytes: dict[str, int]) -> dict[str, Any]:
+def summary(model: str, rounds: Rounds, nbytes: dict[str, int]) -> dict[str, Any]:
     """One model's headline: the floor, both servers' ms/token and its
     multiple of the floor, 32-stream tok/s, specpage over llama.cpp."""
-    rate = Spread.of(rates)
+    rate = Spread.of(rounds.rates)
     row: dict[str, Any] = {"floor_ms": nbytes["step_bytes"] / (rate.median * 1e9) * 1e3}
     got: dict[str, dict[str, Spread]] = {}
     for system in ("specpage", "llama_cpp"):
-        figures = runs.get(f"{model}/{system}")
+        figures = rounds.figures.get(f"{model}/{system}")
         if not figures:
             continue
         tpot = Spread.of([f["single"]["tpot_p50_s"] for f in figures])
@@ -281,72 +285,91 @@ def our_options(parser: Any) -> None:
     parser.add_argument("--no-gemma", action="store_true", help=f"leave out {GEMMA}")
 
 
-def main() -> None:
-    args = parse_args(__doc__, extra=our_options)
-    started = time.perf_counter()
-    if not llama_cpp.ready():
-        raise SystemExit("llama-server is not built: make llama-server")
+def model_files(args: Any) -> tuple[dict[str, Path], dict[str, str]]:
+    """The GGUF of each model to serve (the random ones written if need be),
+    and the models left out with the reason."""
     sizes = ([s for s in args.sizes.split(",") if s] if args.sizes is not None
              else ["0.5b"] if args.quick else list(SHAPES))
     if set(sizes) - set(SHAPES):
         raise SystemExit(f"--sizes: no model {', '.join(sorted(set(sizes) - set(SHAPES)))} "
                          f"(these are: {', '.join(SHAPES)})")
     files = {name: ensure_file(name, SHAPES[name]) for name in sizes}
-    skipped: dict[str, str] = {}
     gemma = cache_dir() / "gguf" / GEMMA_FILE
     if args.quick or args.no_gemma:
-        pass
-    elif gemma.is_file():
-        files[GEMMA] = gemma
-    else:
-        skipped[GEMMA] = f"{gemma} is not there: specpage models fetch {GEMMA}"
-    for name in sizes:
-        drop_dense_copies(files[name])
-    cache_before = folder_bytes(cache_dir())
-    copies_before = {name: dense_copies(path) for name, path in files.items()}
-    limit = memory_limit()
+        return files, {}
+    if not gemma.is_file():
+        return files, {GEMMA: f"{gemma} is not there: specpage models fetch {GEMMA}"}
+    return {**files, GEMMA: gemma}, {}
+
+
+def server_specs(files: dict[str, Path], threads: int, limit: int
+                 ) -> dict[str, Callable[[], ServerSpec]]:
+    """Both servers' starts for every model; specpage's under `limit` bytes of data."""
     specs: dict[str, Callable[[], ServerSpec]] = {}
     for name, path in files.items():
         # A known name brings what the fetch step records with the file (its
         # chat template, for one); specpage's own list says which it knows.
         target = name if name in fetch.MODELS else path
-        specs[f"{name}/specpage"] = partial(specpage_server, target, args.threads, limit)
-        specs[f"{name}/llama_cpp"] = partial(llama_cpp_server, path, args.threads)
+        specs[f"{name}/specpage"] = partial(specpage_server, target, threads, limit)
+        specs[f"{name}/llama_cpp"] = partial(llama_cpp_server, path, threads)
+    return specs
+
+
+def model_result(name: str, path: Path, rounds: Rounds, copies_before: list[str]
+                 ) -> dict[str, Any]:
+    """One model's row: its headline, shape, bytes, dense copies, failures
+    and first-round greedy answers."""
+    systems = {system: f"{name}/{system}" for system in ("specpage", "llama_cpp")}
+    nbytes = decode_bytes(path)
+    copies = dense_copies(path)
+    return {
+        **summary(name, rounds, nbytes),
+        "shape": asdict(SHAPES[name]) if name in SHAPES else None,
+        "parameters": SHAPES[name].parameters() if name in SHAPES else None,
+        **nbytes,
+        "dense_copy": {"folders": copies, "new": sorted(set(copies) - set(copies_before)),
+                       "bytes": sum(folder_bytes(cache_dir() / "gguf" / "converted" / c)
+                                    for c in copies)},
+        "errors": {system: rounds.errors[key] for system, key in systems.items()
+                   if key in rounds.errors},
+        "outputs": {system: rounds.figures[key][0]["outputs"] for system, key in systems.items()
+                    if key in rounds.figures},
+    }
+
+
+def main() -> None:
+    args = parse_args(__doc__, extra=our_options)
+    started = time.perf_counter()
+    if not llama_cpp.ready():
+        raise SystemExit("llama-server is not built: make llama-server")
+    files, skipped = model_files(args)
+    random_files = [path for name, path in files.items() if name in SHAPES]
+    for path in random_files:
+        drop_dense_copies(path)
+    cache_before = folder_bytes(cache_dir())
+    copies_before = {name: dense_copies(path) for name, path in files.items()}
     prompts = chat_prompts(STREAMS)
     tokens = OUTPUT_TOKENS[args.quick]
     jobs = [Workload("streams32", prompts, tokens, STREAMS),
             Workload("single", prompts[:SINGLE_REQUESTS[args.quick]], tokens, 1)]
     warmups = [Workload("warmup32", prompts, WARMUP_TOKENS, STREAMS),
                Workload("warmup1", prompts[:WARMUP_SINGLE], WARMUP_TOKENS, 1)]
-    runs, rates, errors = run_rounds(specs, jobs, warmups, ROUNDS[args.quick])
-    models: dict[str, Any] = {}
-    for name, path in files.items():
-        nbytes = decode_bytes(path)
-        copies = dense_copies(path)
-        models[name] = {
-            **summary(name, runs, rates, nbytes),
-            "shape": asdict(SHAPES[name]) if name in SHAPES else None,
-            "parameters": SHAPES[name].parameters() if name in SHAPES else None,
-            **nbytes,
-            "dense_copy": {"folders": copies, "new": sorted(set(copies) - set(copies_before[name])),
-                           "bytes": sum(folder_bytes(cache_dir() / "gguf" / "converted" / c)
-                                        for c in copies)},
-            "errors": {system: errors[f"{name}/{system}"] for system in ("specpage", "llama_cpp")
-                       if f"{name}/{system}" in errors},
-            "outputs": {system: runs[f"{name}/{system}"][0]["outputs"]
-                        for system in ("specpage", "llama_cpp") if f"{name}/{system}" in runs},
-        }
+    limit = memory_limit()
+    rounds = run_rounds(server_specs(files, args.threads, limit), jobs, warmups,
+                        ROUNDS[args.quick])
+    models = {name: model_result(name, path, rounds, copies_before[name])
+              for name, path in files.items()}
     cache_after = folder_bytes(cache_dir())
-    for name in sizes:
-        drop_dense_copies(files[name])
-    rate = Spread.of(rates)
+    for path in random_files:
+        drop_dense_copies(path)
     finish("scaling", {
         "bench": "scaling", "client": "specpage-loadgen run --api openai (chat, streamed)",
         "weights": "random (speed only), Q4_K_M as llama.cpp lays it out; gemma3-270m real",
         "output_tokens": tokens, "rounds": ROUNDS[args.quick],
         "workloads": {job.name: {"requests": len(job.prompts), "concurrency": job.concurrency}
                       for job in jobs},
-        "read_gb_s": rate.as_json(), "specpage_data_limit_bytes": limit,
+        "read_gb_s": Spread.of(rounds.rates).as_json(),
+        "specpage_data_limit_bytes": limit,
         "llama_cpp": {"source": llama_cpp.SOURCE, "slots": STREAMS, "threads": args.threads,
                       "flash_attention": llama_cpp.FLASH_ATTENTION},
         "models": models, "skipped": skipped,
