@@ -515,7 +515,8 @@ def scaling(r: dict) -> list[str]:
         cells = {}
         for system in ("specpage", "llama_cpp"):
             if f"{system}_ms_per_token" not in m:
-                cells[system] = f"failed: {str(m['errors'].get(system, '?'))[:200]}"
+                # a traceback's last words say why
+                cells[system] = f"failed: …{str(m['errors'].get(system, '?'))[-200:]}"
                 continue
             cells[system] = (f"{fmt(m[f'{system}_ms_per_token'], 1)} ms/token, "
                              f"{spread(m[f'{system}_over_floor'])}× the floor; 32 streams "
