@@ -516,7 +516,8 @@ def scaling(r: dict) -> list[str]:
         for system in ("specpage", "llama_cpp"):
             if f"{system}_ms_per_token" not in m:
                 # a traceback's last words say why
-                cells[system] = f"failed: …{str(m['errors'].get(system, '?'))[-200:]}"
+                why = str(m["errors"].get(system, "?"))[-200:].replace("|", "/")
+                cells[system] = f"failed: …{why}"
                 continue
             cells[system] = (f"{fmt(m[f'{system}_ms_per_token'], 1)} ms/token, "
                              f"{spread(m[f'{system}_over_floor'])}× the floor; 32 streams "
