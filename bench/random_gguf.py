@@ -68,7 +68,7 @@ class Shape:
 
 
 # Llama 3.2 1B's and 3B's layer shapes (with SmolLM2's vocabulary), and a
-# 0.5B of Qwen2.5-0.5B's width.
+# 0.5B of half the 1B's width and 24 layers.
 SHAPES = {
     "0.5b": Shape(hidden=1024, intermediate=4096, layers=24, heads=16, kv_heads=8),
     "1b": Shape(hidden=2048, intermediate=8192, layers=16, heads=32, kv_heads=8),
