@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# llama.cpp's own llama-server and llama-bench, built once for this CPU from
+# llama.cpp's own llama-server, llama-bench, llama-cli and llama-perplexity, built once for this CPU from
 # the llama.cpp sources the PyPI sdist of llama-cpp-python vendors, into the
 # git-ignored .llama-cpp/ (bench/llama_cpp.py and bench/serving.py run them).
 # Idempotent: a second run finds the binaries and does nothing. About 5 min
@@ -15,7 +15,9 @@ SRC="$DIR/llama_cpp_python-$PACKAGE_VERSION/vendor/llama.cpp"
 BIN="$DIR/bin"
 JOBS="${JOBS:-2}"  # the machine's cores
 
-if [[ -x "$BIN/llama-server" && -x "$BIN/llama-bench" ]]; then
+TOOLS=(llama-server llama-bench llama-cli llama-perplexity)
+if [[ -x "$BIN/llama-server" && -x "$BIN/llama-bench" && -x "$BIN/llama-cli" \
+      && -x "$BIN/llama-perplexity" ]]; then
     echo "llama.cpp: $BIN/llama-server is built"
     exit 0
 fi
@@ -44,7 +46,7 @@ if grep -qw amx_int8 /proc/cpuinfo; then
 fi
 cmake -S "$SRC" -B "$DIR/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DBUILD_SHARED_LIBS=OFF "${CPU_OPTIONS[@]}"
-cmake --build "$DIR/build" -j "$JOBS" --target llama-server llama-bench
+cmake --build "$DIR/build" -j "$JOBS" --target "${TOOLS[@]}"
 mkdir -p "$BIN"
-cp "$DIR/build/bin/llama-server" "$DIR/build/bin/llama-bench" "$BIN/"
+for tool in "${TOOLS[@]}"; do cp "$DIR/build/bin/$tool" "$BIN/"; done
 echo "llama.cpp: built $BIN/llama-server"

@@ -262,6 +262,11 @@ class KQuantLinear(nn.Module):
                 y[:, column + first : column + first + tile.shape[0]] = F.linear(xb, tile)
         return y.to(x.dtype)
 
+    def direct_product(self, rows: int) -> None:
+        """None: the native layer stack (layers/native_stack.py) has no
+        K-quant product, so a model with these layers runs its modules."""
+        return None
+
     def dequantize(self) -> torch.Tensor:
         """The fp32 weight [out, in], every run's rows in order."""
         return torch.cat([KQuantBlocks(blocks, name).dequantize()

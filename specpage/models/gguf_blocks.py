@@ -151,9 +151,36 @@ SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "
 STRING, ARRAY = 8, 9
 
 
+@dataclass(frozen=True)
+class ArrayRef:
+    """A metadata array left unread (the tokenizer's are 49k-262k strings):
+    where it lies, to be read only by whoever needs it."""
+
+    item_type: int  # GGUF value type of the items
+    count: int
+    offset: int  # bytes from the file's start to the first item
+
+
+@dataclass(frozen=True)
+class Header:
+    metadata: dict[str, object]  # key -> scalar, string or ArrayRef
+    tensors: dict[str, TensorInfo]
+    size: int  # bytes before the first tensor's data
+
+    @property
+    def architecture(self) -> str:
+        return str(self.metadata.get("general.architecture", ""))
+
+
 def read_header(data: np.ndarray) -> tuple[str, dict[str, TensorInfo]]:
-    """(general.architecture, tensor name -> TensorInfo) of a GGUF file, as
-    the format's spec lays the header out (little-endian, version 2 or 3)."""
+    """(general.architecture, tensor name -> TensorInfo) of a GGUF file."""
+    header = read_gguf_header(data)
+    return header.architecture, header.tensors
+
+
+def read_gguf_header(data: np.ndarray) -> Header:
+    """A GGUF file's metadata and tensor table, as the format's spec lays the
+    header out (little-endian, version 2 or 3); arrays are skipped, not read."""
     import gguf  # only for the GGML type names
 
     buf = memoryview(data)
@@ -177,12 +204,13 @@ def read_header(data: np.ndarray) -> tuple[str, dict[str, TensorInfo]]:
         if kind == ARRAY:
             item, count = struct.unpack_from("<IQ", buf, pos)
             pos += 12
-            if item in SCALARS:  # skipped whole: metadata arrays are not needed here
+            ref = ArrayRef(item, count, pos)
+            if item in SCALARS:
                 pos += struct.calcsize("<" + SCALARS[item]) * count
-                return None
-            for _ in range(count):
-                value(item)
-            return None
+            else:
+                for _ in range(count):
+                    value(item)
+            return ref
         fmt = "<" + SCALARS[kind]
         (scalar,) = struct.unpack_from(fmt, buf, pos)
         pos += struct.calcsize(fmt)
@@ -206,4 +234,4 @@ def read_header(data: np.ndarray) -> tuple[str, dict[str, TensorInfo]]:
     start = cdiv(pos, alignment) * alignment
     tensors = {name: TensorInfo(type_name, shape, start + offset)
                for name, type_name, shape, offset in infos}
-    return str(meta.get("general.architecture", "")), tensors
+    return Header(meta, tensors, start)

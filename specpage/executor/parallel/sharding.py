@@ -23,14 +23,7 @@ from specpage.executor.parallel.comm import Collectives
 from specpage.executor.parallel.layers import ShardedDecoderModel
 from specpage.layers.rope import inverse_frequencies
 from specpage.models.config import ModelConfig
-from specpage.models.loader import (
-    LoadedModel,
-    hf_to_fused,
-    identity,
-    read_tensors,
-    resolve_dtype,
-    weight_files,
-)
+from specpage.models.loader import LoadedModel, read_checkpoint, resolve_dtype
 
 State = dict[str, torch.Tensor]
 
@@ -111,15 +104,15 @@ def shard_loaded(loaded: LoadedModel, collectives: Collectives) -> LoadedModel:
     return _loaded(model, loaded.config, loaded.folder, loaded.identity, collectives.world)
 
 
-def load_shard(folder: Path, dtype: str | None, device: torch.device,
+def load_shard(path: Path, dtype: str | None, device: torch.device,
                collectives: Collectives) -> LoadedModel:
-    """A worker's shard, read from the checkpoint (on the CPU; only the
-    shard moves to the device)."""
-    config = ModelConfig.from_folder(folder)
-    files = weight_files(folder)
-    state = hf_to_fused(read_tensors(files), config, folder)
-    model = build_shard(state, config, collectives, resolve_dtype(dtype, device), device)
-    return _loaded(model, config, folder, identity(folder, files), collectives.world)
+    """A worker's shard, read from the checkpoint (an HF folder, a GGUF, or
+    a GGUF's metadata folder; on the CPU, only the shard moves to the device)."""
+    checkpoint = read_checkpoint(path)
+    model = build_shard(checkpoint.state, checkpoint.config, collectives,
+                        resolve_dtype(dtype, device), device)
+    return _loaded(model, checkpoint.config, checkpoint.folder, checkpoint.identity,
+                   collectives.world)
 
 
 def _loaded(model: ShardedDecoderModel, config: ModelConfig, folder: Path, whole: bytes,

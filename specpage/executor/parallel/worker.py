@@ -24,7 +24,6 @@ import torch
 from specpage.executor.model_runner import ModelRunner
 from specpage.executor.parallel.comm import Collectives, Ranks
 from specpage.executor.parallel.sharding import load_shard
-from specpage.models.loader import resolve_folder
 
 LOADED = "loaded"  # what a local worker sends over its pipe once its shard is built
 
@@ -51,7 +50,7 @@ def run(spec: WorkerSpec, report: Connection | None = None) -> int:
         torch.cuda.set_device(device)
     collectives = Collectives(spec.rank, spec.world)
     try:
-        shard = load_shard(resolve_folder(Path(spec.folder)), spec.dtype, device, collectives)
+        shard = load_shard(Path(spec.folder), spec.dtype, device, collectives)
         runner = ModelRunner(shard, spec.num_blocks, spec.block_size)
     except Exception as error:
         if report is not None:

@@ -1,0 +1,198 @@
+"""GGUF files read directly: the same model as the HF folder holding the
+same values, its config as transformers reads it, no dense copy written."""
+
+import dataclasses
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers
+from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+from specpage.executor.model_runner import ModelRunner
+from specpage.models import gguf_file
+from specpage.models.config import ModelConfig, ModelLoadError
+from specpage.models.fetch import cache_dir
+from specpage.models.gguf_dequant import SUPPORTED_TYPES
+from specpage.models.gguf_file import GGUFFile
+from specpage.models.loader import load_model
+from tests.support.checkpoints import greedy_through_pool, tiny_checkpoint
+from tests.support.gguf_files import CHAT_TEMPLATE, VOCAB_SIZE, write_gguf
+
+Q = gguf.GGMLQuantizationType
+# the tokenizer tests.support.gguf_files writes
+TOKEN_IDS = {"vocab_size": VOCAB_SIZE, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
+
+
+def hf_and_gguf(tmp_path: Path, family: str, type_of=lambda name: Q.F32, **overrides):
+    """(HF folder holding exactly what the GGUF holds, the GGUF's path)."""
+    model = tiny_checkpoint(tmp_path / "written", family, **TOKEN_IDS, **overrides)
+    path = tmp_path / f"tiny-{family}.gguf"
+    held = write_gguf(model, path, type_of)
+    model.load_state_dict(held, strict=False)  # a tied lm_head follows the embedding
+    model.save_pretrained(tmp_path / "held")
+    return tmp_path / "held", path
+
+
+def assert_same_model(folder: Path, path: Path) -> None:
+    ours, reference = load_model(path), load_model(folder)
+    assert same_config(ours.config, reference.config)
+    theirs = reference.model.state_dict()
+    for name, tensor in ours.model.state_dict().items():
+        assert torch.equal(tensor, theirs[name]), name
+
+
+def same_config(ours: ModelConfig, reference: ModelConfig) -> bool:
+    """Equal, the GGUF's float32 rms_norm_eps aside: the norm adds it to
+    fp32 values, so only its float32 value counts."""
+    eps = np.float32(ours.rms_norm_eps) == np.float32(reference.rms_norm_eps)
+    return eps and dataclasses.replace(ours, rms_norm_eps=reference.rms_norm_eps) == reference
+
+
+def converted() -> list[Path]:
+    folder = cache_dir() / "gguf" / "converted"
+    return sorted(folder.iterdir()) if folder.is_dir() else []
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_f32_gguf_is_the_hf_model_and_writes_no_weights(tmp_path, family):
+    before = converted()
+    folder, path = hf_and_gguf(tmp_path, family)
+    assert_same_model(folder, path)
+    assert converted() == before
+    loaded = load_model(path)
+    assert not list(loaded.folder.glob("*.safetensors"))
+    prompts = [[5, 80, 81, 7, 90], [100, 3]]
+    tokens = [greedy_through_pool(ModelRunner(m, num_blocks=16, block_size=4), prompts,
+                                  max_new=6, chunk=3, block_size=4)
+              for m in (loaded, load_model(folder))]
+    assert tokens[0] == tokens[1]
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0])
+def test_quantized_gguf_is_the_hf_model_of_its_dequantized_values(tmp_path, qtype):
+    folder, path = hf_and_gguf(tmp_path, "llama", lambda name: qtype)
+    assert GGUFFile(path).raw("blk.0.attn_q.weight").type_name == qtype.name
+    assert_same_model(folder, path)
+
+
+def test_tied_embedding_and_the_tokenizer_with_its_chat_template(tmp_path):
+    folder, path = hf_and_gguf(tmp_path, "qwen2", tie_word_embeddings=True)
+    loaded = load_model(path, quantization="none")
+    assert loaded.config.tie_word_embeddings
+    tokenizer = transformers.AutoTokenizer.from_pretrained(loaded.folder)
+    assert tokenizer.chat_template == CHAT_TEMPLATE
+    assert tokenizer.model_max_length == 512
+    assert json.loads((loaded.folder / "config.json").read_text()) == GGUFFile(path).config()
+    # the folder loads the same model again, from the same GGUF
+    again = load_model(loaded.folder)
+    assert again.identity == loaded.identity
+    assert torch.equal(again.model.embed_tokens.weight, loaded.model.embed_tokens.weight)
+
+
+FAMILIES = {  # transformers' config and model classes, and the tiny config's extras
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+               {"head_dim": 32, "query_pre_attn_scalar": 32, "sliding_window": 64}),
+}
+
+
+def write_family(tmp_path: Path, family: str) -> tuple[transformers.PreTrainedConfig, Path]:
+    config_name, model_name, extras = FAMILIES[family]
+    config = getattr(transformers, config_name)(
+        **TOKEN_IDS, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        rms_norm_eps=1e-5, tie_word_embeddings=family == "gemma3", **extras)
+    config.architectures = [model_name]
+    torch.manual_seed(0)
+    model = getattr(transformers, model_name)(config).eval()
+    path = tmp_path / f"{family}.gguf"
+    write_gguf(model, path)
+    return config, path
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_config_dict_is_transformers_own(tmp_path, family):
+    original, path = write_family(tmp_path, family)
+    ours = GGUFFile(path).config()
+    theirs = load_gguf_checkpoint(str(path))["config"]
+    shared = theirs.keys() - {"_model_name_or_path"}
+    assert {k: ours[k] for k in shared} == {k: theirs[k] for k in shared}
+    # and, where transformers fills in defaults, the config the file was written from
+    rebuilt = type(original)(**ours).to_dict()
+    expected = original.to_dict()
+    for key in ours.keys() & expected.keys():
+        if key == "rms_norm_eps":  # stored as float32
+            assert np.float32(rebuilt[key]) == np.float32(expected[key])
+        elif key not in ("rope_theta", "rope_local_base_freq", "rope_scaling"):
+            assert rebuilt[key] == expected[key], key
+    assert rebuilt["rope_parameters"] == expected["rope_parameters"]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_model_config_reads_the_dict(tmp_path, family):
+    folder, path = hf_and_gguf(tmp_path, family)
+    assert same_config(ModelConfig.from_dict(GGUFFile(path).config()),
+                       ModelConfig.from_folder(folder))
+
+
+def test_unsupported_tensor_type_names_tensor_type_and_supported(tmp_path):
+    _, path = hf_and_gguf(tmp_path, "llama", lambda name: Q.Q4_0)
+    data = bytearray(path.read_bytes())
+    name = b"blk.1.ffn_up.weight"
+    # the type id follows the name, its dimension count and its 2 dimensions
+    at = data.index(name) + len(name) + 4 + 16
+    assert int.from_bytes(data[at:at + 4], "little") == Q.Q4_0
+    data[at:at + 4] = int(Q.IQ4_NL).to_bytes(4, "little")  # same block size as Q4_0
+    path.write_bytes(bytes(data))
+    with pytest.raises(ModelLoadError) as error:
+        load_model(path)
+    message = str(error.value)
+    assert "blk.1.ffn_up.weight is IQ4_NL" in message
+    assert ", ".join(SUPPORTED_TYPES) in message
+
+
+def test_projection_parts_are_the_stored_blocks_in_hf_row_order(tmp_path):
+    _, path = hf_and_gguf(tmp_path, "llama", lambda name: Q.Q8_0)
+    file = GGUFFile(path)
+    parts = file.projection_parts(1, "qkv_proj")
+    assert [(p.name, p.type_name, p.shape) for p in parts] == [
+        ("blk.1.attn_q.weight", "Q8_0", (64, 64)),
+        ("blk.1.attn_k.weight", "Q8_0", (32, 64)),
+        ("blk.1.attn_v.weight", "Q8_0", (32, 64)),
+    ]
+    assert parts[0].data.shape == (64, 2 * 34)  # 2 blocks of 34 bytes a row
+    q = gguf.quants.dequantize(parts[0].data, Q.Q8_0)
+    assert torch.equal(torch.from_numpy(q), file.dense("blk.1.attn_q.weight"))
+
+
+def test_not_a_gguf_is_named(tmp_path):
+    path = tmp_path / "junk.gguf"
+    path.write_bytes(b"not a gguf file at all, just bytes" * 4)
+    with pytest.raises(ModelLoadError, match="junk.gguf: unreadable GGUF"):
+        load_model(path)
+
+
+def test_linears_run_on_their_blocks_are_not_dequantized(tmp_path, monkeypatch):
+    _, path = hf_and_gguf(tmp_path, "llama", lambda name: Q.Q4_1)
+    read: list[str] = []
+    real = gguf_file.dequantize
+
+    def recording(raw, where):
+        read.append(raw.name)
+        return real(raw, where)
+
+    monkeypatch.setattr(gguf_file, "dequantize", recording)
+    loaded = load_model(path, quantization="auto")
+    assert loaded.quantization.startswith("q4 from GGUF Q4_1 blocks")
+    linears = set(GGUFFile(path).linear_names())
+    assert len(linears) == 14
+    assert read and not linears & set(read)
+    read.clear()
+    load_model(path)  # the exact path dequantizes them
+    assert linears <= set(read)
