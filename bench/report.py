@@ -502,6 +502,40 @@ def structured(r: dict) -> list[str]:
     return out
 
 
+def scaling(r: dict) -> list[str]:
+    """Random Q4_K_M Llama models of three sizes (and Gemma 3 270M): single-
+    stream ms/token over the bytes-read floor, 32 streams, time to serving."""
+    out = []
+    for name, m in r["models"].items():
+        about = (f"{m['parameters'] / 1e9:.2f}B random, {m['shape']['layers']} layers of "
+                 f"{m['shape']['hidden']}/{m['shape']['intermediate']}" if m["shape"]
+                 else "real weights")
+        case = (f"{name} ({about}), {m['file_bytes'] / 2**20:.0f} MiB Q4_K_M: a token reads "
+                f"{m['step_bytes'] / 2**20:.0f} MiB, floor {fmt(m['floor_ms'], 1)} ms")
+        cells = {}
+        for system in ("specpage", "llama_cpp"):
+            if f"{system}_ms_per_token" not in m:
+                # a traceback's last words say why
+                why = str(m["errors"].get(system, "?"))[-200:].replace("|", "/")
+                cells[system] = f"failed: …{why}"
+                continue
+            cells[system] = (f"{fmt(m[f'{system}_ms_per_token'], 1)} ms/token, "
+                             f"{spread(m[f'{system}_over_floor'])}× the floor; 32 streams "
+                             f"{fmt(m[f'{system}_streams32_tok_s'], 1)} tok/s; serving after "
+                             f"{spread(m[f'{system}_startup_s'])} s")
+        dense = m["dense_copy"]
+        cells["specpage"] += (f"; dense copy {dense['bytes'] / 2**30:.1f} GiB" if dense["folders"]
+                              else "; no dense copy")
+        versus = m.get("specpage_vs_llama_cpp")
+        peer = cells["llama_cpp"] + (
+            f"; specpage against it: TPOT {verdict(versus['single_tpot'])}, 32-stream tok/s "
+            f"{verdict(versus['streams32_tok_s'])}" if versus else "")
+        out.append(f"| {case} | {cells['specpage']} | llama.cpp: {peer} |")
+    for name, why in r.get("skipped", {}).items():
+        out.append(f"| {name} | not measured | {why} |")
+    return out
+
+
 def rows(render: Callable[[dict], list[str]], result: dict) -> list[str]:
     try:
         return render(result)
@@ -517,7 +551,8 @@ SECTIONS = {"block_pool": block_pool, "model_runner": model_runner, "engine": en
             "compile": compile_, "model_free": model_free, "model_free_t0.7": model_free,
             "model_free_replay": model_free_replay, "model_free_peers": model_free_peers,
             "model_free_cost": model_free_cost, "deterministic": deterministic,
-            "soak": soak, "grammar_engines": grammar_engines, "structured": structured}
+            "soak": soak, "grammar_engines": grammar_engines, "structured": structured,
+            "scaling": scaling}
 
 
 HAND_KEPT = "Recorded by hand"
