@@ -170,12 +170,16 @@ class GGUFFile:
         except KeyError:
             raise ModelLoadError(f"{self.path}: GGUF lacks tensor {name!r}") from None
 
-    def tensors(self, dense_linears: bool = True) -> dict[str, torch.Tensor]:
+    def tensors(self, dense_linears: bool = True,
+                dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
         """Every tensor, dense, by its HF name. dense_linears False: the
-        layers' linear weights are zeros of their shape instead, for a
-        caller that swaps those linears for modules on the stored blocks."""
+        layers' linear weights are placeholders of their shape instead (one
+        zero of dtype, the model's, expanded: no memory, and no copy when
+        the model takes its dtype), for a caller that swaps those linears
+        for modules on the stored blocks."""
         placeholders = set() if dense_linears else set(self.linear_names())
-        return {self.hf_name(name): (torch.zeros(self.raw_info(name).shape[::-1])
+        return {self.hf_name(name): (torch.zeros((), dtype=dtype).expand(
+                                         self.raw_info(name).shape[::-1])
                                      if name in placeholders else self.dense(name))
                 for name in self.header.tensors}
 

@@ -107,7 +107,8 @@ def load_model(
                                  dtype_chosen=dtype is not None)
         hugepages.pack(head.model)
         return head
-    checkpoint = read_checkpoint(path, Quantization.parse(quantization))
+    checkpoint = read_checkpoint(path, Quantization.parse(quantization),
+                                 resolve_dtype(dtype, device))
     config = checkpoint.config
     torch_dtype = resolve_dtype(dtype, device)
     with torch.device("meta"):
@@ -134,7 +135,8 @@ class Checkpoint(NamedTuple):
     identity: bytes  # LoadedModel.identity
 
 
-def read_checkpoint(path: Path, quantization: Quantization = NO_QUANTIZATION) -> Checkpoint:
+def read_checkpoint(path: Path, quantization: Quantization = NO_QUANTIZATION,
+                    dtype: torch.dtype = torch.float32) -> Checkpoint:
     """The config and weights of an HF folder, or of a GGUF file (or the
     metadata folder made from one), read without writing any weights. A
     GGUF's linears that ``quantization`` will run on the file's own blocks
@@ -161,7 +163,8 @@ def read_checkpoint(path: Path, quantization: Quantization = NO_QUANTIZATION) ->
         from specpage.models.quant_load import runs_on_gguf_blocks
 
         on_blocks = runs_on_gguf_blocks(quantization, gguf.linear_types())
-    state = hf_to_fused(gguf.tensors(dense_linears=not on_blocks), config, gguf_path)
+    state = hf_to_fused(gguf.tensors(dense_linears=not on_blocks, dtype=dtype), config,
+                        gguf_path)
     return Checkpoint(folder, config, state, gguf.identity)
 
 
@@ -239,9 +242,18 @@ def hf_to_fused(
         for name, has_bias in biases.items():
             parts = _FUSED.get(name) or (_RENAMED[name],)
             for kind in ("weight", "bias") if has_bias else ("weight",):
-                state[f"{ours}{name}.{kind}"] = torch.cat([take(f"{hf}{p}.{kind}") for p in parts])
+                state[f"{ours}{name}.{kind}"] = _cat_rows([take(f"{hf}{p}.{kind}")
+                                                           for p in parts])
     _check_shapes(state, config, folder)
     return state
+
+
+def _cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The parts stacked along the rows; placeholders (a weight left to a
+    module on a GGUF's blocks: one zero, expanded) stay one, of no memory."""
+    if all(p.ndim == 2 and p.stride() == (0, 0) for p in parts):
+        return parts[0].new_zeros(()).expand(sum(p.shape[0] for p in parts), parts[0].shape[1])
+    return torch.cat(parts)
 
 
 def _check_shapes(state: dict[str, torch.Tensor], config: ModelConfig, folder: Path) -> None:
