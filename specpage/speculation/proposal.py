@@ -75,7 +75,7 @@ def guided(logits: torch.Tensor, works: list[SeqWork], tokens: list[list[int]],
     in tokens) that propose at this depth: a constrained row's logits are
     masked in place to what its grammar lets the draft propose next, and it
     stops where that leaves it nothing."""
-    constrained = [r for r, w in enumerate(works) if w.allowed]
+    constrained = [r for r, w in enumerate(works) if w.allowed] if guides else []
     if not constrained:
         return list(range(len(works)))
     masks = b"".join(guides[works[r].seq_id].draft_mask(tokens[r]) for r in constrained)

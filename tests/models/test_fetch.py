@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from specpage.models import fetch
+from tests.support.gguf_files import byte_level_alphabet
 
 FAKE_GGUF = b"GGUF" + bytes(range(256)) * 64
 
@@ -299,18 +300,6 @@ def test_convert_gguf_rejects_junk(tmp_path: Path) -> None:
     assert not out.exists()
 
 
-def _byte_level_alphabet() -> list[str]:
-    """GPT-2's byte-to-unicode table: the base vocabulary of a byte-level BPE."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
-    chars = {b: b for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in chars:
-            chars[b] = 256 + extra
-            extra += 1
-    return [chr(chars[b]) for b in sorted(chars, key=lambda b: (b not in printable, b))]
-
-
 def write_tiny_gguf(path: Path) -> None:
     """A 2-layer llama GGUF laid out like the SmolLM2 one: Q8_0 embeddings, Q4_1 layers,
     tied output, gpt2 BPE tokenizer with a chat template."""
@@ -319,7 +308,7 @@ def write_tiny_gguf(path: Path) -> None:
 
     q = gguf.GGMLQuantizationType
     rng = np.random.default_rng(0)
-    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *_byte_level_alphabet(), "he"]
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *byte_level_alphabet(), "he"]
     vocab, hidden, ffn, layers, heads, kv_heads = len(tokens), 64, 128, 2, 4, 2
     kv = hidden // heads * kv_heads
 

@@ -180,8 +180,8 @@ def test_not_a_gguf_is_named(tmp_path):
         load_model(path)
 
 
-def test_linears_run_on_their_blocks_are_not_dequantized(tmp_path, monkeypatch):
-    _, path = hf_and_gguf(tmp_path, "llama", lambda name: Q.Q4_1)
+def dequantized_names(monkeypatch) -> list[str]:
+    """The GGUF tensors the reader dequantizes from here on, by name."""
     read: list[str] = []
     real = gguf_file.dequantize
 
@@ -190,6 +190,12 @@ def test_linears_run_on_their_blocks_are_not_dequantized(tmp_path, monkeypatch):
         return real(raw, where)
 
     monkeypatch.setattr(gguf_file, "dequantize", recording)
+    return read
+
+
+def test_linears_run_on_their_blocks_are_not_dequantized(tmp_path, monkeypatch):
+    _, path = hf_and_gguf(tmp_path, "llama", lambda name: Q.Q4_1)
+    read = dequantized_names(monkeypatch)
     loaded = load_model(path, quantization="auto")
     assert loaded.quantization.startswith("q4 from GGUF Q4_1 blocks")
     linears = set(GGUFFile(path).linear_names())
@@ -215,14 +221,7 @@ def test_k_quant_linears_run_on_the_files_blocks(tmp_path, monkeypatch):
     folder, path = hf_and_gguf(tmp_path, "qwen2", k_quant_m, hidden_size=256,
                                intermediate_size=512, num_attention_heads=4,
                                num_key_value_heads=2, head_dim=64)
-    read: list[str] = []
-    real = gguf_file.dequantize
-
-    def recording(raw, where):
-        read.append(raw.name)
-        return real(raw, where)
-
-    monkeypatch.setattr(gguf_file, "dequantize", recording)
+    read = dequantized_names(monkeypatch)
     quantized = load_model(path, quantization="auto", dtype="float32")
     assert quantized.quantization.startswith("GGUF Q4_K/Q6_K blocks")
     assert not set(GGUFFile(path).linear_names()) & set(read)
