@@ -27,8 +27,8 @@ from specpage.models.loader import LoadedModel, load_model
 from specpage.models.quant_load import PROJECTIONS, quantize_rtn
 from specpage.models.quant_names import QuantizationError
 from tests.layers.test_quant import both_products, int8_x, native
-from tests.models.test_fetch import _byte_level_alphabet
 from tests.support.checkpoints import tiny_checkpoint
+from tests.support.gguf_files import byte_level_alphabet
 
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 64, 128, 2, 4, 2
 # what a q4 model's quantization string ends with where the int4 products
@@ -43,7 +43,7 @@ def write_gguf(path: Path, linear_type: str, seed: int = 0, vocab_multiple: int 
     import gguf
 
     rng = np.random.default_rng(seed)
-    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *_byte_level_alphabet(), "he"]
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *byte_level_alphabet(), "he"]
     tokens += [f"<unused{i}>" for i in range(-len(tokens) % vocab_multiple)]
     vocab, kv = len(tokens), HIDDEN // HEADS * KV_HEADS
     w = gguf.GGUFWriter(str(path), "llama")
