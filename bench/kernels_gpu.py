@@ -6,18 +6,31 @@ contents (the no-paging baseline).
 Traffic counts the bytes a kernel must move at least (every K/V row of a
 context read once per KV head, q read and the output written once), read and
 written alike, as does the copy's (size read + size written). Times are
-medians of triton.testing.do_bench. Decode targets >= 75% of the copy's
-traffic and no slower than contiguous SDPA.
+medians of triton.testing.do_bench (eager launches) and of
+do_bench_cudagraph (the launches replayed from a CUDA graph, as an engine
+that captures its decode step sees them). Decode targets >= 75% of the
+copy's traffic and no slower than contiguous SDPA.
 
-Defaults: 64 sequences x 2048 context, 32 query heads, 8 KV heads, head dim
-128, bf16, block size 16, blocks scattered over the pool. Writes
-results/kernels_gpu.json; the last line printed is the same JSON object.
-Without CUDA it prints a `skipped` line and exits 0.
+Shapes: 32 and 256 sequences x 2048 positions (--quick: 32 x 1024), 32 query
+heads, 8 KV heads, head dim 128 (a Llama-3-8B layer), and SmolLM2-135M's 9
+query and 3 KV heads of 64; bf16, block size 16, blocks scattered over the
+pool. For each: decode; a verification of k = 4 (5 positions per sequence)
+through the short-span kernel (what TritonAttention runs) and through
+paged_prefill; prefill chunks, write_kv and copy_blocks once.
+
+--before FILE times an earlier paged_decode module (a copy of the file) on
+the same inputs. --sweep times every launch configuration of the decode
+kernel (tile, warps, stages, waves) and reports the best.
+
+Writes results/kernels_gpu.json; the last line printed is the same JSON
+object. Without CUDA it prints a `skipped` line and exits 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import itertools
 import json
 import sys
 from collections.abc import Callable
@@ -43,6 +56,18 @@ def time_ms(fn: Callable[[], object], quick: bool) -> float:
 
     warmup, rep = (5, 20) if quick else (25, 200)
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def graph_ms(fn: Callable[[], object], quick: bool) -> float | None:
+    """Replayed from a CUDA graph (no launch overhead); None where fn does
+    not capture."""
+    import triton.testing
+
+    try:
+        return float(triton.testing.do_bench_cudagraph(fn, rep=20 if quick else 100,
+                                                       return_mode="median"))
+    except RuntimeError:
+        return None
 
 
 def copy_traffic(quick: bool) -> float:
@@ -91,55 +116,114 @@ def fraction(nbytes: int, ms: float, copy: float) -> float:
     return round(nbytes / (ms * 1e-3) / copy, 3)
 
 
-def bench_decode(args: argparse.Namespace, copy: float) -> dict[str, Any]:
+def timings(name: str, fn: Callable[[], object], nbytes: int, copy: float,
+            quick: bool) -> dict[str, Any]:
+    ms, graph = time_ms(fn, quick), graph_ms(fn, quick)
+    return {
+        f"{name}ms": round(ms, 4),
+        f"{name}fraction_of_copy": fraction(nbytes, ms, copy),
+        f"{name}graph_ms": round(graph, 4) if graph else None,
+        f"{name}graph_fraction_of_copy": fraction(nbytes, graph, copy) if graph else None,
+    }
+
+
+def load_module(path: Path) -> Any:
+    spec = importlib.util.spec_from_file_location("paged_decode_before", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def bench_decode(args: argparse.Namespace, copy: float, num_seqs: int) -> dict[str, Any]:
     from specpage.kernels.triton.paged_decode import paged_decode
 
-    pool = Pool(args, [(args.context - 1, 1)] * args.num_seqs)
-    q = torch.randn(args.num_seqs, args.heads, args.head_dim, dtype=torch.bfloat16, device="cuda")
+    pool = Pool(args, [(args.context - 1, 1)] * num_seqs)
+    q = torch.randn(num_seqs, args.heads, args.head_dim, dtype=torch.bfloat16, device="cuda")
     out = torch.empty_like(q)
     scale = args.head_dim**-0.5
-    ms = time_ms(lambda: paged_decode(q, pool.cache, pool.meta, scale, out), args.quick)
+    nbytes = pool.kv_bytes + q.nbytes + out.nbytes
+    result: dict[str, Any] = {"num_seqs": num_seqs, "bytes": nbytes}
+    result.update(timings("", lambda: paged_decode(q, pool.cache, pool.meta, scale, out),
+                          nbytes, copy, args.quick))
+    ours = out.clone()
+    if args.before:
+        before = load_module(args.before)
+        result.update(timings("before_", lambda: before.paged_decode(
+            q, pool.cache, pool.meta, scale, out), nbytes, copy, args.quick))
     # One query token attends to everything, so a KV head's query heads can
     # ride along the query axis: plain MHA-shaped SDPA, any backend.
     groups = args.heads // args.kv_heads
-    q_rows = q.view(args.num_seqs, args.kv_heads, groups, args.head_dim)
+    q_rows = q.view(num_seqs, args.kv_heads, groups, args.head_dim)
 
     def sdpa() -> torch.Tensor:
         return F.scaled_dot_product_attention(q_rows, pool.k, pool.v, scale=scale)
 
-    sdpa_ms = time_ms(sdpa, args.quick)
-    nbytes = pool.kv_bytes + q.nbytes + out.nbytes
-    return {
-        "ms": round(ms, 4),
-        "fraction_of_copy": fraction(nbytes, ms, copy),
-        "sdpa_ms": round(sdpa_ms, 4),
-        "sdpa_fraction_of_copy": fraction(nbytes, sdpa_ms, copy),
-        "speedup_vs_sdpa": round(sdpa_ms / ms, 3),
-        "rel_error_vs_sdpa": rel_error(out, sdpa().reshape(out.shape)),
-        "bytes": nbytes,
-    }
+    result.update(timings("sdpa_", sdpa, nbytes, copy, args.quick))
+    result["speedup_vs_sdpa"] = round(result["sdpa_ms"] / result["ms"], 3)
+    if result["graph_ms"] and result["sdpa_graph_ms"]:
+        result["graph_speedup_vs_sdpa"] = round(result["sdpa_graph_ms"] / result["graph_ms"], 3)
+    result["rel_error_vs_sdpa"] = rel_error(ours, sdpa().reshape(out.shape))
+    if args.sweep:
+        result["sweep"] = sweep(pool, q, out, scale, nbytes, copy)
+    return result
+
+
+def sweep(pool: Pool, q: torch.Tensor, out: torch.Tensor, scale: float, nbytes: int,
+          copy: float) -> dict[str, Any]:
+    """Every launch configuration of the decode kernel, graph-replayed."""
+    from specpage.kernels.triton.paged_decode import (
+        DecodeConfig,
+        _default_partition_size,
+        paged_decode,
+    )
+
+    rows: list[dict[str, Any]] = []
+    programs = q.shape[0] * pool.cache.shape[3]
+    seen = set()
+    for tile, warps, stages, waves in itertools.product(
+            (32, 64, 128), (4, 8), (2, 3, 4), (1, 2, 4, 8)):
+        config = DecodeConfig(tile=tile, tile_when_many=tile, num_warps=warps,
+                              num_stages=stages, waves=waves, min_partition=128)
+        partition = _default_partition_size(q.device, programs, pool.meta.max_context, config,
+                                            tile)
+        if (tile, warps, stages, partition) in seen:
+            continue  # more waves that split no further
+        seen.add((tile, warps, stages, partition))
+        try:
+            ms = graph_ms(lambda c=config: paged_decode(q, pool.cache, pool.meta, scale, out,
+                                                        config=c), quick=True)
+        except Exception as error:  # noqa: BLE001 - a config that fails to compile is a row
+            rows.append({"config": config.__dict__, "error": str(error)[:120]})
+            continue
+        if ms:
+            rows.append({"config": config.__dict__, "partition": partition,
+                         "graph_ms": round(ms, 4), "fraction_of_copy": fraction(nbytes, ms, copy)})
+    timed = sorted((r for r in rows if "graph_ms" in r), key=lambda r: r["graph_ms"])
+    return {"tried": len(rows), "best": timed[:5], "failed": [r for r in rows if "error" in r][:3]}
 
 
 def bench_spans(args: argparse.Namespace, copy: float, num_seqs: int, new: int) -> dict[str, Any]:
     from torch.nn.attention.bias import causal_lower_right
 
+    from specpage.kernels.triton.paged_decode import paged_decode, takes_spans
     from specpage.kernels.triton.paged_prefill import paged_prefill
 
     pool = Pool(args, [(args.context - new, new)] * num_seqs)
     q = torch.randn(num_seqs * new, args.heads, args.head_dim, dtype=torch.bfloat16, device="cuda")
     out = torch.empty_like(q)
     scale = args.head_dim**-0.5
-    ms = time_ms(lambda: paged_prefill(q, pool.cache, pool.meta, scale, out), args.quick)
     nbytes = pool.kv_bytes + q.nbytes + out.nbytes
     flops = 4 * num_seqs * args.heads * args.head_dim * (new * args.context - new * (new - 1) / 2)
-    result: dict[str, Any] = {
-        "num_seqs": num_seqs,
-        "new_tokens": new,
-        "ms": round(ms, 4),
-        "fraction_of_copy": fraction(nbytes, ms, copy),
-        "tflops": round(flops / (ms * 1e-3) / 1e12, 2),
-        "bytes": nbytes,
-    }
+    result: dict[str, Any] = {"num_seqs": num_seqs, "new_tokens": new, "bytes": nbytes}
+    result.update(timings("prefill_kernel_", lambda: paged_prefill(
+        q, pool.cache, pool.meta, scale, out), nbytes, copy, args.quick))
+    result["prefill_kernel_tflops"] = round(flops / (result["prefill_kernel_ms"] * 1e-3) / 1e12, 2)
+    ref = out.clone()
+    if takes_spans(new, args.heads // args.kv_heads):
+        result.update(timings("", lambda: paged_decode(q, pool.cache, pool.meta, scale, out),
+                              nbytes, copy, args.quick))
+        result["rel_error_vs_prefill_kernel"] = rel_error(out, ref)
     q_sdpa = q.view(num_seqs, new, args.heads, args.head_dim).transpose(1, 2)
     mask = causal_lower_right(new, args.context)  # span token i sees context - new + i
 
@@ -153,12 +237,10 @@ def bench_spans(args: argparse.Namespace, copy: float, num_seqs: int, new: int) 
     except (RuntimeError, TypeError, NotImplementedError) as error:
         result["sdpa_error"] = f"{type(error).__name__}: {error}"[:200]
         return result
-    ref = sdpa().transpose(1, 2).reshape(out.shape)
     result.update(
         sdpa_ms=round(sdpa_ms, 4),
         sdpa_fraction_of_copy=fraction(nbytes, sdpa_ms, copy),
-        speedup_vs_sdpa=round(sdpa_ms / ms, 3),
-        rel_error_vs_sdpa=rel_error(out, ref),
+        rel_error_vs_sdpa=rel_error(ref, sdpa().transpose(1, 2).reshape(out.shape)),
     )
     return result
 
@@ -199,52 +281,72 @@ def bench_copy_blocks(args: argparse.Namespace, copy: float) -> dict[str, Any]:
     }
 
 
+def shape_of(args: argparse.Namespace) -> dict[str, Any]:
+    return {"context": args.context, "heads": args.heads, "kv_heads": args.kv_heads,
+            "head_dim": args.head_dim, "block_size": args.block_size, "dtype": "bfloat16"}
+
+
+def attention_rows(args: argparse.Namespace, copy: float, counts: list[int]) -> dict[str, Any]:
+    """Decode and a k = 4 verification at each sequence count, one head shape."""
+    rows: dict[str, Any] = {"shape": shape_of(args)}
+    for num_seqs in counts:
+        decode = bench_decode(args, copy, num_seqs)
+        verify = bench_spans(args, copy, num_seqs, 5)
+        if "ms" in verify:
+            # the whole span against decoding one token, and per position
+            verify["vs_decode"] = round(verify["ms"] / decode["ms"], 3)
+            verify["per_position_vs_decode"] = round(verify["ms"] / 5 / decode["ms"], 3)
+        rows[f"{num_seqs}seqs"] = {"decode": decode, "verify_k4": verify}
+        print(json.dumps({"heads": args.heads, "num_seqs": num_seqs, "decode": decode,
+                          "verify_k4": verify}), flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats")
-    parser.add_argument("--num-seqs", type=int, default=64)
+    parser.add_argument("--num-seqs", default="32,256", help="sequence counts, comma-separated")
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--before", type=Path, help="an earlier paged_decode module to time too")
+    parser.add_argument("--sweep", action="store_true", help="time every decode launch config")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         skip("no CUDA device")
         return
     from specpage.kernels.triton import is_interpreted
-    from specpage.kernels.triton.paged_decode import _paged_decode_kernel
+    from specpage.kernels.triton.paged_decode import DEFAULT_CONFIG, _paged_spans_kernel
 
-    if is_interpreted(_paged_decode_kernel):
+    if is_interpreted(_paged_spans_kernel):
         skip("TRITON_INTERPRET is set")
         return
+    counts = [int(n) for n in args.num_seqs.split(",")]
     if args.quick:
-        args.num_seqs, args.context = min(args.num_seqs, 32), min(args.context, 1024)
+        counts, args.context = [min(counts[0], 32)], min(args.context, 1024)
     torch.manual_seed(0)
     copy = copy_traffic(args.quick)
-    decode = bench_decode(args, copy)
-    result = {
+    result: dict[str, Any] = {
         "bench": "kernels_gpu",
         "device": torch.cuda.get_device_name(),
         "quick": args.quick,
-        "shape": {
-            "num_seqs": args.num_seqs,
-            "context": args.context,
-            "heads": args.heads,
-            "kv_heads": args.kv_heads,
-            "head_dim": args.head_dim,
-            "block_size": args.block_size,
-            "dtype": "bfloat16",
-        },
+        "decode_config": DEFAULT_CONFIG.__dict__,
         "copy_traffic_gb_s": round(copy / 1e9, 1),
-        "decode": decode,
-        "decode_meets_target": decode["fraction_of_copy"] >= DECODE_TARGET
-        and decode["speedup_vs_sdpa"] >= 1.0,
-        "verify_k4": bench_spans(args, copy, args.num_seqs, 5),
-        "prefill_chunk": bench_spans(args, copy, max(1, args.num_seqs // 8), 512),
-        "write_kv": bench_write_kv(args, copy),
-        "copy_blocks": bench_copy_blocks(args, copy),
+        "llama_8b_layer": attention_rows(args, copy, counts),
     }
+    small = argparse.Namespace(**{**vars(args), "heads": 9, "kv_heads": 3, "head_dim": 64})
+    result["smollm2_layer"] = attention_rows(small, copy, counts)
+    decodes = [row["decode"] for rows in (result["llama_8b_layer"], result["smollm2_layer"])
+               for key, row in rows.items() if key != "shape"]
+    result["decode_meets_target"] = all(
+        d["fraction_of_copy"] >= DECODE_TARGET and d["speedup_vs_sdpa"] >= 1.0 for d in decodes)
+    args.num_seqs = max(1, counts[0] // 4)
+    result["prefill_chunk"] = bench_spans(args, copy, max(1, counts[0] // 4), 512)
+    args.num_seqs = counts[0]
+    result["write_kv"] = bench_write_kv(args, copy)
+    result["copy_blocks"] = bench_copy_blocks(args, copy)
     finish("kernels_gpu", result)
 
 

@@ -12,7 +12,7 @@ from specpage.attention.backend import AttentionMetadata, lay_out_spans
 from specpage.core.span import Span
 from specpage.kernels.triton.block_copy import copy_blocks
 from specpage.kernels.triton.kv_write import write_kv
-from specpage.kernels.triton.paged_decode import paged_decode
+from specpage.kernels.triton.paged_decode import paged_decode, takes_spans
 from specpage.kernels.triton.paged_prefill import paged_prefill
 
 
@@ -30,7 +30,7 @@ class TritonMetadata(AttentionMetadata):
 
 class TritonAttention:
     """Writes K/V with `kv_write` and attends with `paged_decode` when every
-    sequence brings one token, `paged_prefill` otherwise.
+    span is short (decoding, verification), `paged_prefill` otherwise.
 
     cache: [2, num_blocks, block_size, kv_heads, head_dim] (K then V) of one layer.
     The kernels have no sliding window: a model whose layers have one is
@@ -66,10 +66,9 @@ class TritonAttention:
         """q [num_tokens, heads, head_dim] -> [num_tokens, heads * head_dim]."""
         assert isinstance(meta, TritonMetadata), "metadata from another backend's build_metadata"
         assert window is None, "the Triton kernels have no sliding window"
-        num_tokens = q.shape[0]
-        # max_query == 1 alone would admit sequences with no new token.
-        one_token_each = meta.max_query == 1 and num_tokens == meta.context_lens.shape[0]
-        attend_spans = paged_decode if one_token_each else paged_prefill
+        num_tokens, groups = q.shape[0], q.shape[1] // cache.shape[3]
+        short = takes_spans(meta.max_query, groups) and num_tokens >= meta.context_lens.shape[0]
+        attend_spans = paged_decode if short else paged_prefill
         return attend_spans(q, cache, meta, scale).view(num_tokens, -1)
 
     def copy_blocks(self, kv_cache: torch.Tensor, pairs: torch.Tensor) -> None:

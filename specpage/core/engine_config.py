@@ -49,6 +49,11 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # at its position, which a proposal must equal to be accepted
     # (speculation/verifier.py). Its cost: docs/BENCHMARKS.md, "Deterministic mode".
     deterministic: bool = False
+    # On CUDA, decode forwards (one token per sequence, up to max_num_seqs)
+    # replayed from captured graphs (executor/cuda_graphs.py); no effect on
+    # CPU. Off by default: on an H200 it made single-stream decoding 8.8x
+    # faster, and then faulted (an illegal memory access) at 32 streams.
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_step_tokens", "max_context",

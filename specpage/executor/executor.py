@@ -33,7 +33,9 @@ Built = tuple[ModelRunner | HeadRunner, Proposer, tuple[int, ...]]
 
 
 def _draft_model(target: LoadedModel, draft: Any, config: EngineConfig) -> Built:
-    runner = ModelRunner(draft, config.num_blocks, config.block_size)
+    runner = ModelRunner(draft, config.num_blocks, config.block_size,
+                         graphs_for=config.max_num_seqs if config.cuda_graphs else 0,
+                         max_context=config.max_context)
     return runner, DraftProposer(runner, config.deterministic), ()
 
 
@@ -53,8 +55,10 @@ class Executor:
     def __init__(self, target: LoadedModel, draft: LoadedModel | LoadedHead | None,
                  config: EngineConfig, target_runner: ModelRunner | None = None) -> None:
         # target_runner: one built already (tensor parallelism: rank 0's shard)
-        self.target = target_runner or ModelRunner(target, config.num_blocks, config.block_size,
-                                                   deterministic=config.deterministic)
+        self.target = target_runner or ModelRunner(
+            target, config.num_blocks, config.block_size, deterministic=config.deterministic,
+            graphs_for=config.max_num_seqs if config.cuda_graphs else 0,
+            max_context=config.max_context)
         self.runners: list[ModelRunner | HeadRunner] = [self.target]
         self.draft: ModelRunner | HeadRunner | None = None
         self.proposer: Proposer | None = None

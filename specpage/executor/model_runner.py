@@ -15,6 +15,7 @@ import torch
 
 from specpage.attention.backend import AttentionBackend
 from specpage.core.span import Span
+from specpage.executor.cuda_graphs import DecodeGraphs
 from specpage.executor.kv_cache import KvCache, KvShape
 from specpage.layers.products import row_invariant
 from specpage.models.decoder import DecoderModel, LayerTap
@@ -32,6 +33,8 @@ class ModelRunner:
         block_size: int,
         backend: AttentionBackend | None = None,
         deterministic: bool = False,
+        graphs_for: int = 0,
+        max_context: int | None = None,
     ) -> None:
         """deterministic: each position's logits the same whatever else its
         forward computes (other sequences, the span it is in, the chunk):
@@ -52,6 +55,12 @@ class ModelRunner:
                 f"({self.device.type}) is not; run it on the CPU")
         self.groups = c.num_heads // c.num_kv_heads  # query heads per KV head
         self.native_step = self._native_step(loaded)
+        # graphs_for: decode forwards of up to this many sequences replayed
+        # from CUDA graphs (executor/cuda_graphs.py); 0, or off CUDA: none
+        self.graphs: DecodeGraphs | None = None
+        if graphs_for and self.device.type == "cuda" and not deterministic:
+            self.graphs = DecodeGraphs(self.model, self.kv, block_size, graphs_for,
+                                       min(max_context or c.max_position, c.max_position))
 
     def _native_step(self, loaded: LoadedModel) -> NativeStep | None:
         """The step from spans on the native kernels, where this model can
@@ -75,9 +84,18 @@ class ModelRunner:
         hidden states entering its layers, for every token of the spans."""
         self.check(spans)
         with row_invariant(self.deterministic):
-            return self._forward(spans, tap)
+            logits = self._forward(spans, tap)
+        if self.device.type == "cuda":
+            # the caller reads the logits next anyway; waiting here makes the
+            # forward's measured time the device's (the policy's costs)
+            torch.cuda.synchronize(self.device)
+        return logits
 
     def _forward(self, spans: Sequence[Span], tap: LayerTap | None) -> torch.Tensor:
+        if self.graphs is not None and tap is None:
+            logits = self.graphs(spans)
+            if logits is not None:
+                return logits
         if self.native_step is not None:
             logits = self.native_step(spans, tap)
             if logits is not None:

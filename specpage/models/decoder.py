@@ -82,7 +82,8 @@ class DecoderModel(nn.Module):
     ) -> torch.Tensor:
         """Logits [num_logits, vocab] in fp32 for the tokens in logits_index."""
         x = self.embed_tokens(input_ids)
-        rope = self.rope_rows(positions, x.dtype)
+        # the largest position + 1 where the metadata knows it: no device sync
+        rope = self.rope_rows(positions, x.dtype, getattr(meta, "max_context", None))
         local = self.rope_rows(positions, x.dtype, local=True) if self.config.local_rope else rope
         # The stream after the last layer's attention, and that layer's MLP
         # branch, not yet added (None without layers).

@@ -44,7 +44,11 @@ from specpage.kernels.triton import is_interpreted
 from specpage.kernels.triton import paged_decode as paged_decode_module
 from specpage.kernels.triton.block_copy import copy_blocks, copy_blocks_ref
 from specpage.kernels.triton.kv_write import write_kv, write_kv_ref
-from specpage.kernels.triton.paged_decode import paged_decode, paged_decode_ref
+from specpage.kernels.triton.paged_decode import (
+    DecodeConfig,
+    paged_decode,
+    paged_decode_ref,
+)
 from specpage.kernels.triton.paged_prefill import paged_prefill, paged_prefill_ref
 
 INTERPRET = bool(triton.knobs.runtime.interpret)
@@ -52,7 +56,7 @@ INTERPRET = bool(triton.knobs.runtime.interpret)
 # does, through torch._dynamo); its kernels are then fixed in the other mode.
 DECORATED_IN_OTHER_MODE = any(
     is_interpreted(kernel) != INTERPRET
-    for kernel in (tl.zeros, paged_decode_module._paged_decode_kernel)
+    for kernel in (tl.zeros, paged_decode_module._paged_spans_kernel)
 )
 DEVICE = torch.device("cpu" if INTERPRET else "cuda")
 pytestmark = [
@@ -194,9 +198,33 @@ def test_paged_decode_matches_ref(
     batch = paged_batch(rng, shape, [(39, 1), (0, 1), (74, 1), (16, 1)])
     scale = shape.head_dim**-0.5
     out = paged_decode(
-        batch.q, batch.cache, batch.meta, scale, poisoned_like(batch.q), partition_size
+        batch.q, batch.cache, batch.meta, scale, poisoned_like(batch.q), partition_size,
+        DecodeConfig(tile=32),
     )
     ref = paged_decode_ref(batch.q, batch.cache, batch.meta, scale)
+    assert rel_error(out, ref) <= TOLERANCE[shape.dtype]
+
+
+@pytest.mark.parametrize(
+    ("partition_size", "config"),
+    [(None, DecodeConfig()), (32, DecodeConfig(tile=32)), (16, DecodeConfig(tile=16)),
+     (128, DecodeConfig(tile=128, num_warps=8, num_stages=2))],
+    ids=["whole", "split32", "split16", "split128-tile128"],
+)
+@pytest.mark.parametrize("shape", SHAPES[:5])
+def test_paged_decode_takes_verification_spans(
+    rng: torch.Generator, shape: Shape, partition_size: int | None, config: DecodeConfig
+) -> None:
+    """Spans of 1 to 5 tokens in one launch, causal inside each. With
+    partitions of 16 or 32, a span's early tokens see nothing of the last
+    partition (position 64 alone is the last token's), which must weigh 0."""
+    batch = paged_batch(rng, shape, [(60, 5), (0, 3), (30, 1), (11, 4), (0, 1)])
+    assert paged_decode_module.takes_spans(batch.meta.max_query, shape.groups)
+    scale = shape.head_dim**-0.5
+    out = paged_decode(
+        batch.q, batch.cache, batch.meta, scale, poisoned_like(batch.q), partition_size, config
+    )
+    ref = paged_prefill_ref(batch.q, batch.cache, batch.meta, scale)
     assert rel_error(out, ref) <= TOLERANCE[shape.dtype]
 
 
@@ -333,10 +361,15 @@ def test_attention_launchers_reject_bad_arguments() -> None:
         paged_prefill(q[:, :3], cache, meta, 1.0)
     with pytest.raises(ValueError, match="head_dim must be a power of two >= 16, got 48"):
         paged_decode(q[..., :48], cache[..., :48], meta, 1.0)
-    with pytest.raises(ValueError, match="one query token per sequence"):
+    with pytest.raises(ValueError, match=r"1 to max_query \(1\) tokens per sequence: got 1 "):
         paged_decode(q[:1], cache, meta, 1.0)
-    with pytest.raises(ValueError, match="partition_size must be a positive multiple of 32"):
+    with pytest.raises(ValueError, match=r"partition_size must be a positive multiple of the "
+                       r"tile \(128\), got 48"):
         paged_decode(q, cache, meta, 1.0, partition_size=48)
+    with pytest.raises(ValueError, match="tile must be a power of two >= 16, got 24"):
+        paged_decode(q, cache, meta, 1.0, config=DecodeConfig(tile=24))
+    with pytest.raises(ValueError, match="spans of at most 32 tokens with 2 query heads"):
+        paged_decode(q, cache, replace(meta, max_query=33), 1.0)
     with pytest.raises(ValueError, match="block_tables must be int64, got int32"):
         paged_prefill(q, cache, replace(meta, block_tables=meta.block_tables.int()), 1.0)
     with pytest.raises(ValueError, match=r"query_start must have num_seqs \+ 1 = 3 entries"):
@@ -372,6 +405,21 @@ def test_gpu_paged_decode(rng: torch.Generator, num_seqs: int) -> None:
     out = paged_decode(batch.q, batch.cache, batch.meta, scale, poisoned_like(batch.q))
     ref = paged_decode_ref(batch.q, batch.cache, batch.meta, scale)
     assert rel_error(out, ref) <= TOLERANCE[SERVING.dtype]
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_paged_decode_verification_spans(rng: torch.Generator) -> None:
+    # 64 sequences near 2048 positions, half verifying 5 tokens and half
+    # decoding one: split over partitions on every GPU this runs on.
+    spans = [(2043 - 3 * i, 5) for i in range(32)] + [(2047 - i, 1) for i in range(32)]
+    batch = paged_batch(rng, SERVING, spans)
+    scale = SERVING.head_dim**-0.5
+    out = paged_decode(batch.q, batch.cache, batch.meta, scale, poisoned_like(batch.q))
+    ref = paged_prefill_ref(batch.q, batch.cache, batch.meta, scale)
+    assert rel_error(out, ref) <= TOLERANCE[SERVING.dtype]
+    split = paged_decode(batch.q, batch.cache, batch.meta, scale, poisoned_like(batch.q), 256)
+    assert rel_error(split, ref) <= TOLERANCE[SERVING.dtype]
 
 
 @pytest.mark.gpu

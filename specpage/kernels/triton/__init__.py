@@ -2,8 +2,9 @@
 launcher that validates its arguments and a pure-torch `*_ref` twin:
 
 - `kv_write`: scatter new K/V rows into their slots.
-- `paged_decode`: attention for one query token per sequence (split-K capable).
-- `paged_prefill`: attention for multi-token spans (prefill chunks, verification).
+- `paged_decode`: attention for short spans: one token per sequence, or a
+  verification's k + 1 (split-K over the context).
+- `paged_prefill`: attention for long spans (prefill chunks).
 - `block_copy`: copy-on-write block copies across all layers.
 
 `specpage.attention.triton.TritonAttention` puts them behind the attention
@@ -147,6 +148,23 @@ def check_attention(
         require_unit_stride("out", out)
         check_device(cache, out=out)
     return heads // kv_heads
+
+
+def check_query_start(cache: torch.Tensor, meta: PagedSpans) -> None:
+    """Each span's first token row, on the cache's device, and max_query."""
+    num_seqs = meta.context_lens.shape[0]
+    check_tensor("query_start", meta.query_start, 1, (torch.int64,))
+    require(
+        meta.query_start.shape[0] == num_seqs + 1,
+        f"query_start must have num_seqs + 1 = {num_seqs + 1} entries, "
+        f"got {meta.query_start.shape[0]}",
+    )
+    require(meta.query_start.is_contiguous(), "query_start must be contiguous")
+    require(
+        meta.query_start.device == cache.device,
+        f"query_start is on {meta.query_start.device}, but the cache is on {cache.device}",
+    )
+    require(meta.max_query >= 1, f"max_query must be >= 1, got {meta.max_query}")
 
 
 def gather_context_ref(

@@ -22,10 +22,9 @@ import triton.language as tl
 from specpage.kernels.triton import (
     PagedSpans,
     check_attention,
-    check_tensor,
+    check_query_start,
     dot_config,
     gather_context_ref,
-    require,
 )
 
 __all__ = ["paged_prefill", "paged_prefill_ref"]
@@ -125,19 +124,7 @@ def _check(
     q: torch.Tensor, cache: torch.Tensor, meta: PagedSpans, out: torch.Tensor | None
 ) -> int:
     groups = check_attention(q, cache, meta, out)
-    num_seqs = meta.context_lens.shape[0]
-    check_tensor("query_start", meta.query_start, 1, (torch.int64,))
-    require(
-        meta.query_start.shape[0] == num_seqs + 1,
-        f"query_start must have num_seqs + 1 = {num_seqs + 1} entries, "
-        f"got {meta.query_start.shape[0]}",
-    )
-    require(meta.query_start.is_contiguous(), "query_start must be contiguous")
-    require(
-        meta.query_start.device == cache.device,
-        f"query_start is on {meta.query_start.device}, but the cache is on {cache.device}",
-    )
-    require(meta.max_query >= 1, f"max_query must be >= 1, got {meta.max_query}")
+    check_query_start(cache, meta)
     return groups
 
 
