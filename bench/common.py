@@ -180,6 +180,20 @@ def machine() -> dict[str, Any]:
     }
 
 
+def time_part(owner: Any, name: str, part: str, spent: dict[str, float]) -> None:
+    """Wrap owner.name so that each call adds its seconds to spent[part]."""
+    inner = getattr(owner, name)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            spent[part] += time.perf_counter() - start
+
+    setattr(owner, name, wrapper)
+
+
 def finish(name: str, result: dict[str, Any]) -> None:
     """Write results/<name>.json and print the headline JSON as the last line."""
     result = {**result, "quick": "--quick" in sys.argv}

@@ -45,7 +45,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import finish  # noqa: E402
+from bench.common import finish, time_part  # noqa: E402
 
 DRAFT = ROOT / "models" / "smollm2-draft"
 SMOLLM2_135M = {
@@ -93,16 +93,7 @@ def instrument(engine: Any, spent: dict[str, float]) -> None:
     """Wrap the step's parts so that each adds its seconds to spent[part]."""
 
     def timed(owner: Any, name: str, part: str) -> None:
-        inner = getattr(owner, name)
-
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                spent[part] += time.perf_counter() - start
-
-        setattr(owner, name, wrapper)
+        time_part(owner, name, part, spent)
 
     executor = engine.executor
     timed(executor.verifier, "verify", "verify")  # the target's forward + acceptance

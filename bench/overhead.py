@@ -22,7 +22,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import finish, machine, parse_args  # noqa: E402
+from bench.common import finish, machine, parse_args, time_part  # noqa: E402
 from bench.prompts import chat_prompts  # noqa: E402
 from specpage.core.request import SamplingParams  # noqa: E402
 from specpage.engine import Engine, EngineConfig  # noqa: E402
@@ -36,16 +36,7 @@ def instrument(engine: Engine, spent: dict[str, float]) -> None:
     """Wrap the step's parts so that each adds its seconds to spent[part]."""
 
     def timed(owner: Any, name: str, part: str) -> None:
-        inner = getattr(owner, name)
-
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                spent[part] += time.perf_counter() - start
-
-        setattr(owner, name, wrapper)
+        time_part(owner, name, part, spent)
 
     # the core's two sides of the step: the schedule into a batch, and
     # applying the result (commit, rollback, outputs); then the models
