@@ -176,13 +176,17 @@ class Verifier:
     @staticmethod
     def _sampled(rows: list[int], works: list[SeqWork], ks: list[int], offsets: list[int],
                  proposal: Proposal, logits: torch.Tensor) -> list[tuple[int, int]]:
-        """Lossless rejection sampling over the rows' padded distributions."""
-        k_max = max(ks)
-        vocab = logits.shape[-1]
+        """Lossless rejection sampling: against the draft's distributions
+        where a proposal has them, else (no proposal, or proposals with no
+        distribution) by _one_hot."""
         index = torch.tensor([base + j for base, k in zip(offsets, ks, strict=True)
                               for j in range(k + 1)])
         row_params = [w.sampling for w, k in zip(works, ks, strict=True) for _ in range(k + 1)]
         target = row_probabilities(logits[index], row_params)
+        if all(proposal.probs[i] is None for i, k in zip(rows, ks, strict=True) if k):
+            return _one_hot(rows, works, ks, proposal, target)
+        k_max = max(ks)
+        vocab = logits.shape[-1]
         target_padded = torch.zeros(len(rows), k_max + 1, vocab)
         draft_padded = torch.ones(len(rows), k_max, vocab)
         draft_tokens = torch.zeros(len(rows), k_max, dtype=torch.int64)
@@ -221,6 +225,47 @@ class Verifier:
             dtype=torch.float64,
         )
         return sample(probs.expand(work.num_forks, -1), draws).tolist()
+
+
+def _one_hot(rows: list[int], works: list[SeqWork], ks: list[int], proposal: Proposal,
+             target: torch.Tensor) -> list[tuple[int, int]]:
+    """accept() with q one-hot at each proposed token x (a proposal with no
+    distribution): x accepted where u < p(x); at the first rejection the
+    next token drawn from p with x removed, renormalized; after the last
+    proposal from p. The same draws and the same arithmetic on the rows it
+    reads as accept() on padded [rows, k, vocab] tensors, which at a
+    vocabulary of 49,152 cost more than the target's probabilities
+    themselves. target: each sequence's k + 1 rows of probabilities, in order."""
+    first = [0]
+    for k in ks:
+        first.append(first[-1] + k + 1)
+    proposed = [(first[r] + j, t) for r, i in enumerate(rows)
+                for j, t in enumerate(proposal.tokens[i][: ks[r]])]
+    p_at = (target[[at for at, _ in proposed], [t for _, t in proposed]].tolist()
+            if proposed else [])
+    accepted, next_rows, removed, draws = [], [], [], []
+    seen = 0
+    for r, (i, w, k) in enumerate(zip(rows, works, ks, strict=True)):
+        seed, end = w.sampling.seed, w.end
+        a = 0
+        while a < k and uniform(seed, end + a, Purpose.ACCEPT) < p_at[seen + a]:
+            a += 1
+        seen += k
+        accepted.append(a)
+        next_rows.append(first[r] + a)
+        if a < k:
+            removed.append((len(next_rows) - 1, proposal.tokens[i][a]))
+        draws.append(uniform(seed, end + a, Purpose.RESIDUAL if a < k else Purpose.SAMPLE))
+    next_dist = target[next_rows]
+    if removed:
+        at = torch.tensor([r for r, _ in removed])
+        residual = next_dist[at]
+        residual[torch.arange(len(removed)), [x for _, x in removed]] = 0.0
+        mass = residual.sum(-1, keepdim=True)
+        # p(x) = 1 leaves no residual mass; sampling p is then exact.
+        next_dist[at] = torch.where(mass > 0, residual / mass.clamp(min=1e-30), next_dist[at])
+    tokens = sample(next_dist, torch.tensor(draws, dtype=torch.float64)).tolist()
+    return list(zip(accepted, tokens, strict=True))
 
 
 def _prompt_logprobs(batch: list[SeqWork], spans: list[Span], logits: torch.Tensor,

@@ -196,3 +196,60 @@ def test_a_draft_restricted_to_part_of_the_vocabulary_keeps_the_distribution(tmp
     outside = [x2 * VOCAB + x3 for x2 in range(VOCAB) for x3 in range(VOCAB)
                if x2 not in allowed or x3 not in allowed]
     assert speculative[outside].sum() > 0.1 * RUNS
+
+
+def test_one_hot_acceptance_is_accept_with_one_hot_proposals():
+    """The verifier's path for proposals with no distribution takes the same
+    tokens, bit for bit, as accept() given those proposals as one-hot q over
+    padded rows: sequences with and without proposals, rejections at every
+    position, and a proposed token of probability 1 (no residual mass)."""
+    from specpage.core.step import Sampling, SeqWork
+    from specpage.speculation.acceptance import accept
+    from specpage.speculation.proposal import Proposal
+    from specpage.speculation.sampler import Purpose, uniform
+    from specpage.speculation.verifier import _one_hot
+
+    vocab = 7
+    generator = torch.Generator().manual_seed(3)
+    for case in range(300):
+        ks = [int(k) for k in torch.randint(0, 5, (int(torch.randint(1, 5, ())),),
+                                            generator=generator)]
+        works = [SeqWork(r, 10 * case, [1], [0], True, k, 0, [],
+                         Sampling(0.8, 0, 1.0, case * 31 + r, False))
+                 for r, k in enumerate(ks)]
+        # peaked rows, so that proposals of the likeliest token are often accepted
+        logits = torch.randn(sum(k + 1 for k in ks), vocab, generator=generator) * 3
+        target = torch.softmax(logits, -1)
+        if case % 10 == 0:  # a row certain of one token
+            target[0] = torch.nn.functional.one_hot(torch.tensor(2), vocab).float()
+        tokens, start = [], 0
+        for k in ks:
+            likeliest = target[start : start + k].argmax(-1)
+            other = torch.randint(0, vocab, (k,), generator=generator)
+            pick = torch.rand(k, generator=generator) < 0.7
+            tokens.append(torch.where(pick, likeliest, other).tolist())
+            start += k + 1
+        proposal = Proposal(tokens, [None] * len(ks), [])
+        decided = _one_hot(list(range(len(ks))), works, ks, proposal, target)
+
+        k_max = max(ks)
+        target_padded = torch.zeros(len(ks), k_max + 1, vocab)
+        draft_padded = torch.zeros(len(ks), k_max, vocab)
+        draft_tokens = torch.zeros(len(ks), k_max, dtype=torch.int64)
+        start = 0
+        for r, k in enumerate(ks):
+            target_padded[r, : k + 1] = target[start : start + k + 1]
+            start += k + 1
+            for j, t in enumerate(tokens[r]):
+                draft_tokens[r, j] = t
+                draft_padded[r, j, t] = 1.0
+        u_accept = torch.tensor([[uniform(w.sampling.seed, w.end + j, Purpose.ACCEPT)
+                                  for j in range(k_max)] for w in works],
+                                dtype=torch.float64).view(len(ks), k_max)
+        u_next = torch.tensor([[uniform(w.sampling.seed, w.end + a,
+                                        Purpose.RESIDUAL if a < k else Purpose.SAMPLE)
+                                for a in range(k_max + 1)] for w, k in zip(works, ks, strict=True)],
+                              dtype=torch.float64)
+        expected = accept(draft_tokens, draft_padded, target_padded, torch.tensor(ks),
+                          u_accept, u_next)
+        assert decided == list(zip(expected.num_accepted, expected.next_token, strict=True)), case
