@@ -15,9 +15,14 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     inv_freq = 1.0 / (rope.theta**exponents)
     if rope.rope_type == "linear":
-        return inv_freq / rope.factor
-    if rope.rope_type == "llama3":
-        return _llama3(inv_freq, rope)
+        inv_freq = inv_freq / rope.factor
+    elif rope.rope_type == "llama3":
+        inv_freq = _llama3(inv_freq, rope)
+    if rope.freq_factors:
+        if len(rope.freq_factors) != head_dim // 2:
+            raise ValueError(f"{len(rope.freq_factors)} rope frequency factors for a head of "
+                             f"{head_dim} (one per pair: {head_dim // 2})")
+        inv_freq = inv_freq / torch.tensor(rope.freq_factors, dtype=torch.float32)
     return inv_freq
 
 

@@ -15,3 +15,7 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+    # per rotary pair: a divisor of its inverse frequency, after the type's
+    # own scaling (llama.cpp's rope_freqs tensor: how a GGUF of Llama 3.1 or
+    # later stores Llama 3's scaling); () divides nothing
+    freq_factors: tuple[float, ...] = ()

@@ -204,7 +204,8 @@ def _ropes(raw: dict[str, Any], family: str, source: str) -> tuple[RopeConfig, R
     where they differ (Gemma 3's local base)."""
     if family != "gemma3":
         params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-        return _rope(params, raw.get("rope_theta", 10000.0), source), None
+        return _rope(params, raw.get("rope_theta", 10000.0), source,
+                     raw.get(FREQ_FACTORS_KEY)), None
     by_type = raw.get("rope_parameters") or {}
     if FULL in by_type or SLIDING in by_type:
         full, sliding = by_type.get(FULL) or {}, by_type.get(SLIDING) or {}
@@ -214,7 +215,14 @@ def _ropes(raw: dict[str, Any], family: str, source: str) -> tuple[RopeConfig, R
             _rope(sliding, raw.get("rope_local_base_freq", GEMMA3_THETA[SLIDING]), source))
 
 
-def _rope(params: dict[str, Any], default_theta: float, source: str) -> RopeConfig:
+# A config.json key of specpage's own: per rotary pair, a divisor of its
+# inverse frequency (RopeConfig.freq_factors), which models/gguf_file.py
+# writes from a GGUF's rope_freqs tensor.
+FREQ_FACTORS_KEY = "rope_freq_factors"
+
+
+def _rope(params: dict[str, Any], default_theta: float, source: str,
+          freq_factors: list[float] | None = None) -> RopeConfig:
     theta = params.get("rope_theta", default_theta)
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in ROPE_TYPES:
@@ -228,6 +236,7 @@ def _rope(params: dict[str, Any], default_theta: float, source: str) -> RopeConf
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         original_max_position=int(params.get("original_max_position_embeddings", 8192)),
+        freq_factors=tuple(float(f) for f in freq_factors or ()),
     )
 
 

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from specpage.models.config import ModelLoadError
+from specpage.models.config import FREQ_FACTORS_KEY, ModelLoadError
 from specpage.models.gguf_blocks import (
     GGUF_PARTS,
     PERMUTED_QK,
@@ -70,6 +70,8 @@ GEMMA3_SLIDING_PATTERN = 6  # every 6th layer attends globally
 GEMMA3_LOCAL_ROPE_THETA = 10000.0
 GEMMA3_27B_LAYERS = 62  # the one size that scales queries by hidden / heads
 
+# Per rotary pair, the divisor of its frequency (read into the config)
+ROPE_FREQS = "rope_freqs.weight"
 # GGUF tensor -> HF tensor (llama.cpp's gguf-py tensor_mapping, read backwards)
 TOP_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
                "output": "lm_head"}
@@ -124,7 +126,18 @@ class GGUFFile:
         return digest.digest()
 
     def config(self) -> dict[str, Any]:
-        return hf_config(self.header, self.path)
+        config = hf_config(self.header, self.path)
+        if ROPE_FREQS in self.header.tensors:
+            # llama.cpp divides each rotary pair's frequency by its factor
+            # (Llama 3's rope scaling, as its converter writes it)
+            factors = self.dense(ROPE_FREQS).flatten().tolist()
+            head_dim = config.get("head_dim") or (config["hidden_size"]
+                                                  // config["num_attention_heads"])
+            if len(factors) != head_dim // 2:
+                raise ModelLoadError(f"{self.path}: {ROPE_FREQS} holds {len(factors)} factors; "
+                                     f"a head of {head_dim} has {head_dim // 2} rotary pairs")
+            config[FREQ_FACTORS_KEY] = factors
+        return config
 
     def raw(self, name: str) -> RawTensor:
         import gguf
@@ -181,7 +194,7 @@ class GGUFFile:
         return {self.hf_name(name): (torch.zeros((), dtype=dtype).expand(
                                          self.raw_info(name).shape[::-1])
                                      if name in placeholders else self.dense(name))
-                for name in self.header.tensors}
+                for name in self.header.tensors if name != ROPE_FREQS}  # in the config
 
     def hf_name(self, name: str) -> str:
         parts = name.split(".")
@@ -227,9 +240,6 @@ def hf_config(header: Header, path: Path) -> dict[str, Any]:
     if head_dim is not None:
         config["head_dim"] = head_dim
     config["tie_word_embeddings"] = "output.weight" not in header.tensors
-    if "rope_freqs.weight" in header.tensors:
-        raise ModelLoadError(f"{path}: per-dimension rope frequencies (rope_freqs.weight, "
-                             "Llama 3's rope scaling) unsupported")
     scaling = meta.get(f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):
         config["rope_scaling"] = {"rope_type": scaling,

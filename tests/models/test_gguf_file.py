@@ -15,6 +15,7 @@ from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 from specpage.core.span import Span
 from specpage.executor.model_runner import ModelRunner
 from specpage.layers.kquant import KQuantLinear
+from specpage.layers.rope import inverse_frequencies
 from specpage.models import gguf_file
 from specpage.models.config import ModelConfig, ModelLoadError
 from specpage.models.fetch import cache_dir
@@ -239,3 +240,57 @@ def greedy_logits(loaded, prompt: list[int]) -> torch.Tensor:
     """The last position's logits after the prompt, one whole prefill."""
     runner = ModelRunner(loaded, num_blocks=8, block_size=16)
     return runner.forward([Span(prompt, 0, [0, 1, 2])])[-1]
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32}
+
+
+def test_llama3_rope_scaling_is_read_from_the_files_rope_freqs(tmp_path):
+    """A GGUF of Llama 3.1 keeps its rope scaling as one frequency divisor
+    per rotary pair (rope_freqs, as llama.cpp's converter writes it): read
+    from it, the model computes transformers' logits for the HF config's
+    llama3 scaling, at positions far past the 32 the scaling leaves alone;
+    the same file without the tensor would not."""
+    model = tiny_checkpoint(tmp_path / "written", "llama", **TOKEN_IDS,
+                            rope_parameters=LLAMA3_ROPE)
+    path = tmp_path / "tiny-llama3.gguf"
+    model.load_state_dict(write_gguf(model, path), strict=False)
+    loaded = load_model(path)
+    factors = loaded.config.rope.freq_factors
+    assert len(factors) == loaded.config.head_dim // 2
+    # short wavelengths kept, long ones divided by the factor, one between smoothed
+    assert factors[0] == 1.0 and factors[-1] == 8.0 and any(1.0 < f < 8.0 for f in factors)
+    tokens = torch.randint(3, VOCAB_SIZE, (120,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = model(tokens[None]).logits[0]
+    runner = ModelRunner(loaded, num_blocks=32, block_size=4)
+    ours = runner.forward([Span(tokens.tolist(), 0, list(range(30)), num_logits=120)])
+    assert float((ours - expected).abs().max()) < 1e-4
+    plain = dataclasses.replace(loaded.config.rope, freq_factors=())
+    assert not torch.equal(inverse_frequencies(plain, loaded.config.head_dim),
+                           inverse_frequencies(loaded.config.rope, loaded.config.head_dim))
+
+
+def test_rope_freqs_of_the_wrong_length_are_named(tmp_path):
+    model = tiny_checkpoint(tmp_path / "written", "llama", **TOKEN_IDS)
+    path = tmp_path / "tiny.gguf"
+    write_gguf(model, path)
+    reader = gguf.GGUFReader(path)
+    writer = gguf.GGUFWriter(str(tmp_path / "odd.gguf"), "llama")
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        writer.add_key_value(field.name, field.contents(), field.types[0],
+                             field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY
+                             else None)
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, np.array(tensor.data), raw_dtype=tensor.tensor_type)
+    writer.add_tensor("rope_freqs.weight", np.ones(3, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match="rope_freqs.weight holds 3 factors"):
+        load_model(tmp_path / "odd.gguf")

@@ -4,6 +4,7 @@ Gemma's norms stored as 1 + w), with a byte-level BPE tokenizer."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -91,6 +92,8 @@ def write_gguf(model: torch.nn.Module, path: Path,
     if architecture == "gemma3":
         w.add_sliding_window(config.sliding_window)
     _add_tokenizer(w)
+    if config.rope_parameters.get("rope_type") == "llama3":
+        w.add_tensor("rope_freqs.weight", llama3_rope_factors(config.rope_parameters, head_dim))
     held = {}
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
@@ -124,6 +127,26 @@ def write_gguf(model: torch.nn.Module, path: Path,
     w.write_tensors_to_file()
     w.close()
     return held
+
+
+def llama3_rope_factors(rope: dict, head_dim: int) -> np.ndarray:
+    """The rope_freqs tensor llama.cpp's converter (convert_hf_to_gguf.py,
+    LlamaModel) writes for Llama 3's rope scaling: per rotary pair, the
+    divisor of its frequency."""
+    freqs = 1.0 / (rope["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old_context = rope["original_max_position_embeddings"]
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old_context / high:
+            factors.append(1.0)
+        elif wavelen > old_context / low:
+            factors.append(factor)
+        else:
+            smooth = (old_context / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
 
 
 # K-quant type -> (bytes per super-block of 256, where its fp16 scales lie, their value)
