@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -25,6 +27,9 @@ def add_parser(sub: Any, name: str) -> None:
     parser.add_argument("--layers", type=int, help="target layers (instead of --target)")
     parser.add_argument("--kv-heads", type=int, help="target KV heads")
     parser.add_argument("--head-dim", type=int, help="target head dim")
+    parser.add_argument("--window", type=int, help="target's sliding window (with --layers)")
+    parser.add_argument("--windowed-layers", type=int,
+                        help="target layers that attend within --window (with --layers)")
     parser.add_argument("--dtype", help="KV dtype of both models (fp32, bf16, fp16, fp8); "
                         "default: the daemon's at its default model.dtype on --device")
     parser.add_argument("--device", default="cpu", help="the daemon's model.device (default cpu)")
@@ -56,6 +61,11 @@ def build_plan(args: argparse.Namespace) -> dict[str, Any]:
         per_token["sum"] = sum(per_token.values())
         plan["models"] = models
         plan["kv_bytes_per_token"] = per_token
+        windowed = {name: [kv_layout.windowed_tables(args.lengths, b, shape)
+                           for b in args.block_sizes]
+                    for name, shape in models.items() if shape.windowed_layers}
+        if windowed:
+            plan["windowed_tables"] = windowed
         if args.budget:
             plan["budget_bytes"] = args.budget
             plan["blocks_in_budget"] = {
@@ -80,6 +90,15 @@ def render(plan: dict[str, Any]) -> str:
         )
     for name, count in plan.get("kv_bytes_per_token", {}).items():
         lines.append(f"KV bytes per token, {name}: {count}")
+    for name, tables in plan.get("windowed_tables", {}).items():
+        shape = plan["models"][name]
+        for t in tables:
+            lines.append(
+                f"{name}, block {t.block_size}: {shape.windowed_layers} of {shape.layers} layers "
+                f"slide over {shape.window} positions; KV in one block table "
+                f"{t.one_table_bytes} B, with a table of their own {t.windowed_table_bytes} B "
+                f"({t.saving:.2%} less)"
+            )
     for size, blocks in plan.get("blocks_in_budget", {}).items():
         lines.append(
             f"blocks of {size} in {plan['budget_bytes']} B: {blocks} ({blocks * size} positions)"
@@ -108,15 +127,38 @@ def _models(args: argparse.Namespace) -> dict[str, KvShape]:
     dtype = args.dtype or daemon_dtype(args.device)  # one dtype for both, as the daemon
     models = {}
     if args.target:
-        models["target"] = KvShape.from_hf_config(args.target, dtype)
+        models["target"] = _with_windows(KvShape.from_hf_config(args.target, dtype), args.target)
     elif args.layers or args.kv_heads or args.head_dim:
         if not (args.layers and args.kv_heads and args.head_dim):
             raise ValueError("--layers, --kv-heads and --head-dim go together")
+        if bool(args.window) != bool(args.windowed_layers):
+            raise ValueError("--window and --windowed-layers go together")
         models["target"] = KvShape(args.layers, args.kv_heads, args.head_dim,
-                                   kv_layout.dtype_bytes(dtype))
+                                   kv_layout.dtype_bytes(dtype), args.windowed_layers or 0,
+                                   args.window or 0)
     if args.draft:
-        models["draft"] = KvShape.from_hf_config(args.draft, dtype)
+        models["draft"] = _with_windows(KvShape.from_hf_config(args.draft, dtype), args.draft)
     return models
+
+
+def _with_windows(shape: KvShape, config: str) -> KvShape:
+    """shape with its sliding-window layers, as the loader reads the config
+    (models/config.py: Gemma 3's layer types, Qwen's max_window_layers); a
+    config the loader cannot read (an architecture it does not serve) has
+    none."""
+    from specpage.models.config import ModelConfig, ModelLoadError
+
+    path = Path(config)
+    path = path / "config.json" if path.is_dir() else path
+    try:
+        model = ModelConfig.from_dict(json.loads(path.read_text()), str(path))
+    except (ModelLoadError, ValueError, AssertionError):
+        return shape
+    windowed = [i for i in range(model.num_layers) if model.window_of(i) is not None]
+    if not windowed or model.sliding_window is None:
+        return shape
+    return msgspec.structs.replace(shape, windowed_layers=len(windowed),
+                                   window=model.sliding_window)
 
 
 def _ints(text: str) -> list[int]:

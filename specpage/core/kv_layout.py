@@ -7,6 +7,17 @@ position utilization of paging versus a fixed max-length reservation.
 
 Position utilization is not device utilization: block tables, workspace and
 alignment are counted separately (block-table bytes) or not at all.
+
+Sliding-window layers (Gemma 3's local layers, say) read only the last
+`window` positions. In one block table shared by every layer, as the pool
+keeps it, a block stays while any layer may read it, so they hold every
+position. A separate table for the windowed layers could free each block
+once the window has left it behind, and hold at most the blocks that the
+last `window` positions fall in:
+
+    windowed blocks(n, B, W) = (n − 1) // B − max(0, n − W) // B + 1
+
+`windowed_tables` prices both, per block size.
 """
 
 from __future__ import annotations
@@ -34,10 +45,16 @@ class KvShape(msgspec.Struct, frozen=True):
     kv_heads: int
     head_dim: int
     dtype_bytes: int
+    windowed_layers: int = 0  # of `layers`, those that attend within a sliding window
+    window: int = 0  # the keys a windowed layer sees back from a position, itself included
 
     @property
     def bytes_per_token(self) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+        return self.layers * self.bytes_per_layer_token
+
+    @property
+    def bytes_per_layer_token(self) -> int:
+        return 2 * self.kv_heads * self.head_dim * self.dtype_bytes
 
     @classmethod
     def from_hf_config(cls, path: str | Path, dtype: str | None = None) -> KvShape:
@@ -75,6 +92,40 @@ class Reservation(msgspec.Struct, frozen=True):
     valid: int
     waste: int
     utilization: float
+
+
+class WindowedTables(msgspec.Struct, frozen=True):
+    """One model's KV over a set of sequences at one block size: in one
+    block table for every layer (the pool's), and with a table of its own
+    for the windowed layers that frees blocks the window has left."""
+
+    block_size: int
+    one_table_bytes: int
+    windowed_table_bytes: int
+    saving: float  # 1 - windowed / one table
+
+
+def windowed_blocks(length: int, block_size: int, window: int) -> int:
+    """Blocks the last `window` positions of a sequence of `length` fall in."""
+    if window <= 0 or window >= length:
+        return cdiv(length, block_size)
+    return (length - 1) // block_size - (length - window) // block_size + 1
+
+
+def windowed_tables(lengths: Sequence[int], block_size: int, shape: KvShape) -> WindowedTables:
+    _check_lengths(lengths)
+    if block_size < 1:
+        raise ValueError(f"block size must be >= 1, got {block_size}")
+    if not 0 <= shape.windowed_layers <= shape.layers:
+        raise ValueError(f"windowed layers ({shape.windowed_layers}) must be 0 .. "
+                         f"the model's {shape.layers}")
+    per_block = block_size * shape.bytes_per_layer_token
+    every = sum(cdiv(n, block_size) for n in lengths)
+    windowed = sum(windowed_blocks(n, block_size, shape.window) for n in lengths)
+    full_layers = shape.layers - shape.windowed_layers
+    one = shape.layers * every * per_block
+    separate = (full_layers * every + shape.windowed_layers * windowed) * per_block
+    return WindowedTables(block_size, one, separate, 1 - separate / one)
 
 
 def dtype_bytes(name: str) -> int:
