@@ -4,6 +4,7 @@ their samples' histories, and the seeded uniforms of rows."""
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from typing import Any
 
 import torch
 
@@ -22,6 +23,19 @@ def row_probabilities(logits: torch.Tensor, rows: Seq[Sampling]) -> torch.Tensor
         # none to apply in the common case: every row's min_p is 0
         torch.tensor([r.min_p for r in rows]) if any(r.min_p for r in rows) else None,
     )
+
+
+def temperature_kernels(logits: torch.Tensor, rows: Seq[Sampling]) -> Any:
+    """The native kernels, where they can take these sampled rows' draws
+    (kernels/cpu/sampling.cpp: CPU fp32 logits, every row at a temperature
+    alone, with no top-k, top-p or min-p; their history's adjustments are
+    in the logits already); else None, and sampler.py takes them."""
+    if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.stride(1) != 1:
+        return None
+    if not all(r.top_k == 0 and r.top_p >= 1.0 and r.min_p == 0.0 and not r.greedy
+               for r in rows):
+        return None
+    return loaded_kernels()
 
 
 def adjusted_rows(

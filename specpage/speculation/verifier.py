@@ -8,6 +8,7 @@ core's decision (core/proposer_rules.py).
 from __future__ import annotations
 
 import time
+from typing import Any, NamedTuple
 
 import msgspec
 import torch
@@ -21,7 +22,12 @@ from specpage.speculation.acceptance import accept
 from specpage.speculation.proposal import Proposal
 from specpage.speculation.runner import TargetRunner
 from specpage.speculation.sampler import Purpose, sample, uniform
-from specpage.speculation.sampling_rows import adjusted_rows, mask_rows_, row_probabilities
+from specpage.speculation.sampling_rows import (
+    adjusted_rows,
+    mask_rows_,
+    row_probabilities,
+    temperature_kernels,
+)
 from specpage.speculation.verdict import Verdict
 
 
@@ -178,12 +184,17 @@ class Verifier:
                  proposal: Proposal, logits: torch.Tensor) -> list[tuple[int, int]]:
         """Lossless rejection sampling: against the draft's distributions
         where a proposal has them, else (no proposal, or proposals with no
-        distribution) by _one_hot."""
+        distribution) by _one_hot, or, where every row samples at a
+        temperature alone, by the native kernels (_one_hot_native)."""
+        one_hot = all(proposal.probs[i] is None for i, k in zip(rows, ks, strict=True) if k)
+        kernels = temperature_kernels(logits, [w.sampling for w in works]) if one_hot else None
+        if kernels is not None:
+            return _one_hot_native(kernels, rows, works, ks, offsets, proposal, logits)
         index = torch.tensor([base + j for base, k in zip(offsets, ks, strict=True)
                               for j in range(k + 1)])
         row_params = [w.sampling for w, k in zip(works, ks, strict=True) for _ in range(k + 1)]
         target = row_probabilities(logits[index], row_params)
-        if all(proposal.probs[i] is None for i, k in zip(rows, ks, strict=True) if k):
+        if one_hot:
             return _one_hot(rows, works, ks, proposal, target)
         k_max = max(ks)
         vocab = logits.shape[-1]
@@ -227,14 +238,44 @@ class Verifier:
         return sample(probs.expand(work.num_forks, -1), draws).tolist()
 
 
+class _Decided(NamedTuple):
+    """What one-hot acceptance decided, per sequence: proposals accepted,
+    the row (of its k + 1) the next token is drawn from, the proposed
+    token taken out of that row (-1: none) and the draw's uniform."""
+
+    accepted: list[int]
+    next_row: list[int]
+    removed: list[int]
+    draws: list[float]
+
+
+def _decide(rows: list[int], works: list[SeqWork], ks: list[int], proposal: Proposal,
+            p_at: list[float]) -> _Decided:
+    """accept()'s tests with q one-hot at each proposed token x: x accepted
+    where u < p(x) (p_at: the target's probability of each proposed token,
+    sequence by sequence); at the first rejection the next token is drawn
+    from p with x removed, renormalized, after the last proposal from p."""
+    decided = _Decided([], [], [], [])
+    seen = 0
+    for i, w, k in zip(rows, works, ks, strict=True):
+        seed, end = w.sampling.seed, w.end
+        a = 0
+        while a < k and uniform(seed, end + a, Purpose.ACCEPT) < p_at[seen + a]:
+            a += 1
+        seen += k
+        decided.accepted.append(a)
+        decided.next_row.append(a)
+        decided.removed.append(proposal.tokens[i][a] if a < k else -1)
+        decided.draws.append(uniform(seed, end + a,
+                                     Purpose.RESIDUAL if a < k else Purpose.SAMPLE))
+    return decided
+
+
 def _one_hot(rows: list[int], works: list[SeqWork], ks: list[int], proposal: Proposal,
              target: torch.Tensor) -> list[tuple[int, int]]:
-    """accept() with q one-hot at each proposed token x (a proposal with no
-    distribution): x accepted where u < p(x); at the first rejection the
-    next token drawn from p with x removed, renormalized; after the last
-    proposal from p. The same draws and the same arithmetic on the rows it
-    reads as accept() on padded [rows, k, vocab] tensors, which at a
-    vocabulary of 49,152 cost more than the target's probabilities
+    """_decide's acceptance with the same draws and the same arithmetic on
+    the rows it reads as accept() on padded [rows, k, vocab] tensors, which
+    at a vocabulary of 49,152 cost more than the target's probabilities
     themselves. target: each sequence's k + 1 rows of probabilities, in order."""
     first = [0]
     for k in ks:
@@ -243,20 +284,9 @@ def _one_hot(rows: list[int], works: list[SeqWork], ks: list[int], proposal: Pro
                 for j, t in enumerate(proposal.tokens[i][: ks[r]])]
     p_at = (target[[at for at, _ in proposed], [t for _, t in proposed]].tolist()
             if proposed else [])
-    accepted, next_rows, removed, draws = [], [], [], []
-    seen = 0
-    for r, (i, w, k) in enumerate(zip(rows, works, ks, strict=True)):
-        seed, end = w.sampling.seed, w.end
-        a = 0
-        while a < k and uniform(seed, end + a, Purpose.ACCEPT) < p_at[seen + a]:
-            a += 1
-        seen += k
-        accepted.append(a)
-        next_rows.append(first[r] + a)
-        if a < k:
-            removed.append((len(next_rows) - 1, proposal.tokens[i][a]))
-        draws.append(uniform(seed, end + a, Purpose.RESIDUAL if a < k else Purpose.SAMPLE))
-    next_dist = target[next_rows]
+    decided = _decide(rows, works, ks, proposal, p_at)
+    next_dist = target[[first[r] + a for r, a in enumerate(decided.next_row)]]
+    removed = [(r, x) for r, x in enumerate(decided.removed) if x >= 0]
     if removed:
         at = torch.tensor([r for r, _ in removed])
         residual = next_dist[at]
@@ -264,8 +294,36 @@ def _one_hot(rows: list[int], works: list[SeqWork], ks: list[int], proposal: Pro
         mass = residual.sum(-1, keepdim=True)
         # p(x) = 1 leaves no residual mass; sampling p is then exact.
         next_dist[at] = torch.where(mass > 0, residual / mass.clamp(min=1e-30), next_dist[at])
-    tokens = sample(next_dist, torch.tensor(draws, dtype=torch.float64)).tolist()
-    return list(zip(accepted, tokens, strict=True))
+    tokens = sample(next_dist, torch.tensor(decided.draws, dtype=torch.float64)).tolist()
+    return list(zip(decided.accepted, tokens, strict=True))
+
+
+def _one_hot_native(kernels: Any, rows: list[int], works: list[SeqWork], ks: list[int],
+                    offsets: list[int], proposal: Proposal,
+                    logits: torch.Tensor) -> list[tuple[int, int]]:
+    """_decide's acceptance with the proposed tokens' probabilities and the
+    draws taken from the logits by the native kernels
+    (kernels/cpu/sampling.cpp): each row read two or three times, never
+    turned into a tensor of probabilities."""
+    inverse = [1.0 / w.sampling.temperature for w in works]
+    at_rows, at_tokens, at_inverse = [], [], []
+    for r, (i, k) in enumerate(zip(rows, ks, strict=True)):
+        for j, t in enumerate(proposal.tokens[i][:k]):
+            at_rows.append(offsets[r] + j)
+            at_tokens.append(t)
+            at_inverse.append(inverse[r])
+    p_at = kernels.temperature_probabilities(
+        logits, torch.tensor(at_rows, dtype=torch.int64),
+        torch.tensor(at_tokens, dtype=torch.int64),
+        torch.tensor(at_inverse, dtype=torch.float32)).tolist() if at_rows else []
+    decided = _decide(rows, works, ks, proposal, p_at)
+    tokens = kernels.temperature_draws(
+        logits, torch.tensor([offsets[r] + a for r, a in enumerate(decided.next_row)],
+                             dtype=torch.int64),
+        torch.tensor(inverse, dtype=torch.float32),
+        torch.tensor(decided.draws, dtype=torch.float64),
+        torch.tensor(decided.removed, dtype=torch.int64)).tolist()
+    return list(zip(decided.accepted, tokens, strict=True))
 
 
 def _prompt_logprobs(batch: list[SeqWork], spans: list[Span], logits: torch.Tensor,

@@ -253,3 +253,72 @@ def test_one_hot_acceptance_is_accept_with_one_hot_proposals():
         expected = accept(draft_tokens, draft_padded, target_padded, torch.tensor(ks),
                           u_accept, u_next)
         assert decided == list(zip(expected.num_accepted, expected.next_token, strict=True)), case
+
+
+def _native():
+    from specpage.kernels.cpu.native import native_kernels
+
+    kernels = native_kernels()
+    if kernels is None:
+        pytest.skip("native kernels not built")
+    return kernels
+
+
+def _cdf(logits: torch.Tensor, temperature: float, removed: int = -1) -> torch.Tensor:
+    """float64 cumulative distribution of softmax(logits / T), removed taken out."""
+    p = torch.softmax(logits.double() / temperature, -1)
+    if removed >= 0:
+        p[removed] = 0
+    return p.cumsum(-1) / p.sum()
+
+
+def test_native_temperature_draws_are_the_inverse_cdf():
+    """kernels/cpu/sampling.cpp draws, per row, the first token whose
+    cumulative probability exceeds u (to float32 rounding), from the row
+    alone whatever else the call holds, with a removed token never drawn
+    while anything else has weight, and grammar-forbidden (-inf) tokens never."""
+    kernels = _native()
+    generator = torch.Generator().manual_seed(11)
+    for case in range(60):
+        vocab = int(torch.randint(2, 3000, (), generator=generator))
+        rows = 5
+        logits = torch.randn(rows, vocab, generator=generator) * 4
+        logits[1, ::3] = float("-inf")
+        temperature = (torch.rand(rows, generator=generator) * 1.5 + 0.2).tolist()
+        removed = [-1, -1, int(logits[2].argmax()), int(torch.randint(0, vocab, ())), -1]
+        for _ in range(10):
+            u = torch.rand(rows, generator=generator, dtype=torch.float64)
+            drawn = kernels.temperature_draws(
+                logits, torch.arange(rows), 1 / torch.tensor(temperature), u,
+                torch.tensor(removed)).tolist()
+            alone = kernels.temperature_draws(
+                logits, torch.tensor([3]), 1 / torch.tensor(temperature[3:4]), u[3:4],
+                torch.tensor(removed[3:4])).tolist()
+            assert drawn[3] == alone[0]
+            for r, t in enumerate(drawn):
+                cdf = _cdf(logits[r], temperature[r], removed[r])
+                below = float(cdf[t - 1]) if t else 0.0
+                assert below - 1e-5 <= float(u[r]) <= float(cdf[t]) + 1e-5, (case, r)
+                assert t != removed[r] and logits[r, t] > float("-inf")
+
+
+def test_native_temperature_probabilities_and_a_certain_token():
+    kernels = _native()
+    generator = torch.Generator().manual_seed(12)
+    logits = torch.randn(4, 49152, generator=generator) * 5
+    tokens = torch.tensor([0, int(logits[1].argmax()), 77, 49151])
+    inverse = torch.tensor([1 / 0.7, 1.0, 2.0, 1 / 1.3])
+    ours = kernels.temperature_probabilities(logits, torch.arange(4), tokens, inverse)
+    reference = torch.softmax(logits.double() * inverse[:, None].double(), -1)[
+        torch.arange(4), tokens]
+    assert torch.allclose(ours.double(), reference, rtol=1e-5, atol=0)
+    # one token of any weight: removing it leaves nothing else, so it is drawn
+    certain = torch.full((1, 50), float("-inf"))
+    certain[0, 7] = 1.0
+    for u in (0.0, 0.5, 0.999):
+        drawn = kernels.temperature_draws(certain, torch.tensor([0]), torch.tensor([1.0]),
+                                          torch.tensor([u], dtype=torch.float64),
+                                          torch.tensor([7]))
+        assert drawn.tolist() == [7]
+    with pytest.raises(RuntimeError, match="row 4 is outside the logits' 4 rows"):
+        kernels.temperature_probabilities(logits, torch.tensor([4]), tokens[:1], inverse[:1])

@@ -1,0 +1,221 @@
+// Plain temperature sampling on CPU, for rows of fp32 logits: a token's
+// probability under softmax(logits / T), and a draw from that distribution
+// (with one token taken out, for the token after a rejected proposal). One
+// pass for the maximum, one for the weights and their sums, and a walk to
+// the drawn token, instead of torch's softmax, a copy, a float64 cumulative
+// sum and a search over the whole row (specpage/speculation/sampler.py,
+// which remains the reference and the path for top-k, top-p and min-p).
+//
+// A row's weights are w_i = exp((l_i - max) / T), 0 where that is below
+// e^-87.3 (a token the grammar forbids, at -inf, is never drawn); the draw
+// at u is the first token whose cumulative weight exceeds u times the total
+// (the inverse CDF, as sampler.sample takes it). Sums are float64 over
+// chunks of 256 weights. Each row is one thread's from start to end, so a
+// row's result does not depend on the other rows of the call.
+//
+// Registered as torch.ops.specpage_cpu.temperature_probabilities and
+// temperature_draws; the Python side is specpage/speculation/sampling_rows.py.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "vec.h"
+
+namespace {
+
+using namespace specpage_cpu;
+
+constexpr int64_t kChunk = 256;  // weights per partial sum
+constexpr float kLeast = -87.3f;  // exponents below this weigh 0
+
+// The float64 sum of w[first, last), whole vectors, as one chunk's.
+double chunk_sum(const float* w, int64_t first, int64_t last) {
+  vfloat sum = vfloat{};
+  for (int64_t i = first; i < last; i += kLanes) sum += load(w + i);
+  double s = 0.0;
+  for (int64_t j = 0; j < kLanes; ++j) s += sum[j];
+  return s;
+}
+
+// A row's weights (into w, padded to whole vectors with zeros) and their
+// sums per chunk; returns the total.
+double weigh(const float* logits, int64_t vocab, float inverse_temperature, float* w,
+             std::vector<double>& chunks) {
+  const int64_t whole = vocab / kLanes * kLanes;
+  vfloat top = splat(-std::numeric_limits<float>::infinity());
+  for (int64_t i = 0; i < whole; i += kLanes) {
+    const vfloat x = load(logits + i);
+    top = x > top ? x : top;
+  }
+  float max = top[0];
+  for (int64_t i = 1; i < kLanes; ++i) max = std::fmax(max, top[i]);
+  for (int64_t i = whole; i < vocab; ++i) max = std::fmax(max, logits[i]);
+  const int64_t padded = (vocab + kLanes - 1) / kLanes * kLanes;
+  chunks.assign((padded + kChunk - 1) / kChunk, 0.0);
+  if (!std::isfinite(max)) {  // every token forbidden, or not a number: nothing to weigh
+    std::fill(w, w + padded, 0.0f);
+    return 0.0;
+  }
+  for (int64_t i = 0; i < padded; i += kLanes) {
+    vfloat x;
+    if (i + kLanes <= vocab) {
+      x = load(logits + i);
+    } else {
+      x = splat(-std::numeric_limits<float>::infinity());
+      for (int64_t j = i; j < vocab; ++j) x[j - i] = logits[j];
+    }
+    const vfloat e = (x - max) * inverse_temperature;
+    const vfloat weight = e < kLeast ? vfloat{} : vexp(e);
+    std::memcpy(w + i, &weight, sizeof(weight));
+  }
+  double total = 0.0;
+  for (size_t c = 0; c < chunks.size(); ++c) {
+    const int64_t first = static_cast<int64_t>(c) * kChunk;
+    chunks[c] = chunk_sum(w, first, std::min<int64_t>(padded, first + kChunk));
+    total += chunks[c];
+  }
+  return total;
+}
+
+// The first token whose cumulative weight exceeds target; where rounding
+// leaves none, the last token of any weight.
+int64_t walk(const float* w, int64_t vocab, const std::vector<double>& chunks, double target) {
+  double before = 0.0;
+  size_t c = 0;
+  while (c + 1 < chunks.size() && before + chunks[c] <= target) before += chunks[c++];
+  double cumulative = before;
+  for (int64_t i = static_cast<int64_t>(c) * kChunk; i < vocab; ++i) {
+    cumulative += w[i];
+    if (w[i] > 0.0f && cumulative > target) return i;
+  }
+  for (int64_t i = vocab - 1; i > 0; --i) {
+    if (w[i] > 0.0f) return i;
+  }
+  return 0;
+}
+
+void check_logits(const at::Tensor& logits, const at::Tensor& rows, const char* name) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1,
+              name, ": logits must be float32 [rows, vocab] with unit column stride");
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong && rows.is_contiguous(), name,
+              ": rows must be contiguous int64 [n]");
+  const int64_t* r = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < rows.size(0); ++i) {
+    TORCH_CHECK(r[i] >= 0 && r[i] < logits.size(0), name, ": row ", r[i],
+                " is outside the logits' ", logits.size(0), " rows");
+  }
+}
+
+void check_per_row(const at::Tensor& t, int64_t n, at::ScalarType type, const char* what) {
+  TORCH_CHECK(t.dim() == 1 && t.size(0) == n && t.scalar_type() == type && t.is_contiguous(),
+              what, " must be contiguous [", n, "] of ", type);
+}
+
+// f(i, weights, chunk sums, total) for each i, row rows[i] weighed at
+// inverse_temperature[i]; each row one thread's.
+template <typename F>
+void for_weighed_rows(const at::Tensor& logits, const at::Tensor& rows,
+                      const at::Tensor& inverse_temperature, F&& f) {
+  const int64_t vocab = logits.size(1), stride = logits.stride(0);
+  const int64_t* row = rows.data_ptr<int64_t>();
+  const float* inverse = inverse_temperature.data_ptr<float>();
+  const float* base = logits.data_ptr<float>();
+  at::parallel_for(0, rows.size(0), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> w((vocab + kLanes - 1) / kLanes * kLanes);
+    std::vector<double> chunks;
+    for (int64_t i = begin; i < end; ++i) {
+      const double total = weigh(base + row[i] * stride, vocab, inverse[i], w.data(), chunks);
+      f(i, w, chunks, total);
+    }
+  });
+}
+
+// Per i: the probability of tokens[i] in row rows[i] at temperature
+// 1 / inverse_temperature[i].
+at::Tensor temperature_probabilities(const at::Tensor& logits, const at::Tensor& rows,
+                                     const at::Tensor& tokens,
+                                     const at::Tensor& inverse_temperature) {
+  check_logits(logits, rows, "temperature_probabilities");
+  const int64_t n = rows.size(0), vocab = logits.size(1);
+  check_per_row(tokens, n, at::kLong, "tokens");
+  check_per_row(inverse_temperature, n, at::kFloat, "inverse_temperature");
+  const int64_t* token = tokens.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(token[i] >= 0 && token[i] < vocab, "token ", token[i], " is outside the ",
+                vocab, "-token vocabulary");
+  }
+  at::Tensor out = at::empty({n}, logits.options());
+  float* p = out.data_ptr<float>();
+  for_weighed_rows(logits, rows, inverse_temperature,
+                   [&](int64_t i, const std::vector<float>& w, const std::vector<double>&,
+                       double total) {
+    p[i] = total > 0.0 ? static_cast<float>(w[token[i]] / total) : 0.0f;
+  });
+  return out;
+}
+
+// Per i: a draw from row rows[i] at temperature 1 / inverse_temperature[i]
+// with uniform uniforms[i], token removed[i] taken out where it is >= 0
+// (when nothing else has any weight, from the whole row).
+at::Tensor temperature_draws(const at::Tensor& logits, const at::Tensor& rows,
+                             const at::Tensor& inverse_temperature, const at::Tensor& uniforms,
+                             const at::Tensor& removed) {
+  check_logits(logits, rows, "temperature_draws");
+  const int64_t n = rows.size(0), vocab = logits.size(1);
+  check_per_row(inverse_temperature, n, at::kFloat, "inverse_temperature");
+  check_per_row(uniforms, n, at::kDouble, "uniforms");
+  check_per_row(removed, n, at::kLong, "removed");
+  const int64_t* out_of = removed.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(out_of[i] < vocab, "removed token ", out_of[i], " is outside the ", vocab,
+                "-token vocabulary");
+  }
+  const double* u = uniforms.data_ptr<double>();
+  at::Tensor out = at::empty({n}, rows.options());
+  int64_t* drawn = out.data_ptr<int64_t>();
+  for_weighed_rows(logits, rows, inverse_temperature,
+                   [&](int64_t i, std::vector<float>& w, std::vector<double>& chunks,
+                       double total) {
+    const int64_t x = out_of[i];
+    if (x >= 0 && w[x] > 0.0f) {
+      const float kept = w[x];
+      const size_t c = static_cast<size_t>(x / kChunk);
+      w[x] = 0.0f;  // its chunk summed again without it, as weigh sums one
+      const int64_t first = static_cast<int64_t>(c) * kChunk;
+      const double s = chunk_sum(w.data(), first,
+                                 std::min<int64_t>(static_cast<int64_t>(w.size()), first + kChunk));
+      const double rest = total - chunks[c] + s;
+      if (rest > 0.0) {
+        chunks[c] = s;
+        total = rest;
+      } else {
+        w[x] = kept;  // nothing else can be drawn: the token itself
+      }
+    }
+    drawn[i] = walk(w.data(), vocab, chunks, u[i] * total);
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(specpage_cpu, m) {
+  m.def("temperature_probabilities(Tensor logits, Tensor rows, Tensor tokens, "
+        "Tensor inverse_temperature) -> Tensor");
+  m.def("temperature_draws(Tensor logits, Tensor rows, Tensor inverse_temperature, "
+        "Tensor uniforms, Tensor removed) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(specpage_cpu, CPU, m) {
+  m.impl("temperature_probabilities", &temperature_probabilities);
+  m.impl("temperature_draws", &temperature_draws);
+}
