@@ -14,6 +14,8 @@ servers tokenize and template the prompts the same way.
 A fourth row, with real weights, is Gemma 3 270M's Q4_K_M GGUF (`specpage
 models fetch gemma3-270m`): specpage serves it by that name where it knows
 it, else the file; where specpage cannot serve it, the row says why not.
+That file carries no chat template, so both servers take its prompts as
+raw completions (/v1/completions), the same text for both.
 
 Each model is served in turn by specpage (`specpage serve --model FILE`,
 speculation off: no draft and no model-free proposers, so both servers run
@@ -56,7 +58,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from functools import partial
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -114,6 +116,14 @@ def decode_bytes(path: Path) -> dict[str, int]:
     output = tensors.get("output.weight", tensors["token_embd.weight"])
     return {"linear_bytes": linears, "output_bytes": output, "step_bytes": linears + output,
             "file_bytes": path.stat().st_size}
+
+
+def chat_template(path: Path) -> bool:
+    """Whether the GGUF carries a chat template (Gemma 3 270M's base file
+    does not: it is served raw completions, both servers alike)."""
+    import gguf
+
+    return "tokenizer.chat_template" in gguf.GGUFReader(path).fields
 
 
 def dense_copies(path: Path) -> list[str]:
@@ -184,21 +194,23 @@ def one_round(spec: ServerSpec, jobs: list[Workload], warmups: list[Workload],
                 for warmup in warmups:
                     drive(spec.url, warmup, folder)
             except BenchError as error:  # loadgen gives a status; the server says why
-                raise BenchError(f"{error}; {spec.name} says: {refusal(spec.url)}") from error
+                says = refusal(spec.url, jobs[0].chat)
+                raise BenchError(f"{error}; {spec.name} says: {says}") from error
             figures: Figures = {job.name: drive(spec.url, job, folder, server) for job in jobs}
-            figures["outputs"] = greedy_answers(spec.url, compared)
+            figures["outputs"] = greedy_answers(spec.url, compared, jobs[0].chat)
         finally:
             server.stop()
     figures["startup_s"] = server.startup_s
     return figures
 
 
-def refusal(url: str) -> str:
-    """The error message a server answers one chat request with ("" if none)."""
-    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
-                       "max_tokens": 1}).encode()
-    request = urllib.request.Request(f"{url}/v1/chat/completions", body,
-                                     {"Content-Type": "application/json"})
+def refusal(url: str, chat: bool = True) -> str:
+    """The error message a server answers one chat (or raw completion)
+    request with ("" if none)."""
+    message = {"messages": [{"role": "user", "content": "Hi"}]} if chat else {"prompt": "Hi"}
+    body = json.dumps({"model": MODEL, **message, "max_tokens": 1}).encode()
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    request = urllib.request.Request(f"{url}{path}", body, {"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(request, timeout=60):
             return ""
@@ -224,10 +236,12 @@ class Rounds(NamedTuple):
 
 
 def run_rounds(specs: dict[str, Callable[[], ServerSpec]], jobs: list[Workload],
-               warmups: list[Workload], count: int) -> Rounds:
+               warmups: list[Workload], count: int, raw: frozenset[str] = frozenset()
+               ) -> Rounds:
     """Every system once per round, one server at a time, the order rotated;
     the read bandwidth of each round. A system that fails once
-    is left out from then on, with the reason."""
+    is left out from then on, with the reason. Systems named in `raw` (a
+    model without a chat template) take the same prompts as raw completions."""
     names = list(specs)
     figures: dict[str, list[Figures]] = {name: [] for name in names}
     rates: list[float] = []
@@ -239,8 +253,11 @@ def run_rounds(specs: dict[str, Callable[[], ServerSpec]], jobs: list[Workload],
         for name in names[shift:] + names[:shift]:
             if name in errors:
                 continue
+            chat = name not in raw
             try:
-                got = one_round(specs[name](), jobs, warmups, prompts if r == 0 else [])
+                got = one_round(specs[name](), [replace(j, chat=chat) for j in jobs],
+                                [replace(w, chat=chat) for w in warmups],
+                                prompts if r == 0 else [])
             except (BenchError, OSError, subprocess.TimeoutExpired) as error:
                 errors[name] = str(error)
                 print(f"round {r}: {name} failed: {error}", file=sys.stderr, flush=True)
@@ -360,8 +377,9 @@ def main() -> None:
     warmups = [Workload("warmup32", prompts, WARMUP_TOKENS, STREAMS),
                Workload("warmup1", prompts[:WARMUP_SINGLE], WARMUP_TOKENS, 1)]
     limit = memory_limit()
-    rounds = run_rounds(server_specs(files, args.threads, limit), jobs, warmups,
-                        ROUNDS[args.quick])
+    specs = server_specs(files, args.threads, limit)
+    raw = frozenset(spec for spec in specs if not chat_template(files[spec.split("/")[0]]))
+    rounds = run_rounds(specs, jobs, warmups, ROUNDS[args.quick], raw)
     models = {name: model_result(name, path, rounds, copies_before[name])
               for name, path in files.items()}
     cache_after = folder_bytes(cache_dir())

@@ -113,6 +113,9 @@ class Workload:
     prompts: list[str]
     output_tokens: int
     concurrency: int
+    # chat completions (the model's chat template); False: /v1/completions
+    # with the raw prompts, for a model with no chat template
+    chat: bool = True
 
     def write_trace(self, path: Path) -> Path:
         # A trace replayed with --concurrency is closed-loop: offsets are ignored.
@@ -246,8 +249,8 @@ def drive(url: str, job: Workload, folder: Path,
     words.write_text("\n".join(job.prompts) + "\n")
     out = folder / job.name
     command = [str(LOADGEN), "run", "--api", "openai", "--target", url, "--model", MODEL,
-               "--trace", str(trace), "--concurrency", str(job.concurrency), "--chat",
-               "--prompts-file", str(words),
+               "--trace", str(trace), "--concurrency", str(job.concurrency),
+               *(["--chat"] if job.chat else []), "--prompts-file", str(words),
                "--temperature", "0", "--health-timeout", "30s", "--out", str(out),
                "--no-progress", "--no-plots"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
@@ -286,16 +289,21 @@ def one_round(spec: ServerSpec, jobs: list[Workload], warmups: list[Workload]) -
     return figures
 
 
-def greedy_answers(url: str, prompts: list[str]) -> list[str]:
-    """Each prompt's greedy answer (untimed), to compare the systems' outputs."""
+def greedy_answers(url: str, prompts: list[str], chat: bool = True) -> list[str]:
+    """Each prompt's greedy answer (untimed), to compare the systems'
+    outputs: through chat completions, or (chat False) raw completions."""
     answers = []
     for prompt in prompts:
-        body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": prompt}],
-                           "max_tokens": COMPARED_TOKENS, "temperature": 0.0}).encode()
-        request = urllib.request.Request(f"{url}/v1/chat/completions", body,
+        message = ({"messages": [{"role": "user", "content": prompt}]} if chat
+                   else {"prompt": prompt})
+        body = json.dumps({"model": MODEL, **message, "max_tokens": COMPARED_TOKENS,
+                           "temperature": 0.0}).encode()
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        request = urllib.request.Request(f"{url}{path}", body,
                                          {"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=RUN_TIMEOUT_S) as response:
-            answers.append(json.loads(response.read())["choices"][0]["message"]["content"])
+            choice = json.loads(response.read())["choices"][0]
+            answers.append(choice["message"]["content"] if chat else choice["text"])
     return answers
 
 

@@ -405,6 +405,57 @@ class Q8Head(nn.Module):
         return y
 
 
+class Q8Linear(nn.Module):
+    """A linear layer on int8 levels with one float16 scale per 32 inputs
+    (w = d·q): a GGUF's Q8_0 blocks, and its Q5_0 and Q4_0 ones, whose
+    levels (q − 16, q − 8) fit int8 exactly. x is taken to int8 per 32 and
+    the levels multiplied as they are (int8x_gemv: vpdpbusd, and AMX tiles
+    from 5 rows where the CPU has them), 8.5 bits a weight read where the
+    dense bf16 copy would read 16. The same call shape as
+    layers.linear.Linear: x [rows, in_features] -> [rows, out_features].
+    Needs int8x_kernels()."""
+
+    def __init__(self, q: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = q.shape
+        self.register_buffer("tiles", q8_stream(q, d), persistent=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(),
+                                                           requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernels: Any = bf16_kernels()
+        y: torch.Tensor = kernels.int8x_gemv(x.to(KERNEL_DTYPE).contiguous(), self.tiles)
+        y = y.to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+    def direct_product(self, rows: int) -> Product | None:
+        """The kernel call for x of `rows` bf16 rows (layers/native_stack.py)."""
+        if self.bias is not None:
+            return None
+        kernels: Any = bf16_kernels()
+        return kernels.int8x_gemv.default, (self.tiles,)
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 weight [out, in] its tiles hold (q8_stream read back): d·q, exact."""
+        tiles, groups = self.tiles.shape[0], self.tiles.shape[1]
+        levels = self.tiles[..., :512].view(tiles, groups, 8, 16, 4).permute(0, 3, 1, 2, 4)
+        q = levels.reshape(self.out_features, self.in_features).to(torch.int16) - 128
+        d = self.tiles[..., 512:].contiguous().view(torch.float16).view(tiles, groups, 16)
+        d = d.permute(0, 2, 1).reshape(self.out_features, groups).float()
+        w = q.float().view(self.out_features, groups, Q8_GROUP) * d[..., None]
+        return w.view(self.out_features, self.in_features)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes one product reads: the tiles (levels and scales), the bias."""
+        bias = 0 if self.bias is None else self.bias.numel() * self.bias.element_size()
+        return int(self.tiles.numel() + bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, kernel=int8x q8")
+
+
 def dequantize(blocks: Int4Blocks, exact: bool = False) -> torch.Tensor:
     """The weights the int4 kernel computes with, [out, in] in KERNEL_DTYPE:
     (q − 8)·scale + zero, with scale and zero exact (the native kernel) or

@@ -154,8 +154,8 @@ def read_checkpoint(path: Path, quantization: Quantization = NO_QUANTIZATION,
     config = ModelConfig.from_dict(gguf.config(), str(gguf_path))
     folder = metadata_folder(gguf, cache_dir())
     # The one place a GGUF's linears are dequantized or left to a module on
-    # their stored blocks (models/quant_load: Q4_0/Q4_1; K-quants would join
-    # there), which takes each projection from gguf.projection_parts(layer,
+    # their stored blocks (models/quant_load: Q4_0/Q4_1, K-quants and int8
+    # levels), which takes each projection from gguf.projection_parts(layer,
     # projection): its parts' bytes, [rows, bytes per row] in HF row order,
     # and their GGML types.
     on_blocks = False

@@ -5,13 +5,17 @@
            GGUF its own blocks, and from a GGUF whose linears are all
            K-quants (Q4_K, Q5_K, Q6_K: any _K_M or _K_S file whose every
            linear takes 256-wide super-blocks) those blocks on their own
-           kernels (layers/kquant.py); otherwise round-to-nearest from the
-           loaded weights, cached under <cache>/quantized/
+           kernels (layers/kquant.py); from a GGUF that mixes those with
+           int8 levels (Q8_0, and Q5_0, which a _K_M file uses where a
+           width is no multiple of 256: Gemma 3 270M's), each projection
+           on its own kind's blocks (layers/quant.py Q8Linear for the int8
+           levels, where the CPU has AVX-512 VNNI); otherwise
+           round-to-nearest from the loaded weights, cached under
+           <cache>/quantized/
     q8     refused: torch's CPU int8 weight-only kernel is slower than q4 here,
            and not consistently faster than fp32 (quant_names.Q8_REFUSED)
-    auto   q4 where the checkpoint is a GGUF whose linears are all Q4_0/Q4_1
-           or all K-quants (their blocks are reused, nothing is
-           re-quantized), else none
+    auto   q4 where the checkpoint is a GGUF whose linears run on their
+           blocks as above (nothing is re-quantized), else none
 
 Only each layer's qkv_proj, o_proj, gate_up_proj and down_proj are swapped,
 after loading (an EAGLE-3 head's too, with its fc and its LM head over the
@@ -40,6 +44,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
+import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -53,8 +58,11 @@ from specpage.layers.quant import (
     Int4Blocks,
     Int4Linear,
     Q8Head,
+    Q8Linear,
+    int8x_kernels,
 )
 from specpage.models.gguf_blocks import FORMATS, GGUF_PARTS, GGUFWeights
+from specpage.models.gguf_dequant import RawTensor
 from specpage.models.gguf_file import GGUFFile, gguf_of
 from specpage.models.quant_names import Quantization, QuantizationError
 
@@ -113,9 +121,15 @@ def gguf_source(path: Path, folder: Path) -> Path | None:
 
 def reusable(linear_types: set[str]) -> bool:
     """Whether linears of these GGML types run on the GGUF's own blocks:
-    all Q4_0/Q4_1 (int4 groups), or all K-quants (their own kernels)."""
-    return bool(linear_types) and (linear_types <= FORMATS.keys()
-                                   or linear_types <= KQUANT_FORMATS.keys())
+    all Q4_0/Q4_1 (int4 groups), all K-quants (their own kernels), or a
+    mix of those and of int8 levels (Q8_0, Q5_0: Q8Linear, where the CPU
+    has the int8 products), each projection of one kind (_swap_mixed)."""
+    if not linear_types:
+        return False
+    if linear_types <= FORMATS.keys() or linear_types <= KQUANT_FORMATS.keys():
+        return True
+    return (linear_types <= FORMATS.keys() | KQUANT_FORMATS.keys() | Q8_LEVELS.keys()
+            and int8x_kernels())
 
 
 def runs_on_gguf_blocks(quantization: Quantization, linear_types: set[str]) -> bool:
@@ -155,20 +169,15 @@ def quantize_loaded(loaded: L, quantization: Quantization, path: Path,
             "re-quantize weights already quantized: use q4")
     # bf16 activations (Q8Head's, and int8 product inputs'): the default, or chosen
     bf16 = bf16_activations(loaded, dtype_chosen)
-    if reuse and types <= KQUANT_FORMATS.keys():
-        assert gguf is not None
-        _swap_kquant(loaded.model, GGUFFile(gguf))
-        applied = f"GGUF {'/'.join(sorted(types))} blocks"
+    if reuse and not types <= FORMATS.keys():
+        assert gguf is not None and weights is not None
+        _swap_mixed(loaded.model, GGUFFile(gguf), weights, bf16)
+        applied = f"GGUF {'/'.join(sorted(types))} blocks" + _q8_head(loaded.model, weights, bf16)
     elif reuse:
         assert weights is not None
         _swap(loaded.model, weights.blocks, int8x=bf16)
-        applied = f"q4 from GGUF {'/'.join(sorted(types))} blocks"
-        model = loaded.model
-        head = (weights.q8_0("token_embd.weight" if model.lm_head is None else "output.weight")
-                if bf16 else None)
-        if head is not None and Q8Head.usable(*head[0].shape):
-            model.q8_head = Q8Head(*head)
-            applied += ", Q8_0 vocabulary projection"
+        applied = (f"q4 from GGUF {'/'.join(sorted(types))} blocks"
+                   + _q8_head(loaded.model, weights, bf16))
     else:
         blocks = _rtn_cached(loaded, quantization.group)
         _swap(loaded.model, lambda i, name: blocks[f"layers.{i}.{name}"], int8x=bf16)
@@ -187,7 +196,7 @@ def _applied(loaded: H, applied: str, dtype_chosen: bool) -> H:
         model.inv_freq = inv_freq
     if model.norm.weight.dtype == QUANTIZED_DTYPE:
         applied += ", bf16 activations"
-    if any(isinstance(m, Int4Linear) and m.int8x or isinstance(m, KQuantLinear)
+    if any(isinstance(m, Int4Linear) and m.int8x or isinstance(m, KQuantLinear | Q8Linear)
            for m in model.modules()):
         applied += ", int8 product inputs"  # x to int8 per 32 at each product (layers/quant.py)
     log.info("quantized %s: %s", loaded.folder, applied)
@@ -239,20 +248,84 @@ def _swap(model: DecoderModel, blocks_of: Callable[[int, str], Int4Blocks],
             setattr(layer, name, Int4Linear(blocks, bias, int8x))
 
 
-def _swap_kquant(model: DecoderModel, gguf: GGUFFile) -> None:
-    """Each projection swapped for a KQuantLinear on the file's K-quant
-    blocks, its parts (q, k, v; gate, up) each of its own type."""
+def _q8_head(model: DecoderModel, weights: GGUFWeights, bf16: bool) -> str:
+    """A Q8Head on the file's Q8_0 vocabulary projection (the tied
+    embedding, or the output weight), where it has one and the model
+    computes in bf16; what was applied, to be recorded."""
+    head = (weights.q8_0("token_embd.weight" if model.lm_head is None else "output.weight")
+            if bf16 else None)
+    if head is None or not Q8Head.usable(*head[0].shape):
+        return ""
+    model.q8_head = Q8Head(*head)
+    return ", Q8_0 vocabulary projection"
+
+
+# GGML types whose blocks of 32 are a float16 d, first, and levels that fit
+# int8 exactly (w = d·level): Q8_0's q, Q5_0's q − 16, Q4_0's q − 8
+Q8_LEVELS = {"Q8_0": 34, "Q5_0": 22, "Q4_0": 18}  # bytes per block
+
+
+def q8_levels(raw: RawTensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(levels int8 [rows, cols], d fp32 [rows, cols / 32]) of a tensor of a
+    Q8_LEVELS type, read from its blocks as GGML lays them out (w = d·level,
+    as its dequantization computes): Q8_0's 32 int8; Q4_0's 16 bytes of
+    nibbles, low nibbles the block's first 16 values, less 8; Q5_0's four
+    bytes of fifth bits (bit j for value j) before those nibbles, less 16."""
+    rows, cols = raw.shape
+    blocks = np.ascontiguousarray(raw.data).reshape(rows, cols // GGUF_GROUP,
+                                                    Q8_LEVELS[raw.type_name])
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if raw.type_name == "Q8_0":
+        levels = blocks[..., 2:].view(np.int8)
+    else:
+        packed = blocks[..., -16:]
+        nibbles = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).astype(np.int16)
+        if raw.type_name == "Q4_0":
+            levels = nibbles - 8
+        else:
+            high = blocks[..., 2:6].copy().view("<u4")  # [rows, blocks, 1]
+            bits = (high >> np.arange(GGUF_GROUP, dtype=np.uint32)) & 1
+            levels = nibbles + (bits.astype(np.int16) << 4) - 16
+    q = torch.from_numpy(np.ascontiguousarray(levels, dtype=np.int8).reshape(rows, cols))
+    return q, torch.from_numpy(d)
+
+
+def _swap_mixed(model: DecoderModel, gguf: GGUFFile, weights: GGUFWeights, int8x: bool) -> None:
+    """Each projection swapped for a module on the file's blocks, by its
+    parts' types (q, k, v; gate, up): K-quants (any mix of them) a
+    KQuantLinear; Q4_0/Q4_1 an Int4Linear; int8 levels (Q8_0, Q5_0, with
+    Q4_0) a Q8Linear. A projection that mixes those kinds is refused by name."""
     for i, layer in enumerate(model.layers):
         for name in PROJECTIONS:
             dense = getattr(layer, name)
-            parts = [KQuantBlocks.from_gguf(raw.name, raw.type_name, raw.data)
-                     for raw in gguf.projection_parts(i, name)]
-            shape = (sum(p.rows for p in parts), parts[0].cols)
+            raws = gguf.projection_parts(i, name)
+            types = {raw.type_name for raw in raws}
+            bias = None if dense.bias is None else dense.bias.detach()
+            module: torch.nn.Module
+            if types <= KQUANT_FORMATS.keys():
+                parts = [KQuantBlocks.from_gguf(raw.name, raw.type_name, raw.data)
+                         for raw in raws]
+                module, shape = KQuantLinear(parts, bias), (sum(p.rows for p in parts),
+                                                            parts[0].cols)
+            elif types <= FORMATS.keys():
+                blocks = weights.blocks(i, name)
+                check_shape(f"layers.{i}.{name}", blocks.q.shape[1], GGUF_GROUP,
+                            blocks.q.shape[0])
+                module, shape = Int4Linear(blocks, bias, int8x), tuple(blocks.q.shape)
+            elif types <= Q8_LEVELS.keys():  # int8 inputs whatever the model's dtype
+                levels = [q8_levels(raw) for raw in raws]
+                q, d = torch.cat([q for q, _ in levels]), torch.cat([d for _, d in levels])
+                check_shape(f"layers.{i}.{name}", q.shape[1], GGUF_GROUP, q.shape[0])
+                module, shape = Q8Linear(q, d, bias), tuple(q.shape)
+            else:
+                raise QuantizationError(
+                    f"{gguf.path}: layers.{i}.{name}'s parts are {', '.join(sorted(types))}: "
+                    "one projection runs on K-quant, Q4_0/Q4_1 or int8-level (Q8_0, Q5_0) "
+                    "blocks, not a mix; load it with --quantization none")
             if shape != tuple(dense.weight.shape):
                 raise QuantizationError(f"layers.{i}.{name}: the GGUF's blocks are {shape}, "
                                         f"the model's weight {tuple(dense.weight.shape)}")
-            bias = None if dense.bias is None else dense.bias.detach()
-            setattr(layer, name, KQuantLinear(parts, bias))
+            setattr(layer, name, module)
 
 
 def _rtn_cached(loaded: Loaded, group: int) -> dict[str, Int4Blocks]:

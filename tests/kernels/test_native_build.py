@@ -33,5 +33,5 @@ def test_the_loader_finds_every_kernel_source_beside_it() -> None:
     would leave every machine on the torch ops without a word but a log line."""
     names = {path.name for path in native.SOURCES}
     assert names == {"bf16_gemv.cpp", "bf16_panels.cpp", "decoder_stack.cpp", "fused_ops.cpp",
-                     "int4_gemv.cpp", "kquant_gemv.cpp", "paged_attention.cpp"}
+                     "int4_gemv.cpp", "kquant_gemv.cpp", "paged_attention.cpp", "sampling.cpp"}
     assert [path.name for path in native.HEADERS] == ["vec.h"]

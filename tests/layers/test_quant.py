@@ -153,3 +153,30 @@ def test_the_q8_head_takes_up_to_16_rows_where_the_tiles_run_it() -> None:
     assert head.amx
     assert head.takes(torch.zeros(16, 128, dtype=torch.bfloat16))
     assert not head.takes(torch.zeros(17, 128, dtype=torch.bfloat16))
+
+
+@native
+@pytest.mark.skipif(not quant.int8x_kernels(), reason="no AVX-512 VNNI on this CPU")
+def test_q8_linear_is_its_levels_times_d_on_int8_inputs() -> None:
+    """Q8Linear (a GGUF's Q8_0 or Q5_0 blocks) computes int8(x) @ (d·q).T
+    plus its bias for any number of rows, each row the same bits alone as
+    in a batch, in the model's dtype, and offers the native layer stack its
+    kernel only without a bias."""
+    torch.manual_seed(6)
+    q = torch.randint(-16, 16, (64, 96), dtype=torch.int8)  # Q5_0's levels
+    d = (torch.randn(64, 3) * 0.01).half().float()  # signed, as Q5_0's are
+    bias = torch.randn(64).bfloat16()  # in the model's dtype, as loading casts it
+    linear = quant.Q8Linear(q, d, bias)
+    weights = (q.float().view(64, -1, 32) * d[..., None]).view(64, 96)
+    x = torch.randn(41, 96).bfloat16()
+    y = linear(x)
+    assert y.dtype == torch.bfloat16 and y.shape == (41, 64)
+    expected = int8_x(x) @ weights.T + bias.float()
+    assert float((y.float() - expected).abs().max() / expected.abs().max()) < 2**-7
+    for rows in (1, 5, 17):
+        alone = linear(x[:rows])
+        assert torch.equal(alone.view(torch.int16), y[:rows].view(torch.int16)), rows
+    assert linear(x.float()).dtype == torch.float32
+    assert torch.equal(linear.dequantize(), weights)
+    assert linear.direct_product(1) is None
+    assert quant.Q8Linear(q, d).direct_product(1) is not None

@@ -294,3 +294,76 @@ def test_rope_freqs_of_the_wrong_length_are_named(tmp_path):
     writer.close()
     with pytest.raises(ModelLoadError, match="rope_freqs.weight holds 3 factors"):
         load_model(tmp_path / "odd.gguf")
+
+
+def gemma3_k_m(name: str) -> gguf.GGMLQuantizationType:
+    """Gemma 3 270M's Q4_K_M mix: int8 levels (Q5_0, Q8_0 for v) where a
+    width is no multiple of 256, K-quants elsewhere."""
+    if not name.startswith("model.layers."):
+        return Q.F32
+    if name.endswith("v_proj.weight"):
+        return Q.Q8_0
+    if name.endswith("o_proj.weight"):
+        return Q.Q4_K
+    return Q.Q6_K if name.endswith("down_proj.weight") else Q.Q5_0
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q5_0, Q.Q4_0])
+def test_q8_levels_times_d_are_ggmls_own_dequantization(qtype):
+    from specpage.models.gguf_dequant import RawTensor
+    from specpage.models.quant_load import q8_levels
+
+    values = np.random.default_rng(4).standard_normal((48, 96)).astype(np.float32)
+    values[3, :32] = 0.0  # a block of zeros: d = 0
+    stored = gguf.quants.quantize(values, qtype)
+    q, d = q8_levels(RawTensor("w", qtype.name, values.shape, stored))
+    expected = gguf.quants.dequantize(stored, qtype)
+    ours = (q.float().view(48, 3, 32) * d[..., None]).view(48, 96).numpy()
+    assert np.array_equal(ours, expected)
+
+
+def test_a_mixed_k_m_file_runs_each_projection_on_its_own_blocks(tmp_path, monkeypatch):
+    """A _K_M file that mixes int8 levels (Q5_0, Q8_0) into its K-quants, as
+    Gemma 3 270M's does: auto runs q/k/v and gate/up as Q8Linear, o and
+    down on their K-quant blocks, dequantizes none of them, and gives the
+    exact model's logits to within the int8 inputs' rounding."""
+    from specpage.layers.quant import Q8Linear, int8x_kernels
+
+    if not int8x_kernels():
+        pytest.skip("int8 products need AVX-512 VNNI")
+    folder, path = hf_and_gguf(tmp_path, "qwen2", gemma3_k_m, hidden_size=256,
+                               intermediate_size=512, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=64)
+    read = dequantized_names(monkeypatch)
+    quantized = load_model(path, quantization="auto")
+    assert quantized.quantization.startswith("GGUF Q4_K/Q5_0/Q6_K/Q8_0 blocks")
+    assert not set(GGUFFile(path).linear_names()) & set(read)
+    layer = quantized.model.layers[0]
+    assert isinstance(layer.qkv_proj, Q8Linear) and isinstance(layer.gate_up_proj, Q8Linear)
+    assert isinstance(layer.o_proj, KQuantLinear) and isinstance(layer.down_proj, KQuantLinear)
+    exact = load_model(folder)
+    for ours_layer, exact_layer in zip(quantized.model.layers, exact.model.layers, strict=True):
+        for name in ("qkv_proj", "gate_up_proj"):  # the int8 levels: the file's weights exactly
+            assert torch.equal(getattr(ours_layer, name).dequantize(),
+                               getattr(exact_layer, name).weight), name
+    prompt = list(range(5, 45))
+    ours = greedy_logits(quantized, prompt).float()
+    reference = greedy_logits(exact, prompt)
+    assert ((ours - reference).abs().max() / reference.std()) < 0.05
+
+
+def test_a_projection_mixing_kinds_of_blocks_is_named(tmp_path):
+    from specpage.layers.quant import int8x_kernels
+    from specpage.models.quant_names import QuantizationError
+
+    if not int8x_kernels():
+        pytest.skip("int8 products need AVX-512 VNNI")
+
+    def q5_and_k(name):
+        return Q.Q4_K if name.endswith("k_proj.weight") else gemma3_k_m(name)
+
+    _, path = hf_and_gguf(tmp_path, "qwen2", q5_and_k, hidden_size=256, intermediate_size=512,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    with pytest.raises(QuantizationError, match=r"layers.0.qkv_proj's parts are Q4_K, Q5_0, "
+                                                r"Q8_0: one projection runs on"):
+        load_model(path, quantization="auto")

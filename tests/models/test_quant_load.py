@@ -93,7 +93,7 @@ def write_gguf(path: Path, linear_type: str, seed: int = 0, vocab_multiple: int 
 def ggufs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("quant")
     files = {kind: write_gguf(folder / f"tiny.{kind}.gguf", kind)
-             for kind in ("Q4_0", "Q4_1", "Q8_0")}
+             for kind in ("Q4_0", "Q4_1", "Q8_0", "Q5_1")}
     # a vocabulary in whole blocks of 16: the head runs on its Q8_0 blocks (Q8Head)
     files["Q4_1 vocab 272"] = write_gguf(folder / "tiny.Q4_1.v272.gguf", "Q4_1", vocab_multiple=16)
     return files
@@ -345,14 +345,29 @@ def test_q8_is_refused_saying_why() -> None:
 
 
 def test_unsupported_gguf_type_names_it(ggufs: dict[str, Path]) -> None:
-    with pytest.raises(QuantizationError, match=r"linears are Q8_0 \(Q8_0 unsupported\)"):
-        load_model(ggufs["Q8_0"], quantization="q4")
+    with pytest.raises(QuantizationError, match=r"linears are Q5_1 \(Q5_1 unsupported\)"):
+        load_model(ggufs["Q5_1"], quantization="q4")
     # auto leaves a GGUF it cannot reuse as loaded
-    assert loaded(ggufs["Q8_0"], "auto").quantization == "none"
-    weights = GGUFWeights(ggufs["Q8_0"], loaded(ggufs["Q8_0"]).config)
-    with pytest.raises(QuantizationError, match="blk.0.attn_q.weight is Q8_0"):
+    assert loaded(ggufs["Q5_1"], "auto").quantization == "none"
+    weights = GGUFWeights(ggufs["Q5_1"], loaded(ggufs["Q5_1"]).config)
+    with pytest.raises(QuantizationError, match="blk.0.attn_q.weight is Q5_1"):
         weights.blocks(0, "qkv_proj")
     assert GGUF_PARTS["qkv_proj"] == ("attn_q", "attn_k", "attn_v")
+
+
+@pytest.mark.skipif(not quant.int8x_kernels(), reason="int8 products need AVX-512 VNNI")
+def test_a_q8_0_gguf_runs_on_its_int8_levels(ggufs: dict[str, Path]) -> None:
+    """Every linear Q8_0: auto runs each on its blocks (Q8Linear), which hold
+    the fp32 path's weights bit for bit (q/k rows un-permuted, fused in its
+    order); tests/layers/test_quant.py checks Q8Linear's products."""
+    dense, quantized = loaded(ggufs["Q8_0"]), loaded(ggufs["Q8_0"], "auto")
+    assert quantized.quantization == "GGUF Q8_0 blocks, bf16 activations, int8 product inputs"
+    for i in range(LAYERS):
+        for name in PROJECTIONS:
+            module = getattr(quantized.model.layers[i], name)
+            assert isinstance(module, quant.Q8Linear)
+            fp32 = getattr(dense.model.layers[i], name).weight
+            assert torch.equal(module.dequantize(), fp32), (i, name)
 
 
 def test_q4_on_inputs_not_a_multiple_of_the_group_says_so(
