@@ -36,7 +36,7 @@ from torch import nn
 
 from specpage.kernels.cpu import features as cpu
 from specpage.kernels.cpu.native import loaded_kernels
-from specpage.layers.products import invariant_linear, row_invariant_on
+from specpage.layers.products import Product, invariant_linear, row_invariant_on
 
 SUPER_BLOCK = 256  # inputs per super-block (GGML's QK_K)
 # Where the CPU has AMX, products of this many rows or more take the weights
@@ -215,6 +215,9 @@ class KQuantLinear(nn.Module):
             self.register_buffer(f"blocks_{index}", run.data, persistent=False)
             self.columns.append((run.format.ggml_type, column))
             column += run.rows
+        # int64, so no cast of the model's dtype touches it
+        self.register_buffer("runs", torch.tensor(self.columns, dtype=torch.int64),
+                             persistent=False)
         assert bias is None or bias.shape == (self.out_features,), "bias: [out]"
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(),
                                                            requires_grad=False)
@@ -262,10 +265,16 @@ class KQuantLinear(nn.Module):
                 y[:, column + first : column + first + tile.shape[0]] = F.linear(xb, tile)
         return y.to(x.dtype)
 
-    def direct_product(self, rows: int) -> None:
-        """None: the native layer stack (layers/native_stack.py) has no
-        K-quant product, so a model with these layers runs its modules."""
-        return None
+    def direct_product(self, rows: int) -> Product | None:
+        """The kernel call for x of `rows` bf16 rows where forward takes
+        int8_product and there is no bias (layers/native_stack.py): the runs'
+        (GGML type, first column), then their blocks; decoder_stack.cpp
+        makes int8_product's calls from them."""
+        if (not self.native or self.bias is not None
+                or (self.dense_tiles and rows >= DENSE_FROM_ROWS and not row_invariant_on())):
+            return None
+        kernels: Any = kquant_kernels()
+        return kernels.kquant_gemv.default, (self.runs, *self._blocks())
 
     def dequantize(self) -> torch.Tensor:
         """The fp32 weight [out, in], every run's rows in order."""

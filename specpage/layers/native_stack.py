@@ -30,8 +30,10 @@ from specpage.layers.fused import LANES
 ENABLED = True  # tests switch it off to compare with the module path
 
 
-# The product kinds decoder_stack.cpp reads, by the kernel a product calls.
-GEMV, PANELS, INT4, ONEDNN, INT8X = 0, 1, 2, 3, 4
+# The product kinds decoder_stack.cpp reads, by the kernel a product calls;
+# a K-quant product of n runs of one type each is kind KQUANT + n - 1.
+GEMV, PANELS, INT4, ONEDNN, INT8X, KQUANT = 0, 1, 2, 3, 4, 5
+KQUANT_RUNS = 4  # the most runs decoder_stack.cpp takes in one product
 
 
 @dataclass(frozen=True)
@@ -124,11 +126,15 @@ def stack_plan(layers: Sequence[Any], rows: int) -> StackPlan | None:
         for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
             product = linear.direct_product(rows)
             kind = None if product is None else kinds_by_kernel.get(product[0])
+            if product is not None and product[0] == kernels.kquant_gemv.default:
+                runs = len(product[1]) - 1  # the runs' (type, column), then their blocks
+                kind = KQUANT + runs - 1 if runs <= KQUANT_RUNS else None
             if product is None or kind is None:
                 return None
             operands = product[1]
             plan.kinds.append(kind)
-            plan.outs.append(operands[1] if kind == PANELS else 0)
+            plan.outs.append(operands[1] if kind == PANELS
+                             else linear.out_features if kind >= KQUANT else 0)
             plan.operands.extend(operands[:1] if kind in (PANELS, ONEDNN) else operands)
     if plan.qk_norms and len(plan.qk_norms) != 2 * len(layers):
         return None  # q/k norms on some layers only: no family has them so

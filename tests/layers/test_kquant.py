@@ -51,11 +51,12 @@ def random_blocks(type_name: str, rows: int, cols: int, seed: int = 0) -> KQuant
 def q8k_x(x: torch.Tensor) -> torch.Tensor:
     """x as the kernels take it (llama.cpp's Q8_K): per row and 256 values,
     d·q with d = max |x| / 127 and q = round(x · 127 / max |x|) to nearest
-    even; fp64."""
+    even, a block whose max |x| is below 2^-90 taken as zero; fp64."""
     blocks = x.float().view(x.shape[0], -1, SUPER_BLOCK)
     amax = blocks.abs().amax(-1, keepdim=True)
     # (127.0 / amax would be amax.reciprocal() * 127: two roundings)
-    inverse = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    inverse = torch.where(amax >= 2.0**-90, torch.full_like(amax, 127.0) / amax,
+                          torch.zeros_like(amax))
     return (torch.round(blocks * inverse).double() * (amax / 127).double()).view(x.shape)
 
 
@@ -217,6 +218,24 @@ def test_a_row_that_is_not_finite_comes_out_nan_alone():
     y = layer(x)
     assert bool(y[1].isnan().all()) and bool(y[[0, 2]].isfinite().all())
     assert torch.equal(y[[0, 2]], layer(x[[0, 2]]))
+
+
+@native
+def test_a_block_of_x_below_2_to_the_minus_90_counts_as_zero():
+    """x's blocks of 256 whose largest value is below 2^-90 (subnormal
+    products, whose arithmetic is slow on x86) contribute nothing; a block
+    at 2^-90 contributes as ever, and a row's other blocks too."""
+    layer = KQuantLinear([random_blocks("Q4_K", 32, 512, seed=16)])
+    x = torch.randn(3, 512)
+    x[:2, 256:] = 0.0
+    x[0, :256] *= 2.0**-100  # below: nothing
+    x[1, :256] = x[1, :256] / x[1, :256].abs().max() * 2.0**-90  # at the floor: counted
+    x[2, :256] *= 2.0**-100  # below, beside a block of normal values
+    y = layer.int8_product(x)
+    check_close(y, q8k_x(x), layer.dequantize())
+    assert bool((y[0] == 0).all()) and bool((y[1] != 0).any())
+    assert torch.equal(y[2], layer.int8_product(torch.cat([torch.zeros(1, 256), x[2:, 256:]],
+                                                          1))[0])
 
 
 @pytest.mark.parametrize("type_name", ["Q2_K", "IQ4_XS", "Q8_0"])

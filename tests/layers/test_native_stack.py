@@ -74,6 +74,19 @@ def table(seq: int) -> list[int]:
     return list(range(8 * seq, 8 * seq + 8))
 
 
+def spans_of(shape: str) -> list[Span]:
+    """A step's spans after prompts of 40 tokens (`prefilled`), by name."""
+    return {
+        "decode 1": [Span([7], 40, table(0))],
+        "decode 3": [Span([7 + s], 40, table(s)) for s in range(3)],
+        "verify 5": [Span([9, 8, 7, 6, 5], 40, table(1), 5)],
+        "verify 2 + decode 2": [Span([9, 8], 40, table(0), 2), Span([5], 40, table(1)),
+                                Span([4], 40, table(2))],
+        "decode 20": [Span([7 + s], 40, table(s)) for s in range(20)],  # panels (oneDNN on AMX)
+        "decode 66": [Span([7 + s], 40, table(s)) for s in range(66)],  # oneDNN
+    }[shape]
+
+
 def both_ways(runner: ModelRunner, spans: list[Span], monkeypatch: pytest.MonkeyPatch,
               layers: tuple[int, ...] = ()) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(logits, the cache after, tapped states) by the direct loop and by the modules,
@@ -99,15 +112,7 @@ def test_the_direct_loop_gives_the_modules_logits_and_kv(
         monkeypatch: pytest.MonkeyPatch) -> None:
     prompts = int(shape.split()[-1]) if shape.startswith("decode") else 3
     runner = prefilled(checkpoint, quantization, max(prompts, 3))
-    spans = {
-        "decode 1": [Span([7], 40, table(0))],
-        "decode 3": [Span([7 + s], 40, table(s)) for s in range(3)],
-        "verify 5": [Span([9, 8, 7, 6, 5], 40, table(1), 5)],
-        "verify 2 + decode 2": [Span([9, 8], 40, table(0), 2), Span([5], 40, table(1)),
-                                Span([4], 40, table(2))],
-        "decode 20": [Span([7 + s], 40, table(s)) for s in range(20)],  # panels (oneDNN on AMX)
-        "decode 66": [Span([7 + s], 40, table(s)) for s in range(66)],  # oneDNN
-    }[shape]
+    spans = spans_of(shape)
     rows = sum(len(s.token_ids) for s in spans)
     plan = runner.model.stack_plan(rows)
     assert plan is not None  # the native call applies to these rows
@@ -130,12 +135,7 @@ def test_qwen3_layers_with_windows_give_the_modules_logits_and_kv(
         qwen3_checkpoint: Path, shape: str, monkeypatch: pytest.MonkeyPatch) -> None:
     runner = prefilled(qwen3_checkpoint, None, 3)
     assert runner.config.qk_norm and runner.config.windowed
-    spans = {
-        "decode 3": [Span([7 + s], 40, table(s)) for s in range(3)],
-        "verify 5": [Span([9, 8, 7, 6, 5], 40, table(1), 5)],
-        "verify 2 + decode 2": [Span([9, 8], 40, table(0), 2), Span([5], 40, table(1)),
-                                Span([4], 40, table(2))],
-    }[shape]
+    spans = spans_of(shape)
     plan = runner.model.stack_plan(sum(len(s.token_ids) for s in spans))
     assert plan is not None and plan.windows == [0, 16, 16] and len(plan.qk_norms) == 6
     (logits, cache, _), (ref_logits, ref_cache, _) = both_ways(runner, spans, monkeypatch)
@@ -241,8 +241,12 @@ def test_the_native_call_refuses_operands_that_do_not_fit(checkpoint: Path) -> N
         call(kinds=plan.kinds[:-1], outs=plan.outs[:-1])
     with pytest.raises(RuntimeError, match="operands left over"):
         call(operands=plan.operands + plan.operands[:1])
-    with pytest.raises(RuntimeError, match="unknown product kind 7"):
-        call(kinds=[7] + plan.kinds[1:])
+    unknown = native_stack.KQUANT + native_stack.KQUANT_RUNS  # past the last K-quant kind
+    with pytest.raises(RuntimeError, match=f"unknown product kind {unknown}"):
+        call(kinds=[unknown] + plan.kinds[1:])
+    with pytest.raises(RuntimeError, match=r"a K-quant product's runs must be int64 \[1, 2\]"):
+        call(kinds=[native_stack.KQUANT] + plan.kinds[1:],
+             operands=[torch.zeros(2, 2, dtype=torch.int64)] + plan.operands)
     with pytest.raises(RuntimeError, match="taps must name layers"):
         call(taps=[2, 0])
     with pytest.raises(RuntimeError, match="need 0 or 6 q/k norms"):
@@ -250,3 +254,46 @@ def test_the_native_call_refuses_operands_that_do_not_fit(checkpoint: Path) -> N
     with pytest.raises(RuntimeError, match="need 0 or 3 windows"):
         call(windows=[0])
     assert torch.equal(runner.kv.tensor, before)
+
+
+@pytest.fixture(scope="module")
+def k_quant_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Qwen3 GGUF of Q4_K_M's mix (Q6_K v and down, Q4_K the rest: a qkv
+    of two runs of one type each), widths whole super-blocks of 256."""
+    from tests.models.test_gguf_file import TOKEN_IDS, k_quant_m
+    from tests.support.gguf_files import write_gguf
+
+    folder = tmp_path_factory.mktemp("kquant")
+    model = family_checkpoint(folder / "hf", "qwen3", seed=3, hidden_size=256,
+                              intermediate_size=512, num_attention_heads=4,
+                              num_key_value_heads=2, head_dim=64, num_hidden_layers=2,
+                              **TOKEN_IDS)
+    path = folder / "tiny-qwen3-k-m.gguf"
+    write_gguf(model, path, k_quant_m)
+    return path
+
+
+@pytest.mark.skipif(not quant.int8x_kernels(), reason="no AVX-512 VNNI on this CPU")
+@pytest.mark.parametrize("shape", ["decode 1", "decode 3", "verify 5", "verify 2 + decode 2"])
+def test_k_quant_layers_give_the_modules_logits_and_kv(
+        k_quant_gguf: Path, shape: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """K-quant products in the native call (x to int8 once per projection,
+    each run of one type into its columns) give the module path's bits."""
+    from specpage.layers.kquant import KQuantLinear
+    from tests.support.gguf_files import VOCAB_SIZE
+
+    loaded = load_model(k_quant_gguf, "bf16", quantization="auto")
+    assert isinstance(loaded.model.layers[0].qkv_proj, KQuantLinear)
+    runner = ModelRunner(loaded, 8 * 3 + 8, BLOCK)
+    with torch.inference_mode():
+        runner.forward([Span([(11 * s + 3 * j) % (VOCAB_SIZE - 1) + 1 for j in range(40)], 0,
+                             table(s), 1) for s in range(3)])
+    spans = spans_of(shape)
+    plan = runner.model.stack_plan(sum(len(s.token_ids) for s in spans))
+    assert plan is not None
+    # qkv: Q4_K then Q6_K (two runs); o, gate_up: one run; down: Q6_K
+    assert plan.kinds[:4] == [native_stack.KQUANT + 1, native_stack.KQUANT,
+                              native_stack.KQUANT, native_stack.KQUANT]
+    (logits, cache, _), (ref_logits, ref_cache, _) = both_ways(runner, spans, monkeypatch)
+    assert torch.equal(logits, ref_logits)
+    assert torch.equal(cache, ref_cache)

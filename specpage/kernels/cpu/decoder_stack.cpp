@@ -25,6 +25,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/cat.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <omp.h>
@@ -41,7 +42,15 @@ namespace {
 
 // How a product is computed, and how many operands (after x) it takes from
 // the flat operand list; layers/native_stack.py writes the same codes.
-enum Kind : int64_t { kGemv = 0, kPanels = 1, kInt4 = 2, kOneDnn = 3, kInt8x = 4 };
+enum Kind : int64_t { kGemv = 0, kPanels = 1, kInt4 = 2, kOneDnn = 3, kInt8x = 4, kKQuant = 5 };
+// K-quant products (kquant_gemv.cpp) of 1 to kKQuantRuns runs of one GGML
+// type each are kinds kKQuant .. kKQuant + kKQuantRuns - 1: operands an
+// int64 [runs, 2] of (type, first column), then each run's blocks.
+constexpr int64_t kKQuantRuns = 4;
+
+int64_t kquant_runs(int64_t kind) {
+  return kind >= kKQuant && kind < kKQuant + kKQuantRuns ? kind - kKQuant + 1 : 0;
+}
 
 // The kinds that read int4_gemv.cpp's tiles, in output blocks of 16.
 bool reads_tiles(int64_t kind) { return kind == kInt4 || kind == kInt8x; }
@@ -80,6 +89,11 @@ struct Ops {
   c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const std::optional<Tensor>&)>
       int8x = op<Tensor(const Tensor&, const Tensor&, const std::optional<Tensor>&)>(
           "specpage_cpu::int8x_gemv");
+  c10::TypedOperatorHandle<Tensor(const Tensor&)> kquant_x =
+      op<Tensor(const Tensor&)>("specpage_cpu::kquant_quantize_x");
+  c10::TypedOperatorHandle<void(const Tensor&, const Tensor&, int64_t, Tensor&, int64_t)>
+      kquant = op<void(const Tensor&, const Tensor&, int64_t, Tensor&, int64_t)>(
+          "specpage_cpu::kquant_gemv");
 };
 
 const Ops& ops() {
@@ -106,7 +120,9 @@ int64_t operand_count(int64_t kind) {
     case kInt4: return 1;    // tiles (layers/quant.py's int4_stream)
     case kInt8x: return 1;   // tiles (layers/quant.py's int8x_stream)
     case kOneDnn: return 1;  // packed weight
-    default: TORCH_CHECK(false, "decoder_stack: unknown product kind ", kind);
+    default:
+      TORCH_CHECK(kquant_runs(kind) > 0, "decoder_stack: unknown product kind ", kind);
+      return 1 + kquant_runs(kind);  // (type, column) of each run, then its blocks
   }
 }
 
@@ -116,13 +132,31 @@ struct Product {
   std::optional<Tensor> next = std::nullopt;  // the next product's tiles, read on into
 };
 
+// KQuantLinear.int8_product, then its cast to x's dtype: x to int8 once,
+// each run's products into its columns of an fp32 y.
+Tensor kquant_product(const Product& p, const Tensor& x) {
+  const Tensor& runs = p.operands[0];
+  const int64_t count = kquant_runs(p.kind);
+  TORCH_CHECK(runs.scalar_type() == at::kLong && runs.is_contiguous() && runs.dim() == 2 &&
+                  runs.size(0) == count && runs.size(1) == 2,
+              "decoder_stack: a K-quant product's runs must be int64 [", count, ", 2]");
+  const int64_t* run = runs.data_ptr<int64_t>();
+  const Tensor xq = ops().kquant_x.call(x.contiguous());
+  Tensor y = at::empty({x.size(0), p.out}, x.options().dtype(at::kFloat));
+  for (int64_t r = 0; r < count; ++r) {
+    ops().kquant.call(xq, p.operands[1 + r], run[2 * r], y, run[2 * r + 1]);
+  }
+  return y.to(x.scalar_type());
+}
+
 Tensor product(const Product& p, const Tensor& x) {
   switch (p.kind) {
     case kGemv: return ops().gemv.call(x, p.operands[0]);
     case kPanels: return ops().panels.call(x, p.operands[0], p.out);
     case kInt4: return ops().int4.call(x, p.operands[0], p.next);
     case kInt8x: return ops().int8x.call(x, p.operands[0], p.next);
-    default: return onednn_linear(x, p.operands[0]);
+    case kOneDnn: return onednn_linear(x, p.operands[0]);
+    default: return kquant_product(p, x);
   }
 }
 

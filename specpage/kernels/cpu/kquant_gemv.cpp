@@ -100,6 +100,14 @@ inline void unpack_scales(const uint8_t* packed, uint8_t* scales_mins) {
   std::memcpy(scales_mins, u, 16);
 }
 
+// A block of x whose largest value is below this is taken as zero (d = 0):
+// its products with any weight (scales down to fp16's least, 2^-24) would
+// be below the least normal float, and arithmetic on subnormal floats takes
+// a microcode assist on x86, some hundred cycles an instruction. A random
+// 1B model's MLP activations fell there: its 5-row down projections took
+// 16 ms instead of 0.6 (docs/BENCHMARKS.md, "kquant_stack").
+constexpr float kLeastBlockMax = 0x1p-90f;
+
 template <typename scalar_t>
 void quantize_row(const scalar_t* x, int64_t in, Q8KBlock* out) {
   for (int64_t b = 0; b < in / kSuper; ++b) {
@@ -117,7 +125,11 @@ void quantize_row(const scalar_t* x, int64_t in, Q8KBlock* out) {
       block.d = std::nanf("");  // its products come out NaN, as a dense product's would
       continue;
     }
-    const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+    if (amax < kLeastBlockMax) {
+      block.d = 0.0f;  // q and sums stay 0
+      continue;
+    }
+    const float inverse = 127.0f / amax;
     for (int64_t i = 0; i < kSuper; ++i) {
       block.q[i] = static_cast<int8_t>(std::nearbyint(static_cast<float>(v[i]) * inverse));
     }
