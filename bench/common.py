@@ -9,7 +9,7 @@ import socket
 import statistics
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -192,6 +192,21 @@ def time_part(owner: Any, name: str, part: str, spent: dict[str, float]) -> None
             spent[part] += time.perf_counter() - start
 
     setattr(owner, name, wrapper)
+
+
+def decoding_steps(engine: Any, batch: int, spent: dict[str, float]) -> Iterator[float]:
+    """Step `engine` until it has nothing left; each step's seconds where all
+    `batch` of its sequences decode (no prompt chunk among them), with
+    `spent` holding that step's parts (time_part) as it is yielded."""
+    while engine.has_unfinished():
+        decoding = (len(engine.scheduler.running) == batch
+                    and all(s.num_uncomputed <= 1 for s in engine.scheduler.running))
+        spent.clear()
+        start = time.perf_counter()
+        engine.step()
+        seconds = time.perf_counter() - start
+        if decoding:
+            yield seconds
 
 
 def finish(name: str, result: dict[str, Any]) -> None:

@@ -45,7 +45,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import finish, time_part  # noqa: E402
+from bench.common import decoding_steps, finish, time_part  # noqa: E402
 
 DRAFT = ROOT / "models" / "smollm2-draft"
 SMOLLM2_135M = {
@@ -116,20 +116,13 @@ def run(llm: Any, prompts: list[list[int]], tokens: int) -> dict[str, Any]:
                            SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
     parts: dict[str, list[float]] = defaultdict(list)
     start = time.perf_counter()
-    while engine.has_unfinished():
-        decoding = (len(engine.scheduler.running) == len(prompts)
-                    and all(s.num_uncomputed <= 1 for s in engine.scheduler.running))
-        spent.clear()
-        step_start = time.perf_counter()
-        engine.step()
-        step = time.perf_counter() - step_start
-        if decoding:
-            forward = spent["target_forward"]
-            parts["step_ms"].append(step * 1e3)
-            parts["target_forward_ms"].append(forward * 1e3)
-            parts["proposals_ms"].append(spent["proposals"] * 1e3)
-            parts["sampling_ms"].append((spent["verify"] - forward) * 1e3)
-            parts["python_ms"].append((step - spent["verify"] - spent["proposals"]) * 1e3)
+    for step in decoding_steps(engine, len(prompts), spent):
+        forward = spent["target_forward"]
+        parts["step_ms"].append(step * 1e3)
+        parts["target_forward_ms"].append(forward * 1e3)
+        parts["proposals_ms"].append(spent["proposals"] * 1e3)
+        parts["sampling_ms"].append((spent["verify"] - forward) * 1e3)
+        parts["python_ms"].append((step - spent["verify"] - spent["proposals"]) * 1e3)
     seconds = time.perf_counter() - start
     engine.pool.check_integrity()
     after = engine.stats()

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import statistics
 import sys
-import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import finish, machine, parse_args, time_part  # noqa: E402
+from bench.common import decoding_steps, finish, machine, parse_args, time_part  # noqa: E402
 from bench.prompts import chat_prompts  # noqa: E402
 from specpage.core.request import SamplingParams  # noqa: E402
 from specpage.engine import Engine, EngineConfig  # noqa: E402
@@ -55,20 +54,13 @@ def run(llm: LLM, prompts: list[list[int]], tokens: int) -> dict[str, Any]:
         engine.add_request(str(i), prompt, SamplingParams(max_tokens=tokens, ignore_eos=True))
     shares: dict[str, list[float]] = defaultdict(list)
     steps = 0
-    while engine.has_unfinished():
-        decoding = (len(engine.scheduler.running) == BATCH
-                    and all(s.num_uncomputed <= 1 for s in engine.scheduler.running))
-        spent.clear()
-        start = time.perf_counter()
-        engine.step()
-        total = time.perf_counter() - start
-        if decoding:
-            steps += 1
-            shares["step_ms"].append(total * 1e3)
-            for part, seconds in spent.items():
-                shares[part].append(seconds / total)
-            shares["scheduler_and_pool"].append(
-                (spent["core_schedule"] + spent["core_apply"]) / total)
+    for total in decoding_steps(engine, BATCH, spent):
+        steps += 1
+        shares["step_ms"].append(total * 1e3)
+        for part, seconds in spent.items():
+            shares[part].append(seconds / total)
+        shares["scheduler_and_pool"].append(
+            (spent["core_schedule"] + spent["core_apply"]) / total)
     engine.pool.check_integrity()
     return {"decode_steps": steps,
             **{f"{part}_share" if part != "step_ms" else "step_ms": statistics.median(v)
