@@ -239,12 +239,11 @@ class Verifier:
 
 
 class _Decided(NamedTuple):
-    """What one-hot acceptance decided, per sequence: proposals accepted,
-    the row (of its k + 1) the next token is drawn from, the proposed
-    token taken out of that row (-1: none) and the draw's uniform."""
+    """What one-hot acceptance decided, per sequence: proposals accepted
+    (also the row, of its k + 1, the next token is drawn from), the
+    proposed token taken out of that row (-1: none) and the draw's uniform."""
 
     accepted: list[int]
-    next_row: list[int]
     removed: list[int]
     draws: list[float]
 
@@ -255,7 +254,7 @@ def _decide(rows: list[int], works: list[SeqWork], ks: list[int], proposal: Prop
     where u < p(x) (p_at: the target's probability of each proposed token,
     sequence by sequence); at the first rejection the next token is drawn
     from p with x removed, renormalized, after the last proposal from p."""
-    decided = _Decided([], [], [], [])
+    decided = _Decided([], [], [])
     seen = 0
     for i, w, k in zip(rows, works, ks, strict=True):
         seed, end = w.sampling.seed, w.end
@@ -264,7 +263,6 @@ def _decide(rows: list[int], works: list[SeqWork], ks: list[int], proposal: Prop
             a += 1
         seen += k
         decided.accepted.append(a)
-        decided.next_row.append(a)
         decided.removed.append(proposal.tokens[i][a] if a < k else -1)
         decided.draws.append(uniform(seed, end + a,
                                      Purpose.RESIDUAL if a < k else Purpose.SAMPLE))
@@ -285,7 +283,7 @@ def _one_hot(rows: list[int], works: list[SeqWork], ks: list[int], proposal: Pro
     p_at = (target[[at for at, _ in proposed], [t for _, t in proposed]].tolist()
             if proposed else [])
     decided = _decide(rows, works, ks, proposal, p_at)
-    next_dist = target[[first[r] + a for r, a in enumerate(decided.next_row)]]
+    next_dist = target[[first[r] + a for r, a in enumerate(decided.accepted)]]
     removed = [(r, x) for r, x in enumerate(decided.removed) if x >= 0]
     if removed:
         at = torch.tensor([r for r, _ in removed])
@@ -318,7 +316,7 @@ def _one_hot_native(kernels: Any, rows: list[int], works: list[SeqWork], ks: lis
         torch.tensor(at_inverse, dtype=torch.float32)).tolist() if at_rows else []
     decided = _decide(rows, works, ks, proposal, p_at)
     tokens = kernels.temperature_draws(
-        logits, torch.tensor([offsets[r] + a for r, a in enumerate(decided.next_row)],
+        logits, torch.tensor([offsets[r] + a for r, a in enumerate(decided.accepted)],
                              dtype=torch.int64),
         torch.tensor(inverse, dtype=torch.float32),
         torch.tensor(decided.draws, dtype=torch.float64),
