@@ -24,7 +24,12 @@ import torch
 
 from specpage.core.step import Cost, SeqResult, SeqWork
 from specpage.speculation.sampler import Purpose, sample
-from specpage.speculation.sampling_rows import mask_rows_, row_probabilities, uniforms
+from specpage.speculation.sampling_rows import (
+    greedy_tokens,
+    mask_rows_,
+    row_probabilities,
+    uniforms,
+)
 from specpage.speculation.verdict import Verdict
 
 
@@ -115,7 +120,7 @@ def draw(logits: torch.Tensor, works: list[SeqWork], depth: int, tokens: list[li
     rows = [w.sampling for w in works]
     if all(r.greedy for r in rows):
         # Greedy acceptance compares tokens only; no distributions needed.
-        for row, token in enumerate(logits.argmax(-1).tolist()):
+        for row, token in enumerate(greedy_tokens(logits)):
             tokens[row].append(token)
         return
     positions = [w.end + depth for w in works]  # where each proposal goes

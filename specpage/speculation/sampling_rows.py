@@ -38,6 +38,17 @@ def temperature_kernels(logits: torch.Tensor, rows: Seq[Sampling]) -> Any:
     return loaded_kernels()
 
 
+def greedy_tokens(logits: torch.Tensor) -> list[int]:
+    """Each row's argmax, as torch.argmax gives it, of logits [rows, vocab]:
+    on kernels/cpu/sampling.cpp's greedy_tokens for CPU fp32 rows (torch's
+    takes ~320 microseconds for one row of 262144)."""
+    kernels = loaded_kernels()
+    if (kernels is None or logits.device.type != "cpu" or logits.dtype != torch.float32
+            or logits.dim() != 2 or logits.shape[1] == 0 or logits.stride(1) != 1):
+        return logits.argmax(-1).tolist()  # type: ignore[no-any-return]
+    return kernels.greedy_tokens(logits).tolist()  # type: ignore[attr-defined, no-any-return]
+
+
 def adjusted_rows(
     logits: torch.Tensor,  # [rows, vocab] fp32
     rows: Seq[Sampling],

@@ -24,6 +24,7 @@ from specpage.speculation.runner import TargetRunner
 from specpage.speculation.sampler import Purpose, sample, uniform
 from specpage.speculation.sampling_rows import (
     adjusted_rows,
+    greedy_tokens,
     mask_rows_,
     row_probabilities,
     temperature_kernels,
@@ -96,7 +97,7 @@ class Verifier:
         adjusted = _with_history(works, [proposal.tokens[i] for i in rows], logits)
         # every row's argmax, for greedy acceptance (the grammars' masks then
         # correct those of the rows they change)
-        argmax = (adjusted.argmax(-1).tolist() if any(w.sampling.greedy for w in works)
+        argmax = (greedy_tokens(adjusted) if any(w.sampling.greedy for w in works)
                   else None)
         if any(w.allowed for w in works):
             adjusted = _with_grammar(works, ks, offsets, adjusted, logits, argmax)
@@ -401,7 +402,7 @@ def _with_grammar(works: list[SeqWork], ks: list[int], offsets: list[int],
     mask_rows_(adjusted, masked, b"".join(masks))
     if argmax is not None:
         index = torch.tensor(masked, device=adjusted.device)
-        rows = adjusted.index_select(0, index).argmax(-1).tolist()
+        rows = greedy_tokens(adjusted.index_select(0, index))
         for row, token in zip(masked, rows, strict=True):
             argmax[row] = token
     return adjusted

@@ -21,6 +21,7 @@ from specpage.core.request import SamplingParams
 from specpage.engine import Engine, EngineConfig
 from specpage.models.loader import load_model
 from specpage.speculation.sampler import probabilities
+from specpage.speculation.sampling_rows import greedy_tokens
 
 VOCAB = 8
 PROMPT = [1, 2, 3]
@@ -322,3 +323,24 @@ def test_native_temperature_probabilities_and_a_certain_token():
         assert drawn.tolist() == [7]
     with pytest.raises(RuntimeError, match="row 4 is outside the logits' 4 rows"):
         kernels.temperature_probabilities(logits, torch.tensor([4]), tokens[:1], inverse[:1])
+
+
+def test_native_greedy_tokens_are_torch_argmax():
+    """kernels/cpu/sampling.cpp's greedy_tokens: torch.argmax's token for
+    every row: ties to the first, a row all -inf, NaN (the first), widths
+    not whole vectors, a strided view; bad logits refused by name."""
+    kernels = _native()
+    generator = torch.Generator().manual_seed(13)
+    for vocab in (1, 7, 16, 33, 300, 49152, 262144):
+        logits = torch.randn(6, vocab, generator=generator)
+        logits[1] = logits[1].round()  # ties
+        logits[2, vocab // 2:] = logits[2].max() + 1  # a tie of the largest
+        logits[3] = float("-inf")
+        logits[4, vocab - 1] = float("nan")
+        logits[4, vocab // 3] = float("nan")
+        logits[5, ::2] = float("-inf")
+        assert kernels.greedy_tokens(logits).tolist() == logits.argmax(-1).tolist(), vocab
+        assert greedy_tokens(logits[::2]) == logits[::2].argmax(-1).tolist()
+    with pytest.raises(RuntimeError, match="greedy_tokens: logits must be float32"):
+        kernels.greedy_tokens(torch.zeros(2, 8, dtype=torch.float64))
+    assert greedy_tokens(torch.zeros(0, 8)) == []  # no rows
