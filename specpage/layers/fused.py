@@ -12,6 +12,8 @@ bits (tests/layers/test_fused.py bounds both).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -45,21 +47,56 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [rows, width] normed."""
-    kernels = _native(x, x.shape[-1])
-    if kernels is None or x.dim() != 2 or weight.dtype != x.dtype:
-        return rms_norm_ref(x, weight, eps)
-    out: torch.Tensor = kernels.rms_norm(_unit_columns(x), weight, eps)  # type: ignore[attr-defined]
-    return out
+    return _norm(x, weight, eps, weight.dtype == x.dtype, rms_norm_ref)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + residual, that sum normed); x, residual [rows, width]."""
+    return _add_norm(x, residual, weight, eps, weight.dtype == x.dtype, rms_norm_ref)
+
+
+def scaled_rms_norm_ref(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    # Normalised and scaled in fp32, then cast, as Gemma's RMSNorm does.
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (x32 * scale).type_as(x)
+
+
+def scaled_rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [rows, width] normed and times a float32 scale before the one
+    rounding to x's dtype (Gemma's (1 + weight)): on the kernel for bf16 x."""
+    return _norm(x, scale, eps, x.dtype == torch.bfloat16, scaled_rms_norm_ref)
+
+
+def scaled_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, scale: torch.Tensor,
+                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + residual, that sum through scaled_rms_norm)."""
+    return _add_norm(x, residual, scale, eps, x.dtype == torch.bfloat16, scaled_rms_norm_ref)
+
+
+Reference = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
+def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float, kernel_takes: bool,
+          reference: Reference) -> torch.Tensor:
+    """The norm kernel's result where it applies (and kernel_takes this
+    weight), else reference's: the kernel takes a weight in x's dtype as a
+    Llama RMSNorm's, a float32 one for bf16 x as a scale before rounding."""
     kernels = _native(x, x.shape[-1])
-    if (kernels is None or x.dim() != 2 or residual.dtype != x.dtype
-            or weight.dtype != x.dtype):
+    if kernels is None or x.dim() != 2 or not kernel_takes:
+        return reference(x, weight, eps)
+    out: torch.Tensor = kernels.rms_norm(_unit_columns(x), weight, eps)  # type: ignore[attr-defined]
+    return out
+
+
+def _add_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+              kernel_takes: bool, reference: Reference) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + residual, that sum normed), as _norm decides."""
+    kernels = _native(x, x.shape[-1])
+    if kernels is None or x.dim() != 2 or residual.dtype != x.dtype or not kernel_takes:
         total = x + residual
-        return total, rms_norm_ref(total, weight, eps)
+        return total, reference(total, weight, eps)
     total, normed = kernels.add_rms_norm(_unit_columns(x), _unit_columns(residual), weight,
                                          eps)  # type: ignore[attr-defined]
     return total, normed

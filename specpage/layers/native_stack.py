@@ -27,6 +27,8 @@ from specpage.attention.cpu import CpuAttention
 from specpage.kernels.cpu.native import loaded_kernels
 from specpage.layers.fused import LANES
 
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [tokens, head_dim]
+
 ENABLED = True  # tests switch it off to compare with the module path
 
 
@@ -34,24 +36,28 @@ ENABLED = True  # tests switch it off to compare with the module path
 # a K-quant product of n runs of one type each is kind KQUANT + n - 1.
 GEMV, PANELS, INT4, ONEDNN, INT8X, KQUANT = 0, 1, 2, 3, 4, 5
 KQUANT_RUNS = 4  # the most runs decoder_stack.cpp takes in one product
+SILU, GELU_TANH = 0, 1  # the MLP's activation of its gate, times up
 
 
 @dataclass(frozen=True)
 class StackPlan:
     """decoder_stack's per-layer operands for one row count."""
 
-    norms: list[torch.Tensor]  # per layer: input norm, post-attention norm
+    norms: list[torch.Tensor]  # per layer its norms' kernel weights (DecoderLayer.stack_norms)
     kinds: list[int]  # per layer: qkv, o, gate_up, down
     outs: list[int]  # output features per product (the panel kernel reads them)
     operands: list[torch.Tensor]  # each product's, in order
     qk_norms: list[torch.Tensor]  # per layer q_norm, k_norm [head_dim]; none without them
     windows: list[int]  # per layer the keys a query sees back, 0: all
+    local_layers: list[int]  # per layer 1 where it takes the sliding layers' rotary
+    activation: int  # SILU or GELU_TANH
+    scale: float  # the attention's
 
 
 def run_layers(
     model: Any,  # a DecoderModel: .layers, .config
     x: torch.Tensor,  # [rows, hidden], the embedded tokens
-    rope: tuple[torch.Tensor, torch.Tensor],
+    ropes: tuple[Rope, Rope],  # the full-attention layers' rotary rows, the sliding layers'
     caches: Sequence[torch.Tensor],
     meta: AttentionMetadata,
     backend: AttentionBackend,
@@ -63,12 +69,12 @@ def run_layers(
     if not widths_fit(model.config):
         return None
     spans = _short_spans(x, meta, backend)
-    if spans is None or rope[0].dtype != x.dtype:
+    if spans is None or any(r[0].dtype != x.dtype for r in ropes):
         return None
     plan = model.stack_plan(x.shape[0])
     if plan is None:
         return None
-    return call_stack(model.config, plan, x, rope, list(caches), meta.slot_mapping, *spans, tap)
+    return call_stack(model.config, plan, x, ropes, list(caches), meta.slot_mapping, *spans, tap)
 
 
 def widths_fit(c: Any) -> bool:
@@ -76,16 +82,20 @@ def widths_fit(c: Any) -> bool:
     return not (c.hidden_size % LANES or (c.head_dim // 2) % LANES or c.intermediate_size % LANES)
 
 
-def call_stack(c: Any, plan: StackPlan, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+def call_stack(c: Any, plan: StackPlan, x: torch.Tensor, ropes: tuple[Rope, Rope],
                caches: list[torch.Tensor], slots: torch.Tensor, block_tables: torch.Tensor,
                query_start: torch.Tensor, context_lens: torch.Tensor, tap: Any
                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """decoder_stack on these operands; the tap sees the states it asked for."""
+    """decoder_stack on these operands; the tap sees the states it asked for.
+    ropes: the full-attention layers' rotary rows and the sliding layers'."""
     taps = sorted(set(tap.layers)) if tap is not None else []
+    rope, local = ropes
+    local_rope = list(local) if any(plan.local_layers) else []
     x, branch, tapped = loaded_kernels().decoder_stack.default(
         x, rope[0], rope[1], caches, slots, block_tables, query_start, context_lens,
         plan.norms, plan.kinds, plan.outs, plan.operands, c.num_heads, c.num_kv_heads,
-        c.rms_norm_eps, c.head_dim**-0.5, taps, plan.qk_norms, plan.windows)
+        c.rms_norm_eps, plan.scale, taps, plan.qk_norms, plan.windows, local_rope,
+        plan.local_layers if local_rope else [], plan.activation)
     for index, state in zip(taps, tapped, strict=True):
         tap.see(index, state)
     return x, branch
@@ -105,24 +115,27 @@ def _short_spans(x: torch.Tensor, meta: AttentionMetadata, backend: AttentionBac
 
 def stack_plan(layers: Sequence[Any], rows: int) -> StackPlan | None:
     """decoder_stack's operands for x of `rows` rows; None where a layer has
-    an op without a kernel (Gemma 3's layers: not `stack_shaped`), or there
-    are no layers."""
+    an op without a kernel (a layer not `stack_shaped`, norms not in bf16),
+    or there are no layers."""
     kernels = loaded_kernels()
     if (kernels is None or not kernels.has_bf16_gemv() or not layers
-            or not all(layer.stack_shaped for layer in layers)):
+            or not all(layer.stack_shaped for layer in layers)
+            or len({(layer.stack_activation, layer.scale) for layer in layers}) != 1):
         return None
     kinds_by_kernel = {kernels.bf16_gemv.default: GEMV, kernels.bf16_panels_product.default: PANELS,
                        kernels.int4_gemv.default: INT4, kernels.int8x_gemv.default: INT8X,
                        torch.ops.mkldnn._linear_pointwise.default: ONEDNN}
-    plan = StackPlan([], [], [], [], [], [])
+    plan = StackPlan([], [], [], [], [], [], [], layers[0].stack_activation, layers[0].scale)
     for layer in layers:
-        norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-        qk_norms = () if layer.q_norm is None else (layer.q_norm.weight, layer.k_norm.weight)
-        if any(n.dtype != torch.bfloat16 for n in (*norms, *qk_norms)):
+        # a bf16 weight is multiplied after the rounding, a float32 one (Gemma's
+        # 1 + weight) before it: the norms' own weights must be bf16
+        qk_norms = () if layer.q_norm is None else (layer.q_norm, layer.k_norm)
+        if any(n.weight.dtype != torch.bfloat16 for n in (*layer.stack_norm_modules(), *qk_norms)):
             return None
-        plan.norms.extend(norms)
-        plan.qk_norms.extend(qk_norms)
+        plan.norms.extend(n.kernel_weight() for n in layer.stack_norm_modules())
+        plan.qk_norms.extend(n.kernel_weight() for n in qk_norms)
         plan.windows.append(layer.window or 0)
+        plan.local_layers.append(int(layer.local_rope))
         for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
             product = linear.direct_product(rows)
             kind = None if product is None else kinds_by_kernel.get(product[0])

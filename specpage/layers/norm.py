@@ -14,6 +14,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
+    def kernel_weight(self) -> torch.Tensor:
+        """What the norm kernels multiply by: the weight."""
+        return self.weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fused.rms_norm(x, self.weight, self.eps)
 
@@ -33,13 +37,14 @@ class GemmaRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(size))
         self.eps = eps
 
+    def kernel_weight(self) -> torch.Tensor:
+        """What the norm kernels multiply by: (1 + weight) in float32."""
+        return 1.0 + self.weight.float()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * (1.0 + self.weight.float())).type_as(x)
+        return fused.scaled_rms_norm(x, self.kernel_weight(), self.eps)
 
     def after_add(self, x: torch.Tensor,
                   residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + residual, that sum normed)."""
-        total = residual + x
-        return total, self(total)
+        return fused.scaled_add_rms_norm(x, residual, self.kernel_weight(), self.eps)

@@ -87,7 +87,7 @@ class DecoderModel(nn.Module):
         local = self.rope_rows(positions, x.dtype, local=True) if self.config.local_rope else rope
         # The stream after the last layer's attention, and that layer's MLP
         # branch, not yet added (None without layers).
-        ran = native_stack.run_layers(self, x, rope, caches, meta, backend, tap)
+        ran = native_stack.run_layers(self, x, (rope, local), caches, meta, backend, tap)
         x, branch = ran if ran is not None else self._run_layers(x, (rope, local), caches, meta,
                                                                  backend, tap)
         if logits_index.shape[0] != x.shape[0]:  # else every row, in order

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specpage.attention.backend import AttentionBackend, AttentionMetadata
+from specpage.layers import native_stack
 from specpage.layers.norm import GemmaRMSNorm
 from specpage.models.config import ModelConfig
 from specpage.models.layer import DecoderLayer
@@ -29,6 +30,7 @@ class ScaledEmbedding(nn.Embedding):
 
 class Gemma3Layer(DecoderLayer):
     norm_class = GemmaRMSNorm
+    stack_activation = native_stack.GELU_TANH
 
     def __init__(self, config: ModelConfig, index: int) -> None:
         super().__init__(config, index)
@@ -48,9 +50,15 @@ class Gemma3Layer(DecoderLayer):
         """DecoderLayer.forward's pair: the stream after attention (its
         branch normed before the add) and the MLP's branch, normed."""
         attn = self.attention(normed, rope, cache, meta, backend)
-        x = x + self.post_attention_layernorm(attn)
-        gate_up = self.gate_up_proj(self.pre_feedforward_layernorm(x))
+        x, normed = self.pre_feedforward_layernorm.after_add(self.post_attention_layernorm(attn), x)
+        gate_up = self.gate_up_proj(normed)
         return x, self.post_feedforward_layernorm(self.down_proj(gelu_tanh_and_mul(gate_up)))
+
+    def stack_norm_modules(self) -> tuple[nn.Module, ...]:
+        """decoder_stack.cpp's four: before attention, after it, before the
+        MLP, after it."""
+        return (self.input_layernorm, self.post_attention_layernorm,
+                self.pre_feedforward_layernorm, self.post_feedforward_layernorm)
 
 
 def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

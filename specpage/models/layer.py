@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from specpage.attention.backend import AttentionBackend, AttentionMetadata
-from specpage.layers import fused
+from specpage.layers import fused, native_stack
 from specpage.layers.linear import Linear
 from specpage.layers.norm import RMSNorm
 from specpage.models.config import ModelConfig
@@ -39,13 +39,16 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = Linear(h, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = Linear(config.intermediate_size, h, bias=config.mlp_bias)
 
-    @property
-    def stack_shaped(self) -> bool:
-        """Whether decoder_stack.cpp computes this layer (layers/native_stack.py):
-        this class's forward (not Gemma 3's), Llama's attention scale and the
-        model's one rotary."""
-        return (type(self) is DecoderLayer and not self.local_rope
-                and self.scale == self.head_dim**-0.5)
+    # Whether decoder_stack.cpp computes this layer (layers/native_stack.py),
+    # and how: its MLP's activation; a family whose forward differs otherwise
+    # than by its norms and activation sets stack_shaped False.
+    stack_shaped = True
+    stack_activation = native_stack.SILU
+
+    def stack_norm_modules(self) -> tuple[nn.Module, ...]:
+        """The norms decoder_stack.cpp applies, in its order: before
+        attention, then after it (before the MLP)."""
+        return (self.input_layernorm, self.post_attention_layernorm)
 
     def forward(
         self,

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch import nn
 
 from specpage.attention.backend import AttentionBackend, lay_out_spans
 from specpage.attention.cpu import NATIVE_SPAN, CpuAttention
@@ -46,6 +47,8 @@ class NativeStep:
         self.int8x_gemv = kernels.int8x_gemv.default
         self._plans: dict[int, StackPlan | None] | None = None  # the model's, when bound
         self._bound: tuple[torch.Tensor, torch.Tensor]
+        # the embedding where it is not a plain lookup (Gemma's scaled one)
+        self.embed = None if type(model.embed_tokens) is nn.Embedding else model.embed_tokens
 
     @staticmethod
     def unusable(model: Any, backend: AttentionBackend) -> str | None:
@@ -67,7 +70,7 @@ class NativeStep:
         return None
 
     def _tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The model's embedding and final norm weight, looked up once for as
+        """The model's embedding and final norm's kernel weight, looked up once for as
         long as its tensors stay (DecoderModel._apply starts a new dict of
         stack plans when they change): each is an nn.Module attribute
         lookup, slow on a cold cache."""
@@ -75,7 +78,7 @@ class NativeStep:
         plans = model.stack_plans
         if self._plans is not plans:
             self._plans = plans
-            self._bound = (model.embed_tokens.weight, model.norm.weight)
+            self._bound = (model.embed_tokens.weight, model.norm.kernel_weight())
         return self._bound
 
     def __call__(self, spans: Sequence[Span], tap: Any) -> torch.Tensor | None:
@@ -99,8 +102,11 @@ class NativeStep:
         ids, positions, logits_index = torch.tensor(values, dtype=torch.int64).split(
             [tokens, tokens, len(values) - 2 * tokens])
         rope = model.rope_rows(positions, weight.dtype, max(s.end for s in spans))
+        local = (model.rope_rows(positions, weight.dtype, max(s.end for s in spans), local=True)
+                 if any(plan.local_layers) else rope)
+        embedded = torch.embedding(weight, ids) if self.embed is None else self.embed(ids)
         x, branch = call_stack(
-            model.config, plan, torch.embedding(weight, ids), rope, self.caches,
+            model.config, plan, embedded, (rope, local), self.caches,
             layout.slot_mapping, layout.block_tables, layout.query_start, layout.context_lens,
             tap)
         if logits_index.shape[0] != tokens:  # else every row, in order

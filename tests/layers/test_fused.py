@@ -45,6 +45,24 @@ def test_rms_norm_and_its_add_equal_the_torch_ops(dtype, rows):
     close(normed, fused.rms_norm_ref(x + residual, weight, 1e-5))
 
 
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_a_float32_scale_multiplies_before_the_rounding(rows):
+    """Gemma's norm on bf16 x: (1 + weight) in fp32 times the normed x
+    before the one rounding, by the same kernels given a float32 weight."""
+    torch.manual_seed(rows)
+    x = (torch.randn(rows, 640) * 3).bfloat16()
+    residual = torch.randn(rows, 640).bfloat16()
+    scale = 1.0 + torch.randn(640).bfloat16().float()
+    with torch.inference_mode():
+        ours = fused.scaled_rms_norm(x, scale, 1e-6)
+        close(ours, fused.scaled_rms_norm_ref(x, scale, 1e-6))
+        # not the bf16 weight's result: that rounds before the scale
+        assert not torch.equal(ours, fused.rms_norm(x, scale.bfloat16(), 1e-6))
+        total, normed = fused.scaled_add_rms_norm(x, residual, scale, 1e-6)
+    assert torch.equal(total, x + residual)
+    close(normed, fused.scaled_rms_norm_ref(x + residual, scale, 1e-6))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul_equals_the_torch_ops(dtype):
     torch.manual_seed(1)

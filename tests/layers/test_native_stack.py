@@ -55,6 +55,18 @@ def qwen3_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
+@pytest.fixture(scope="module")
+def gemma3_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Gemma 3: four norms a layer scaling by (1 + weight), q/k norms, GeGLU,
+    its sliding layers (a window of 16) on a rotary of their own and the
+    seventh layer global, an attention scale other than head_dim's."""
+    folder = tmp_path_factory.mktemp("gemma3")
+    family_checkpoint(folder, "gemma3", seed=3, head_dim=64, sliding_window=16,
+                      num_hidden_layers=7, **{k: v for k, v in SHAPE.items()
+                                              if k != "num_hidden_layers"})
+    return folder
+
+
 def prefilled(checkpoint: Path, quantization: str | None, prompts: int) -> ModelRunner:
     int8x = quant.INT8X_PRODUCTS
     quant.INT8X_PRODUCTS = quantization != "q4 bf16 products"
@@ -146,6 +158,24 @@ def test_qwen3_layers_with_windows_give_the_modules_logits_and_kv(
     assert not torch.equal(both_ways(runner, spans, monkeypatch)[1][0], logits)
 
 
+@pytest.mark.parametrize("quantization", [None, "q4"])
+@pytest.mark.parametrize("shape", ["decode 1", "decode 3", "verify 5", "verify 2 + decode 2"])
+def test_gemma3_layers_give_the_modules_logits_and_kv(
+        gemma3_checkpoint: Path, quantization: str | None, shape: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    runner = prefilled(gemma3_checkpoint, quantization, 3)
+    assert runner.native_step is not None  # the embedding, final norm and head around it too
+    spans = spans_of(shape)
+    plan = runner.model.stack_plan(sum(len(s.token_ids) for s in spans))
+    assert plan is not None and plan.activation == native_stack.GELU_TANH
+    assert len(plan.norms) == 4 * 7 and len(plan.qk_norms) == 2 * 7
+    assert plan.windows == [16] * 5 + [0, 16] and plan.local_layers == [1] * 5 + [0, 1]
+    assert plan.scale == 24**-0.5 and all(n.dtype == torch.float32 for n in plan.norms)
+    (logits, cache, _), (ref_logits, ref_cache, _) = both_ways(runner, spans, monkeypatch)
+    assert torch.equal(logits, ref_logits)
+    assert torch.equal(cache, ref_cache)
+
+
 @pytest.mark.parametrize("quantization", QUANTIZATIONS)
 def test_two_threads_reading_ahead_change_nothing(
         checkpoint: Path, quantization: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -230,11 +260,11 @@ def test_the_native_call_refuses_operands_that_do_not_fit(checkpoint: Path) -> N
     def call(**changes: object) -> None:
         args = dict(caches=list(runner.kv.layers), norms=plan.norms, kinds=plan.kinds,
                     outs=plan.outs, operands=plan.operands, taps=[], qk_norms=[],
-                    windows=[]) | changes
+                    windows=[], local_rope=[], local_layers=[], activation=0) | changes
         kernels.decoder_stack(x, cos, sin, args["caches"], index, index[None], torch.tensor(
             [0, 1]), torch.ones(1, dtype=torch.int64), args["norms"], args["kinds"],
             args["outs"], args["operands"], 2, 1, 1e-5, 0.125, args["taps"], args["qk_norms"],
-            args["windows"])
+            args["windows"], args["local_rope"], args["local_layers"], args["activation"])
 
     before = runner.kv.tensor.clone()
     with pytest.raises(RuntimeError, match="norms and .* products"):
@@ -253,6 +283,12 @@ def test_the_native_call_refuses_operands_that_do_not_fit(checkpoint: Path) -> N
         call(qk_norms=plan.norms[:1])
     with pytest.raises(RuntimeError, match="need 0 or 3 windows"):
         call(windows=[0])
+    with pytest.raises(RuntimeError, match="need 6 or 12 norms"):
+        call(norms=plan.norms[:3])
+    with pytest.raises(RuntimeError, match="local_rope must be none or"):
+        call(local_rope=[cos, sin], local_layers=[1])
+    with pytest.raises(RuntimeError, match="unknown activation 2"):
+        call(activation=2)
     assert torch.equal(runner.kv.tensor, before)
 
 

@@ -18,6 +18,10 @@
 //
 // Qwen3's layers take their q/k norms (each head of q and k through an
 // RMSNorm before the rotary embedding) and any layer its sliding window.
+// Gemma 3's take four norms (before and after each branch), each scaling by
+// a float32 (1 + weight) in the norm kernels, a GeGLU MLP (tanh GELU, by
+// the same ATen ops as models/gemma3.py) and, on their sliding layers, a
+// rotary table of their own.
 //
 // Registered as torch.ops.specpage_cpu.decoder_stack.
 
@@ -26,6 +30,8 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/gelu.h>
+#include <ATen/ops/mul.h>
 #include <torch/library.h>
 
 #include <omp.h>
@@ -256,20 +262,28 @@ Tensor normed_qk(const Ops& k, const Tensor& qkv, const Tensor& q_norm, const Te
                   qkv.narrow(1, (heads + kv_heads) * d, kv_heads * d)}, 1);
 }
 
+// The MLP's activation: SiLU(gate) * up, or GELU-tanh(gate) * up.
+enum Activation : int64_t { kSilu = 0, kGeluTanh = 1 };
+
 // x: [rows, hidden] the embedded tokens. Per layer l: norms[2l], norms[2l+1]
-// (input and post-attention), products 4l..4l+3 (qkv, o, gate_up, down),
+// (input and post-attention), or with four a layer norms[4l..4l+3] (input,
+// after attention, before and after the MLP: Gemma 3's), products
+// 4l..4l+3 (qkv, o, gate_up, down),
 // each a kind, outs[i] (output features, read by the panel kernel) and its
 // operands in order in `operands`. Returns the stream after the last
 // layer's attention, that layer's MLP branch (not yet added) and the
 // stream entering each layer listed in `taps` (ascending, once each).
 // qk_norms: none, or per layer l the q and k norms' weights at 2l, 2l+1;
-// windows: none, or per layer the keys a query sees back (0: all).
+// windows: none, or per layer the keys a query sees back (0: all);
+// local_rope: none, or the (cos, sin) of the layers that local_layers marks
+// (per layer 0 or 1; none: every layer takes cos, sin).
 std::tuple<Tensor, Tensor, std::vector<Tensor>> decoder_stack(
     const Tensor& embedded, const Tensor& cos, const Tensor& sin, at::TensorList caches,
     const Tensor& slot_mapping, const Tensor& block_tables, const Tensor& query_start,
     const Tensor& context_lens, at::TensorList norms, at::IntArrayRef kinds,
     at::IntArrayRef outs, at::TensorList operands, int64_t heads, int64_t kv_heads, double eps,
-    double scale, at::IntArrayRef taps, at::TensorList qk_norms, at::IntArrayRef windows) {
+    double scale, at::IntArrayRef taps, at::TensorList qk_norms, at::IntArrayRef windows,
+    at::TensorList local_rope, at::IntArrayRef local_layers, int64_t activation) {
   const int64_t layers = static_cast<int64_t>(caches.size());
   TORCH_CHECK(layers >= 1, "decoder_stack needs at least one layer");
   TORCH_CHECK(qk_norms.empty() || static_cast<int64_t>(qk_norms.size()) == 2 * layers,
@@ -278,12 +292,19 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> decoder_stack(
   TORCH_CHECK(windows.empty() || static_cast<int64_t>(windows.size()) == layers,
               "decoder_stack: ", layers, " layers need 0 or ", layers, " windows, got ",
               windows.size());
-  TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * layers &&
+  TORCH_CHECK((static_cast<int64_t>(norms.size()) == 2 * layers ||
+               static_cast<int64_t>(norms.size()) == 4 * layers) &&
                   static_cast<int64_t>(kinds.size()) == 4 * layers &&
                   outs.size() == kinds.size(),
-              "decoder_stack: ", layers, " caches need ", 2 * layers, " norms and ", 4 * layers,
-              " products, got ", norms.size(), " and ", kinds.size(), " (", outs.size(),
-              " outs)");
+              "decoder_stack: ", layers, " caches need ", 2 * layers, " or ", 4 * layers,
+              " norms and ", 4 * layers, " products, got ", norms.size(), " and ", kinds.size(),
+              " (", outs.size(), " outs)");
+  TORCH_CHECK((local_rope.empty() && local_layers.empty()) ||
+                  (local_rope.size() == 2 && static_cast<int64_t>(local_layers.size()) == layers),
+              "decoder_stack: local_rope must be none or (cos, sin) with a mark per layer");
+  TORCH_CHECK(activation == kSilu || activation == kGeluTanh,
+              "decoder_stack: unknown activation ", activation);
+  const int64_t per_layer = static_cast<int64_t>(norms.size()) / layers;  // 2 or 4
   std::vector<Product> products;
   products.reserve(kinds.size());
   size_t next = 0;
@@ -326,7 +347,7 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> decoder_stack(
       if (l == 0) {
         normed = k.rms_norm.call(x, norms[0], eps);
       } else {
-        std::tie(x, normed) = k.add_rms_norm.call(branch, x, norms[2 * l], eps);
+        std::tie(x, normed) = k.add_rms_norm.call(branch, x, norms[per_layer * l], eps);
       }
     });
     if (tap < taps.size() && taps[tap] == l) {
@@ -336,21 +357,40 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> decoder_stack(
     const Product* p = products.data() + i;
     Tensor cache = caches[l];
     const Tensor qkv = product(p[0], normed);
+    const bool local = !local_layers.empty() && local_layers[l] != 0;
     Tensor q;  // attention runs outside: it has threads of its own
     before(i + 1, [&] {
       const Tensor rotated = qk_norms.empty() ? qkv : normed_qk(k, qkv, qk_norms[2 * l],
                                                                 qk_norms[2 * l + 1], heads,
                                                                 kv_heads, eps);
-      q = k.rope_into_cache.call(rotated, cos, sin, heads, kv_heads, cache, slot_mapping);
+      q = k.rope_into_cache.call(rotated, local ? local_rope[0] : cos,
+                                 local ? local_rope[1] : sin, heads, kv_heads, cache,
+                                 slot_mapping);
     });
     const Tensor attended = k.attention.call(q, cache, block_tables, query_start, context_lens,
                                              scale, windows.empty() ? kNoWindow : windows[l]);
     const Tensor o = product(p[1], attended);
-    before(i + 2, [&] { std::tie(x, normed) = k.add_rms_norm.call(o, x, norms[2 * l + 1], eps); });
+    before(i + 2, [&] {
+      if (per_layer == 2) {
+        std::tie(x, normed) = k.add_rms_norm.call(o, x, norms[2 * l + 1], eps);
+      } else {  // the branch normed, added, and the sum normed for the MLP
+        const Tensor attn = k.rms_norm.call(o, norms[4 * l + 1], eps);
+        std::tie(x, normed) = k.add_rms_norm.call(attn, x, norms[4 * l + 2], eps);
+      }
+    });
     const Tensor gate_up = product(p[2], normed);
     Tensor act;
-    before(i + 3, [&] { act = k.silu_and_mul.call(gate_up); });
+    before(i + 3, [&] {
+      if (activation == kSilu) {
+        act = k.silu_and_mul.call(gate_up);
+      } else {
+        const int64_t width = gate_up.size(1) / 2;
+        act = at::mul(at::gelu(gate_up.narrow(1, 0, width), "tanh"),
+                      gate_up.narrow(1, width, width));
+      }
+    });
     branch = product(p[3], act);
+    if (per_layer == 4) branch = k.rms_norm.call(branch, norms[4 * l + 3], eps);
   }
   return {x, branch, tapped};
 }
@@ -361,7 +401,8 @@ TORCH_LIBRARY_FRAGMENT(specpage_cpu, m) {
   m.def("decoder_stack(Tensor embedded, Tensor cos, Tensor sin, Tensor(a!)[] caches, "
         "Tensor slot_mapping, Tensor block_tables, Tensor query_start, Tensor context_lens, "
         "Tensor[] norms, int[] kinds, int[] outs, Tensor[] operands, int heads, int kv_heads, "
-        "float eps, float scale, int[] taps, Tensor[] qk_norms, int[] windows) "
+        "float eps, float scale, int[] taps, Tensor[] qk_norms, int[] windows, "
+        "Tensor[] local_rope, int[] local_layers, int activation) "
         "-> (Tensor, Tensor, Tensor[])");
 }
 

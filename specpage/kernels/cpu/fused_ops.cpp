@@ -24,6 +24,7 @@
 #include <cstring>
 #include <limits>
 #include <tuple>
+#include <type_traits>
 
 #include "vec.h"
 
@@ -53,10 +54,12 @@ void check_rows(const at::Tensor& x, const char* name) {
               " must be float32 or bfloat16, got ", x.scalar_type());
 }
 
-// out = weight * (x * rsqrt(mean(x^2) + eps)) as specpage's RMSNorm computes
-// it: the sum in fp32, x * rsqrt rounded to the dtype, then the weight.
-template <typename scalar_t>
-void norm_row(const scalar_t* x, const scalar_t* weight, scalar_t* out, int64_t width,
+// out = weight * (x * rsqrt(mean(x^2) + eps)), the sum in fp32. A weight in
+// x's dtype multiplies x * rsqrt rounded to that dtype, as specpage's RMSNorm
+// (and Llama's) computes it; a float32 weight for bf16 x multiplies before
+// the one rounding, as Gemma's RMSNorm scales by (1 + weight) in fp32.
+template <typename scalar_t, typename weight_t>
+void norm_row(const scalar_t* x, const weight_t* weight, scalar_t* out, int64_t width,
               float eps) {
   vfloat squares = vfloat{};
   for (int64_t i = 0; i < width; i += kLanes) {
@@ -65,28 +68,50 @@ void norm_row(const scalar_t* x, const scalar_t* weight, scalar_t* out, int64_t 
   }
   const float inv = 1.0f / std::sqrt(sum_lanes(squares) / static_cast<float>(width) + eps);
   for (int64_t i = 0; i < width; i += kLanes) {
-    const vfloat normed = rounded<scalar_t>(load(x + i) * inv);
-    store(out + i, load(weight + i) * normed);
+    if constexpr (std::is_same_v<weight_t, scalar_t>) {
+      const vfloat normed = rounded<scalar_t>(load(x + i) * inv);
+      store(out + i, load(weight + i) * normed);
+    } else {
+      store(out + i, load(x + i) * inv * load(weight + i));
+    }
   }
+}
+
+// f(weight_t{}) for a norm's weight: x's dtype, or float32 (x bf16 only).
+template <typename scalar_t, typename F>
+void by_weight(const at::Tensor& weight, F&& f) {
+  if (weight.scalar_type() == at::kFloat) {
+    f(float{});
+  } else {
+    f(scalar_t{});
+  }
+}
+
+void check_weight(const at::Tensor& weight, const at::Tensor& x) {
+  TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.size(0) == x.size(1) &&
+                  (weight.scalar_type() == x.scalar_type() ||
+                   weight.scalar_type() == at::kFloat),
+              "weight must be contiguous [width] in x's dtype or float32");
 }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_rows(x, "x");
-  TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.size(0) == x.size(1) &&
-                  weight.scalar_type() == x.scalar_type(),
-              "weight must be contiguous [width] in x's dtype");
+  check_weight(weight, x);
   const int64_t rows = x.size(0), width = x.size(1);
   at::Tensor out = at::empty({rows, width}, x.options());
   by_dtype(x.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
-    const scalar_t* src = x.data_ptr<scalar_t>();
-    const scalar_t* w = weight.data_ptr<scalar_t>();
-    scalar_t* dst = out.data_ptr<scalar_t>();
-    const int64_t stride = x.stride(0);
-    at::parallel_for(0, rows, row_grain(width), [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        norm_row(src + r * stride, w, dst + r * width, width, static_cast<float>(eps));
-      }
+    by_weight<scalar_t>(weight, [&](auto weight_tag) {
+      using weight_t = decltype(weight_tag);
+      const scalar_t* src = x.data_ptr<scalar_t>();
+      const weight_t* w = weight.data_ptr<weight_t>();
+      scalar_t* dst = out.data_ptr<scalar_t>();
+      const int64_t stride = x.stride(0);
+      at::parallel_for(0, rows, row_grain(width), [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) {
+          norm_row(src + r * stride, w, dst + r * width, width, static_cast<float>(eps));
+        }
+      });
     });
   });
   return out;
@@ -100,28 +125,29 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   check_rows(residual, "residual");
   TORCH_CHECK(x.sizes() == residual.sizes() && x.scalar_type() == residual.scalar_type(),
               "x and residual must have one shape and dtype");
-  TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.size(0) == x.size(1) &&
-                  weight.scalar_type() == x.scalar_type(),
-              "weight must be contiguous [width] in x's dtype");
+  check_weight(weight, x);
   const int64_t rows = x.size(0), width = x.size(1);
   at::Tensor sum = at::empty({rows, width}, x.options());
   at::Tensor out = at::empty({rows, width}, x.options());
   by_dtype(x.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
-    const scalar_t* a = x.data_ptr<scalar_t>();
-    const scalar_t* b = residual.data_ptr<scalar_t>();
-    const scalar_t* w = weight.data_ptr<scalar_t>();
-    scalar_t* s = sum.data_ptr<scalar_t>();
-    scalar_t* dst = out.data_ptr<scalar_t>();
-    const int64_t stride_a = x.stride(0), stride_b = residual.stride(0);
-    at::parallel_for(0, rows, row_grain(width), [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        scalar_t* row = s + r * width;
-        for (int64_t i = 0; i < width; i += kLanes) {
-          store(row + i, load(a + r * stride_a + i) + load(b + r * stride_b + i));
+    by_weight<scalar_t>(weight, [&](auto weight_tag) {
+      using weight_t = decltype(weight_tag);
+      const scalar_t* a = x.data_ptr<scalar_t>();
+      const scalar_t* b = residual.data_ptr<scalar_t>();
+      const weight_t* w = weight.data_ptr<weight_t>();
+      scalar_t* s = sum.data_ptr<scalar_t>();
+      scalar_t* dst = out.data_ptr<scalar_t>();
+      const int64_t stride_a = x.stride(0), stride_b = residual.stride(0);
+      at::parallel_for(0, rows, row_grain(width), [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) {
+          scalar_t* row = s + r * width;
+          for (int64_t i = 0; i < width; i += kLanes) {
+            store(row + i, load(a + r * stride_a + i) + load(b + r * stride_b + i));
+          }
+          norm_row(row, w, dst + r * width, width, static_cast<float>(eps));
         }
-        norm_row(row, w, dst + r * width, width, static_cast<float>(eps));
-      }
+      });
     });
   });
   return {sum, out};
