@@ -19,10 +19,11 @@ both_products = pytest.mark.parametrize(
 
 def int8_x(x: torch.Tensor) -> torch.Tensor:
     """x as int8x_gemv takes it: per row and group of 32, d q with
-    d = max |x| / 127 and q = round(x / d), to nearest even; fp32."""
+    d = max |x| / 127 and q = round(x / d), to nearest even, a group whose
+    max |x| is below 2^-90 taken as zero; fp32."""
     groups = x.float().view(x.shape[0], -1, 32)
     amax = groups.abs().amax(-1, keepdim=True)
-    inverse = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    inverse = torch.where(amax >= 2.0**-90, 127.0 / amax, torch.zeros_like(amax))
     return (torch.round(groups * inverse) * (amax / 127)).view(x.shape)
 
 
@@ -95,6 +96,28 @@ def test_int8x_takes_a_group_that_is_not_finite_to_nan() -> None:
     x[0, 5], x[1, 40] = float("inf"), float("nan")
     y = bf16_kernels().int8x_gemv(x, tiles)  # type: ignore[union-attr]
     assert bool(y[:2].isnan().all()) and bool(y[2].isfinite().all())
+
+
+@native
+@pytest.mark.skipif(not quant.int8x_kernels(), reason="no AVX-512 VNNI on this CPU")
+def test_int8x_takes_a_group_below_2_to_the_minus_90_as_zero() -> None:
+    """A group of x whose largest value is below 2^-90 (subnormal scales,
+    slow on x86) contributes nothing; one at 2^-90 as ever, and a row's
+    other groups too."""
+    blocks = Int4Blocks(torch.randint(0, 16, (16, 64), dtype=torch.uint8),
+                        torch.full((16, 2), 0.01), torch.full((16, 2), -0.08), 32)
+    tiles = quant.int8x_stream(blocks)
+    x = torch.randn(3, 64)
+    x[:2, 32:] = 0.0
+    x[0, :32] *= 2.0**-100  # below: nothing
+    x[1, :32] = x[1, :32] / x[1, :32].abs().max() * 2.0**-90  # at the floor: counted
+    x[2, :32] *= 2.0**-100  # below, beside a group of normal values
+    x = x.bfloat16()
+    y = bf16_kernels().int8x_gemv(x, tiles).float()  # type: ignore[union-attr]
+    assert bool((y[0] == 0).all()) and bool((y[1] != 0).any())
+    torch.testing.assert_close(y[2], (int8_x(x[2:]) @ blocks.dequantize().T)[0].bfloat16().float())
+    assert torch.equal(y[2], bf16_kernels().int8x_gemv(  # type: ignore[union-attr]
+        torch.cat([torch.zeros(1, 32), x[2:, 32:].float()], 1).bfloat16(), tiles)[0].float())
 
 
 amx = pytest.mark.skipif(not quant.amx_int8(), reason="no AMX int8 tiles on this CPU")

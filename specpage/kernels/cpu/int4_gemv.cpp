@@ -365,6 +365,11 @@ struct QuantizedX {
   std::vector<float> sum; // [rows, groups]: d * the sum of the group's q
 };
 
+// A group of x whose largest value is below this counts as zero, as in
+// kquant_gemv.cpp's blocks: its scale and the products' would be subnormal,
+// each step of whose arithmetic is a microcode assist on x86.
+constexpr float kLeastGroupMax = 0x1p-90f;
+
 // x [rows, in] bf16 to Q8 blocks of 32. A group that is not finite gets a
 // NaN scale, so that its products come out NaN as the bf16 kernel's do.
 // Rows past `rows`, up to `padded` (the AMX kernel's whole tiles), are 0.
@@ -382,7 +387,8 @@ QuantizedX quantize_x(const c10::BFloat16* x, int64_t rows, int64_t in, int64_t 
         out.d[at] = out.sum[at] = std::nanf("");
         continue;  // its q stay 0
       }
-      const __m512 inverse = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+      if (amax < kLeastGroupMax) continue;  // d, sum and q stay 0
+      const __m512 inverse = _mm512_set1_ps(127.0f / amax);
       const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inverse));  // to nearest even
       const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inverse));
       int8_t* q = out.q.data() + r * in + g * kGroup;
