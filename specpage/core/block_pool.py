@@ -16,6 +16,10 @@ hold final KV, followed by ``num_tentative`` reserved slots at the tail
 - ``fork`` shares all of a sequence's blocks with a new one; ``free`` releases
   them. Freed, hashed blocks stay in the prefix cache until the space is
   needed (least recently freed first).
+- ``drop_behind`` releases the committed blocks wholly before a position,
+  for a table whose layers attend within a window (core/layer_groups.py):
+  their entries become ``HOLE``, and they stay in the prefix cache as freed
+  blocks do.
 
 This module is pure Python and must not import torch.
 """
@@ -34,6 +38,7 @@ from specpage.core.arith import cdiv
 SeqId = Hashable
 BlockKey = bytes
 Copy = tuple[int, int]  # (src block, dst block)
+HOLE = -1  # a table entry whose block drop_behind released
 
 _encode = msgspec.msgpack.Encoder().encode
 
@@ -139,6 +144,9 @@ class BlockPool:
     def committed_token_ids(self, seq_id: SeqId) -> tuple[int, ...]:
         return tuple(self._get(seq_id).token_ids)
 
+    def sequence_ids(self) -> list[SeqId]:
+        return list(self._seqs)
+
     @property
     def num_available_blocks(self) -> int:
         return len(self._free) + len(self._evictable)
@@ -153,6 +161,10 @@ class BlockPool:
         )
         return PoolStats(self.num_blocks, free, cached, self.num_blocks - free - cached, tentative)
 
+    def prompt_blocks(self, num_tokens: int) -> int:
+        """Blocks a prompt of this many tokens takes with no cache hit."""
+        return cdiv(num_tokens, self.block_size)
+
     def blocks_needed(self, seq_id: SeqId, n: int) -> int:
         """Blocks that ``reserve(seq_id, n)`` would take from the pool."""
         seq = self._get(seq_id)
@@ -161,14 +173,19 @@ class BlockPool:
 
     # ------------------------------------------------------------------ changes
 
+    def cached_blocks(self, token_ids: Sequence[int], cache_salt: bytes = b"") -> int:
+        """The leading blocks of a prompt that allocate_prompt would share
+        from the prefix cache; changes nothing."""
+        return len(self._lookup(token_ids, self.model_identity + cache_salt, len(token_ids))[0])
+
     def allocate_prompt(
         self, seq_id: SeqId, token_ids: Sequence[int], cache_salt: bytes = b"",
-        lookup: bool = True,
+        lookup: bool = True, most_hits: int | None = None,
     ) -> int:
         """Add a sequence for a prompt; returns how many leading tokens are
-        already computed (shared from the prefix cache; none unless lookup).
-        The rest of the prompt gets tentative slots, committed as prefill
-        computes them.
+        already computed (shared from the prefix cache, at most `most_hits`
+        blocks; none unless lookup). The rest of the prompt gets tentative
+        slots, committed as prefill computes them.
 
         At least the last prompt token is always left to compute, since its
         logits start the generation.
@@ -179,18 +196,9 @@ class BlockPool:
             raise InvalidCountError(f"sequence {seq_id!r}: empty prompt")
         size = self.block_size
         extra = self.model_identity + cache_salt
-        hits: list[int] = []
-        keys: list[BlockKey] = []
-        parent: BlockKey | None = None
-        looked_up = (len(token_ids) - 1) // size * size if lookup else 0
-        for start in range(0, looked_up, size):
-            key = block_key(parent, token_ids[start : start + size], extra)
-            entry = self._cache.get(key)
-            if entry is None:
-                break
-            hits.append(entry.block)
-            keys.append(key)
-            parent = key
+        most = (len(token_ids) - 1) // size if lookup else 0
+        hits, keys = self._lookup(token_ids, extra, most if most_hits is None
+                                  else min(most, most_hits))
         num_new = cdiv(len(token_ids), size) - len(hits)
         available = self.num_available_blocks - sum(1 for b in hits if b in self._evictable)
         if num_new > available:
@@ -272,7 +280,8 @@ class BlockPool:
         child.token_ids = list(parent.token_ids)
         child.keys = list(parent.keys)
         for block in child.block_table:
-            self._refcount[block] += 1
+            if block != HOLE:
+                self._refcount[block] += 1
         self._seqs[child_id] = child
 
     def free(self, seq_id: SeqId) -> None:
@@ -282,7 +291,23 @@ class BlockPool:
         # The tail goes first, so the cache evicts a sequence's tail before
         # the prefix that other requests are more likely to share.
         for block in reversed(seq.block_table):
-            self._release(block)
+            if block != HOLE:
+                self._release(block)
+
+    def drop_behind(self, seq_id: SeqId, position: int) -> int:
+        """Release the blocks wholly before `position` (committed ones only:
+        it stops at the first tentative slot), leaving HOLE in their place;
+        returns how many it released. For a table whose readers never look
+        before `position` again."""
+        seq = self._get(seq_id)
+        self._check_count("position", position)
+        table, dropped = seq.block_table, 0
+        for index in range(min(position, seq.num_committed) // self.block_size):
+            if table[index] != HOLE:
+                self._release(table[index])
+                table[index] = HOLE
+                dropped += 1
+        return dropped
 
     # ------------------------------------------------------------------ integrity
 
@@ -302,10 +327,15 @@ class BlockPool:
                 tokens = seq.token_ids[index * size : (index + 1) * size]
                 assert key == block_key(parent, tokens, seq.extra), (seq_id, index)
                 block = seq.block_table[index]
-                assert self._block_key[block] in (None, key), (seq_id, index, block)
+                assert block == HOLE or self._block_key[block] in (None, key), (seq_id, index)
                 parent = key
+            # holes only among the committed blocks, none after a held one
+            held = [b != HOLE for b in seq.block_table]
+            assert held == sorted(held), (seq_id, seq.block_table)
+            assert all(held[seq.num_committed // size :]), (seq_id, seq.block_table)
             for block in seq.block_table:
-                holders[block] += 1
+                if block != HOLE:
+                    holders[block] += 1
         free = set(self._free)
         assert len(free) == len(self._free), "a block is twice in the free list"
         assert not free & self._evictable.keys(), "a block is both free and cached"
@@ -373,6 +403,24 @@ class BlockPool:
         while len(table) > keep:
             self._release(table.pop())
         seq.num_tentative = 0
+
+    def _lookup(self, token_ids: Sequence[int], extra: bytes, most: int
+                ) -> tuple[list[int], list[BlockKey]]:
+        """The cached blocks of the prompt's leading full blocks, at most
+        `most` of them, and their keys; none past the last token's block."""
+        size = self.block_size
+        hits: list[int] = []
+        keys: list[BlockKey] = []
+        parent: BlockKey | None = None
+        for start in range(0, min(most, (len(token_ids) - 1) // size) * size, size):
+            key = block_key(parent, token_ids[start : start + size], extra)
+            entry = self._cache.get(key)
+            if entry is None:
+                break
+            hits.append(entry.block)
+            keys.append(key)
+            parent = key
+        return hits, keys
 
     def _hash_block(self, seq: _Sequence, index: int) -> None:
         size = self.block_size

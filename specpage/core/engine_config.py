@@ -54,6 +54,12 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # CPU. Off by default: on an H200 it made single-stream decoding 8.8x
     # faster, and then faulted (an illegal memory access) at 32 streams.
     cuda_graphs: bool = False
+    # A target with sliding-window layers (Gemma 3's local ones) keeps their
+    # KV in block tables of their own that give back the blocks behind the
+    # window (core/layer_groups.py, as vLLM's hybrid allocator): num_blocks
+    # then counts blocks of every layer, and the pool pages of one layer
+    # group each. With a draft model or head, or tensor parallelism: off.
+    hybrid_kv: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_step_tokens", "max_context",

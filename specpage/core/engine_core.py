@@ -17,9 +17,9 @@ from typing import Any, NamedTuple
 import msgspec
 
 from specpage.core import ledger
-from specpage.core.block_pool import BlockPool
 from specpage.core.engine_config import EngineConfig
 from specpage.core.grammar import SequenceGrammar
+from specpage.core.layer_groups import GroupedPool, Pool
 from specpage.core.model_free import NO_SPECULATION, Method, ModelFreeProposer, Speculation
 from specpage.core.outputs import OutputProcessor, RequestOutput
 from specpage.core.policy import SpecPolicy
@@ -76,7 +76,7 @@ class EngineCore:
     def __init__(
         self,
         config: EngineConfig,
-        pool: BlockPool,
+        pool: Pool,
         policy: SpecPolicy,
         max_context: int,
         tokenizer: Any = None,
@@ -266,11 +266,16 @@ class EngineCore:
         end = start + entry.num_new
         forks = (params.n - 1 if entry.wants_logits and seq.index == 0
                  and not seq.output_token_ids else 0)
+        if isinstance(self.pool, GroupedPool):
+            block_table, *group_tables = self.pool.block_tables(seq.seq_id)
+        else:
+            block_table, group_tables = list(self.pool.block_table(seq.seq_id)), []
         return SeqWork(
             seq_id=seq.seq_id,
             start=start,
             tokens=seq.token_ids[start:end],
-            block_table=list(self.pool.block_table(seq.seq_id)),
+            block_table=block_table,
+            group_tables=group_tables,
             sample=entry.wants_logits,
             k=entry.k,
             draft_start=draft_start,

@@ -9,11 +9,11 @@ Position utilization is not device utilization: block tables, workspace and
 alignment are counted separately (block-table bytes) or not at all.
 
 Sliding-window layers (Gemma 3's local layers, say) read only the last
-`window` positions. In one block table shared by every layer, as the pool
-keeps it, a block stays while any layer may read it, so they hold every
-position. A separate table for the windowed layers could free each block
-once the window has left it behind, and hold at most the blocks that the
-last `window` positions fall in:
+`window` positions. In one block table shared by every layer, a block stays
+while any layer may read it, so they hold every position. A separate table
+for the windowed layers (the engine's, core/layer_groups.py) frees each
+block once the window has left it behind, and holds at most the blocks that
+the last `window` positions fall in:
 
     windowed blocks(n, B, W) = (n − 1) // B − max(0, n − W) // B + 1
 

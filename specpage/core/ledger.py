@@ -19,13 +19,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 
-from specpage.core.block_pool import BlockPool
+from specpage.core.layer_groups import Pool
 from specpage.core.proposer_rules import ProposerRules
 from specpage.core.request import Sequence
 from specpage.core.step import SeqResult
 
 
-def admit(pool: BlockPool, seq: Sequence, rules: ProposerRules) -> int:
+def admit(pool: Pool, seq: Sequence, rules: ProposerRules) -> int:
     """Give a waiting sequence its blocks, sharing what the prefix cache
     holds under the draft's salt for it; returns the cached positions. The
     draft starts from nothing: cached blocks vouch for the target's KV only.
@@ -43,7 +43,7 @@ def admit(pool: BlockPool, seq: Sequence, rules: ProposerRules) -> int:
     return cached
 
 
-def release(pool: BlockPool, seq: Sequence) -> None:
+def release(pool: Pool, seq: Sequence) -> None:
     """Free a sequence's blocks (preempted, ended); it keeps its tokens and
     computes them again if it runs again."""
     pool.free(seq.seq_id)
@@ -51,7 +51,7 @@ def release(pool: BlockPool, seq: Sequence) -> None:
     seq.draft_state = b""
 
 
-def apply(pool: BlockPool, seq: Sequence, num_new: int, k: int, done: SeqResult,
+def apply(pool: Pool, seq: Sequence, num_new: int, k: int, done: SeqResult,
           rules: ProposerRules) -> None:
     """Commit what a step computed for seq, by the rules of whoever proposed;
     roll back the rest of its reservation once the step has sampled (its
@@ -75,7 +75,7 @@ def append_output(seq: Sequence, tokens: Seq[int], logprobs: Seq[float]) -> None
     seq.logprobs.extend(logprobs)
 
 
-def fork(pool: BlockPool, parent: Sequence, child: Sequence) -> None:
+def fork(pool: Pool, parent: Sequence, child: Sequence) -> None:
     """child shares all of parent's committed blocks and its KV state."""
     pool.fork(parent.seq_id, child.seq_id)
     child.num_computed = parent.num_computed
@@ -85,14 +85,14 @@ def fork(pool: BlockPool, parent: Sequence, child: Sequence) -> None:
     check(pool, child)
 
 
-def check(pool: BlockPool, seq: Sequence) -> None:
+def check(pool: Pool, seq: Sequence) -> None:
     """The sequence's counters agree with the pool's."""
     committed = pool.num_committed(seq.seq_id)
     assert seq.num_computed == committed, (seq, seq.num_computed, committed)
     assert 0 <= seq.num_draft_computed <= seq.num_computed, (seq, seq.num_draft_computed)
 
 
-def check_tokens(pool: BlockPool, seq: Sequence) -> None:
+def check_tokens(pool: Pool, seq: Sequence) -> None:
     """Also the committed tokens themselves (linear in the sequence: for
     tests), for a sequence between steps."""
     check(pool, seq)

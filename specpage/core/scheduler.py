@@ -23,9 +23,9 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from specpage.core import ledger
-from specpage.core.arith import cdiv
-from specpage.core.block_pool import BlockPool, Copy
+from specpage.core.block_pool import Copy
 from specpage.core.engine_config import EngineConfig
+from specpage.core.layer_groups import Pool
 from specpage.core.model_free import NO_SPECULATION, Speculation
 from specpage.core.proposer_rules import ProposerRules
 from specpage.core.request import FinishReason, Sequence, Status
@@ -62,7 +62,7 @@ def _slots(seq: Sequence) -> int:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, max_context: int, pool: BlockPool,
+    def __init__(self, config: EngineConfig, max_context: int, pool: Pool,
                  speculate: Speculate, rules: ProposerRules) -> None:
         self.config = config
         self.max_context = max_context  # positions both models can hold
@@ -184,7 +184,7 @@ class Scheduler:
     def _admit(
         self, scheduled: list[ScheduledSeq], budget: int, batch: int, now: float
     ) -> None:
-        pool, size = self.pool, self.pool.block_size
+        pool = self.pool
         keep_free = int(self.config.admission_watermark * pool.num_blocks)
         occupied = sum(map(_slots, self.running))
         while self.waiting and budget > 0:
@@ -195,7 +195,7 @@ class Scheduler:
             # The watermark keeps room for running sequences to grow; with
             # none running, any request that passed validation may start.
             reserve = keep_free if self.running else 0
-            if cdiv(seq.num_tokens, size) > pool.num_available_blocks - reserve:
+            if pool.prompt_blocks(seq.num_tokens) > pool.num_available_blocks - reserve:
                 break
             cached = ledger.admit(pool, seq, self.rules)
             num_new, spec = self._span(seq, budget, batch)

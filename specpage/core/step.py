@@ -91,6 +91,9 @@ class SeqWork(msgspec.Struct, frozen=True, array_like=True):
     # a constrained sequence's allowed tokens (core/grammar.py's masks) at
     # each row it samples, k + 1 of them; b"" when unconstrained
     allowed: bytes = b""
+    # the target's block tables of its other layer groups (core/layer_groups.py;
+    # block_table is the first group's); none where one table serves every layer
+    group_tables: list[list[int]] = []
 
     @property
     def end(self) -> int:

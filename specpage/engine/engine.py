@@ -19,6 +19,7 @@ from specpage.core.engine_config import EngineConfig
 from specpage.core.engine_core import EngineCore, EngineStats
 from specpage.core.grammar import Constraint
 from specpage.core.intake import Intake
+from specpage.core.layer_groups import GroupedPool, LayerGroups, Pool, layer_groups
 from specpage.core.outputs import RequestOutput
 from specpage.core.policy import SpecPolicy
 from specpage.core.proposer_rules import DRAFT_MODEL, HEAD, NO_MODEL
@@ -39,6 +40,20 @@ from specpage.speculation.calibrate import fit_segments
 __all__ = ["Engine", "EngineConfig", "EngineStats", "RequestOutput"]
 
 log = logging.getLogger("specpage.engine")
+
+
+def hybrid_groups(target: LoadedModel, draft: object, config: EngineConfig,
+                  max_context: int) -> LayerGroups | None:
+    """The target's layer groups where its sliding-window layers keep
+    tables of their own (EngineConfig.hybrid_kv), else None: no such layers
+    or none whose window is shorter than the context, a draft model or head
+    (their KV shares the pool's block ids), tensor parallelism."""
+    c = target.config
+    windows = [c.window_of(layer) or 0 for layer in range(c.num_layers)]
+    if (not config.hybrid_kv or draft is not None or config.tensor_parallel_size > 1
+            or not any(0 < w < max_context for w in windows)):
+        return None
+    return layer_groups(windows)
 
 
 class Engine:
@@ -66,12 +81,16 @@ class Engine:
         identity = target.identity + (draft.identity if draft else b"no-draft")
         policy = SpecPolicy(c.spec_k if draft is not None else 0, rules, adaptive=c.adaptive_k,
                             model_free_k=c.model_free_k if c.spec_k else 0)
-        self.core = EngineCore(c, BlockPool(c.num_blocks, c.block_size, model_identity=identity),
+        groups = hybrid_groups(target, draft, c, self.max_context)
+        count = 1 if groups is None else len(groups.windows)
+        pool = BlockPool(c.num_blocks * count, c.block_size, model_identity=identity)
+        self.core = EngineCore(c, pool if groups is None else GroupedPool(pool, groups),
                                policy, self.max_context, tokenizer,
                                tuple(target.config.eos_token_ids))
         self.intake = Intake(c, tokenizer, target.config.vocab_size, self.max_context,
                              policy.max_proposals, tuple(target.config.eos_token_ids))
-        self.executor = (Executor(target, draft, c) if c.tensor_parallel_size == 1
+        self.executor = (Executor(target, draft, c, groups=groups)
+                         if c.tensor_parallel_size == 1
                          else TensorParallelExecutor(target, draft, c))
         if policy.adaptive and policy.max_proposals > 0:
             self._calibrate()
@@ -167,7 +186,7 @@ class Engine:
         return self.core.requests
 
     @property
-    def pool(self) -> BlockPool:
+    def pool(self) -> Pool:
         return self.core.pool
 
     @property

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from specpage.core.engine_config import EngineConfig
+from specpage.core.layer_groups import LayerGroups
 from specpage.core.step import StepBatch, StepResult
 from specpage.executor.head_runner import HeadRunner
 from specpage.executor.model_runner import ModelRunner
@@ -53,12 +54,16 @@ PROPOSERS: dict[type, Callable[[LoadedModel, Any, EngineConfig], Built]] = {
 
 class Executor:
     def __init__(self, target: LoadedModel, draft: LoadedModel | LoadedHead | None,
-                 config: EngineConfig, target_runner: ModelRunner | None = None) -> None:
-        # target_runner: one built already (tensor parallelism: rank 0's shard)
+                 config: EngineConfig, target_runner: ModelRunner | None = None,
+                 groups: LayerGroups | None = None) -> None:
+        # target_runner: one built already (tensor parallelism: rank 0's shard);
+        # groups: the target's KV in pages of a layer group (core/layer_groups.py)
+        count = 1 if groups is None else len(groups.windows)
         self.target = target_runner or ModelRunner(
-            target, config.num_blocks, config.block_size, deterministic=config.deterministic,
+            target, config.num_blocks * count, config.block_size,
+            deterministic=config.deterministic,
             graphs_for=config.max_num_seqs if config.cuda_graphs else 0,
-            max_context=config.max_context)
+            max_context=config.max_context, groups=groups)
         self.runners: list[ModelRunner | HeadRunner] = [self.target]
         self.draft: ModelRunner | HeadRunner | None = None
         self.proposer: Proposer | None = None

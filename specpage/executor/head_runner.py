@@ -28,6 +28,7 @@ class HeadRunner:
         self.tap_width = head.model.fc.in_features  # a position's tapped states, concatenated
         self.embedding = head.model.embed_tokens or target_embedding
         self.block_size = block_size
+        self.group_count = 1  # one table a span: the pool's (core/layer_groups.py)
         self.device, self.dtype = head.model.norm.weight.device, head.dtype
         c = self.config
         self.kv = KvCache(KvShape(1, num_blocks, block_size, c.num_kv_heads, c.head_dim),

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from specpage.attention.backend import AttentionBackend
+from specpage.core.layer_groups import LayerGroups
 from specpage.core.span import Span
 from specpage.executor.cuda_graphs import DecodeGraphs
 from specpage.executor.kv_cache import KvCache, KvShape
@@ -35,6 +36,7 @@ class ModelRunner:
         deterministic: bool = False,
         graphs_for: int = 0,
         max_context: int | None = None,
+        groups: LayerGroups | None = None,
     ) -> None:
         """deterministic: each position's logits the same whatever else its
         forward computes (other sequences, the span it is in, the chunk):
@@ -46,8 +48,11 @@ class ModelRunner:
         self.deterministic = deterministic
         weight = self.model.embed_tokens.weight
         self.device, self.dtype = weight.device, weight.dtype
+        # groups: the layers' KV in pages of one group each (core/layer_groups.py)
         self.kv = KvCache(KvShape(c.num_layers, num_blocks, block_size, c.num_kv_heads,
-                                  c.head_dim), self.dtype, self.device, backend, deterministic)
+                                  c.head_dim, groups), self.dtype, self.device, backend,
+                          deterministic)
+        self.group_count = 1 if groups is None else len(groups.windows)
         if c.windowed and not self.kv.backend.attends_windows:
             raise ModelLoadError(
                 f"{loaded.folder.name}: {c.architecture}'s sliding-window layers need an "
@@ -58,7 +63,7 @@ class ModelRunner:
         # graphs_for: decode forwards of up to this many sequences replayed
         # from CUDA graphs (executor/cuda_graphs.py); 0, or off CUDA: none
         self.graphs: DecodeGraphs | None = None
-        if graphs_for and self.device.type == "cuda" and not deterministic:
+        if graphs_for and self.device.type == "cuda" and not deterministic and groups is None:
             self.graphs = DecodeGraphs(self.model, self.kv, block_size, graphs_for,
                                        min(max_context or c.max_position, c.max_position))
 
@@ -75,7 +80,7 @@ class ModelRunner:
             log.info("%s: forwards through the modules, not the native step: %s",
                      loaded.folder.name, reason)
             return None
-        return NativeStep(self.model, self.kv.layers, self.block_size)
+        return NativeStep(self.model, self.kv.layers, self.block_size, self.kv.layer_groups)
 
     @torch.inference_mode()
     def forward(self, spans: Sequence[Span], tap: LayerTap | None = None) -> torch.Tensor:
@@ -100,7 +105,8 @@ class ModelRunner:
             logits = self.native_step(spans, tap)
             if logits is not None:
                 return logits
-        meta = self.kv.metadata(spans, self.groups)
+        meta = (self.kv.metadata(spans, self.groups) if self.group_count == 1
+                else self.kv.layer_metadata(spans, self.groups))
         input_ids = torch.tensor([t for s in spans for t in s.token_ids], dtype=torch.int64)
         positions = torch.tensor([p for s in spans for p in range(s.start, s.end)],
                                  dtype=torch.int64)
@@ -142,5 +148,10 @@ class ModelRunner:
                 )
             if len(span.block_table) * self.block_size < span.end:
                 raise ValueError(f"span {i}: block table too short for {span.end} positions")
+            if len(span.group_tables) != self.group_count - 1:
+                raise ValueError(f"span {i}: {len(span.group_tables)} group tables for a model "
+                                 f"whose KV is in {self.group_count} groups")
+            if any(len(t) * self.block_size < span.end for t in span.group_tables):
+                raise ValueError(f"span {i}: a group's table too short for {span.end} positions")
             if min(span.token_ids) < 0 or max(span.token_ids) >= self.config.vocab_size:
                 raise ValueError(f"span {i}: token id outside the vocabulary")

@@ -59,22 +59,28 @@ def run_layers(
     x: torch.Tensor,  # [rows, hidden], the embedded tokens
     ropes: tuple[Rope, Rope],  # the full-attention layers' rotary rows, the sliding layers'
     caches: Sequence[torch.Tensor],
-    meta: AttentionMetadata,
+    metas: Sequence[AttentionMetadata],  # each layer's
     backend: AttentionBackend,
     tap: Any,  # LayerTap | None
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(the stream after the last layer's attention, its MLP branch), as
     DecoderModel's loop gives them; None, having done nothing, where some op
     has no kernel."""
-    if not widths_fit(model.config):
+    if not widths_fit(model.config) or not metas:
         return None
-    spans = _short_spans(x, meta, backend)
-    if spans is None or any(r[0].dtype != x.dtype for r in ropes):
+    distinct = list({id(m): m for m in metas}.values())  # a layer group's, in order
+    tables = [_short_spans(x, meta, backend) for meta in distinct]
+    if any(t is None for t in tables) or any(r[0].dtype != x.dtype for r in ropes):
         return None
     plan = model.stack_plan(x.shape[0])
     if plan is None:
         return None
-    return call_stack(model.config, plan, x, ropes, list(caches), meta.slot_mapping, *spans, tap)
+    index = {id(m): i for i, m in enumerate(distinct)}
+    short = [t for t in tables if t is not None]
+    return call_stack(model.config, plan, x, ropes, list(caches),
+                      [m.slot_mapping for m in distinct], [t[0] for t in short],
+                      short[0][1], short[0][2], tap,
+                      [index[id(m)] for m in metas] if len(distinct) > 1 else [])
 
 
 def widths_fit(c: Any) -> bool:
@@ -83,19 +89,23 @@ def widths_fit(c: Any) -> bool:
 
 
 def call_stack(c: Any, plan: StackPlan, x: torch.Tensor, ropes: tuple[Rope, Rope],
-               caches: list[torch.Tensor], slots: torch.Tensor, block_tables: torch.Tensor,
-               query_start: torch.Tensor, context_lens: torch.Tensor, tap: Any
+               caches: list[torch.Tensor], slots: list[torch.Tensor],
+               block_tables: list[torch.Tensor], query_start: torch.Tensor,
+               context_lens: torch.Tensor, tap: Any, layer_groups: list[int]
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """decoder_stack on these operands; the tap sees the states it asked for.
-    ropes: the full-attention layers' rotary rows and the sliding layers'."""
+    ropes: the full-attention layers' rotary rows and the sliding layers';
+    slots, block_tables: per layer group (core/layer_groups.py), and per
+    layer its group's index (none: every layer the first's)."""
     taps = sorted(set(tap.layers)) if tap is not None else []
     rope, local = ropes
     local_rope = list(local) if any(plan.local_layers) else []
     x, branch, tapped = loaded_kernels().decoder_stack.default(
-        x, rope[0], rope[1], caches, slots, block_tables, query_start, context_lens,
+        x, rope[0], rope[1], caches, slots[0], block_tables[0], query_start, context_lens,
         plan.norms, plan.kinds, plan.outs, plan.operands, c.num_heads, c.num_kv_heads,
         c.rms_norm_eps, plan.scale, taps, plan.qk_norms, plan.windows, local_rope,
-        plan.local_layers if local_rope else [], plan.activation)
+        plan.local_layers if local_rope else [], plan.activation, slots[1:],
+        block_tables[1:], layer_groups)
     for index, state in zip(taps, tapped, strict=True):
         tap.see(index, state)
     return x, branch

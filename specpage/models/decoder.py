@@ -75,20 +75,22 @@ class DecoderModel(nn.Module):
         input_ids: torch.Tensor,  # [num_tokens] int64
         positions: torch.Tensor,  # [num_tokens] int64
         caches: list[torch.Tensor],  # one [2, num_blocks, block_size, kv_heads, d] per layer
-        meta: AttentionMetadata,
+        meta: AttentionMetadata | list[AttentionMetadata],  # all layers', or each layer's
         backend: AttentionBackend,
         logits_index: torch.Tensor,  # [num_logits] int64, rows to score, ascending, once each
         tap: LayerTap | None = None,
     ) -> torch.Tensor:
         """Logits [num_logits, vocab] in fp32 for the tokens in logits_index."""
         x = self.embed_tokens(input_ids)
+        metas = meta if isinstance(meta, list) else [meta] * len(self.layers)
         # the largest position + 1 where the metadata knows it: no device sync
-        rope = self.rope_rows(positions, x.dtype, getattr(meta, "max_context", None))
+        rope = self.rope_rows(positions, x.dtype, getattr(metas[0], "max_context", None)
+                              if metas else None)
         local = self.rope_rows(positions, x.dtype, local=True) if self.config.local_rope else rope
         # The stream after the last layer's attention, and that layer's MLP
         # branch, not yet added (None without layers).
-        ran = native_stack.run_layers(self, x, (rope, local), caches, meta, backend, tap)
-        x, branch = ran if ran is not None else self._run_layers(x, (rope, local), caches, meta,
+        ran = native_stack.run_layers(self, x, (rope, local), caches, metas, backend, tap)
+        x, branch = ran if ran is not None else self._run_layers(x, (rope, local), caches, metas,
                                                                  backend, tap)
         if logits_index.shape[0] != x.shape[0]:  # else every row, in order
             x = x[logits_index]
@@ -177,11 +179,13 @@ class DecoderModel(nn.Module):
 
     def _run_layers(
         self, x: torch.Tensor, ropes: tuple[Rope, Rope], caches: list[torch.Tensor],
-        meta: AttentionMetadata, backend: AttentionBackend, tap: LayerTap | None,
+        metas: list[AttentionMetadata], backend: AttentionBackend, tap: LayerTap | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """ropes: the full-attention layers' rotary rows, and the sliding layers' own."""
+        """ropes: the full-attention layers' rotary rows, and the sliding layers' own;
+        metas: each layer's attention metadata."""
         branch: torch.Tensor | None = None
-        for index, (layer, cache) in enumerate(zip(self.layers, caches, strict=True)):
+        for index, (layer, cache, meta) in enumerate(zip(self.layers, caches, metas,
+                                                         strict=True)):
             norm = layer.input_layernorm
             x, normed = (x, norm(x)) if branch is None else norm.after_add(branch, x)
             if tap is not None:

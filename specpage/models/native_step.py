@@ -13,7 +13,7 @@ from torch import nn
 
 from specpage.attention.backend import AttentionBackend, lay_out_spans
 from specpage.attention.cpu import NATIVE_SPAN, CpuAttention
-from specpage.core.span import Span
+from specpage.core.span import Span, group_spans
 from specpage.kernels.cpu.native import loaded_kernels
 from specpage.layers import native_stack
 from specpage.layers.native_stack import StackPlan, call_stack, widths_fit
@@ -36,12 +36,17 @@ class NativeStep:
     reduced vocabulary is projected by DecoderModel.logits, as on the
     module path."""
 
-    def __init__(self, model: Any, caches: list[torch.Tensor], block_size: int) -> None:
+    def __init__(self, model: Any, caches: list[torch.Tensor], block_size: int,
+                 layer_groups: list[int]) -> None:
         kernels = loaded_kernels()
         assert kernels is not None, "NativeStep needs the native kernels"
         self.model = model
         self.caches = caches
         self.block_size = block_size
+        # per layer the index of the layer group whose tables it reads
+        # (core/layer_groups.py); none where one table serves every layer
+        self.layer_groups = layer_groups if max(layer_groups, default=0) > 0 else []
+        self.group_count = max(layer_groups, default=0) + 1
         self.final_eps = model.norm.eps
         self.add_rms_norm = kernels.add_rms_norm.default
         self.int8x_gemv = kernels.int8x_gemv.default
@@ -92,6 +97,8 @@ class NativeStep:
         if plan is None:
             return None
         layout = lay_out_spans(spans, self.block_size)
+        groups = [layout] + [lay_out_spans(group_spans(spans, g), self.block_size)
+                             for g in range(1, self.group_count)]
         # the token ids, their positions and the rows to score, as slices of one tensor
         values = [t for s in spans for t in s.token_ids]
         values.extend(p for s in spans for p in range(s.start, s.end))
@@ -107,8 +114,8 @@ class NativeStep:
         embedded = torch.embedding(weight, ids) if self.embed is None else self.embed(ids)
         x, branch = call_stack(
             model.config, plan, embedded, (rope, local), self.caches,
-            layout.slot_mapping, layout.block_tables, layout.query_start, layout.context_lens,
-            tap)
+            [g.slot_mapping for g in groups], [g.block_tables for g in groups],
+            layout.query_start, layout.context_lens, tap, self.layer_groups)
         if logits_index.shape[0] != tokens:  # else every row, in order
             x, branch = x[logits_index], branch[logits_index]
         head = model.quantized_head

@@ -93,8 +93,10 @@ class Plan:
             count = math.ceil((self.context + length) / runner.block_size)
             table = [(block + i) % self.num_blocks for i in range(count)]
             block += count
+            # every layer group the same blocks: only the time is wanted
             result.append(Span([0] * length, self.context, table,
-                                  num_logits=length if every_logit else 1))
+                               num_logits=length if every_logit else 1,
+                               group_tables=[table] * (runner.group_count - 1)))
         return result
 
 

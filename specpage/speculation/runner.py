@@ -27,6 +27,11 @@ class SpanRunner(Protocol):
     @property
     def device(self) -> torch.device: ...
 
+    @property
+    def group_count(self) -> int:
+        """Block tables a span carries (core/layer_groups.py): 1, or more."""
+        ...
+
     def forward(self, spans: Sequence[Span]) -> torch.Tensor:
         """fp32 logits [sum of num_logits, vocab], spans in order."""
         ...

@@ -58,7 +58,8 @@ class Verifier:
             logits_wanted = len(drafted) + 1 if w.sample else 0
             if w.prompt_logprobs >= 0:  # every position's, the prompt's rows first
                 logits_wanted = len(w.tokens) + len(drafted)
-            spans.append(Span(w.tokens + drafted, w.start, w.block_table, logits_wanted))
+            spans.append(Span(w.tokens + drafted, w.start, w.block_table, logits_wanted,
+                              w.group_tables))
         # the head's features, unless it keeps nothing for any of them
         heads = bool(self.feature_layers) and any(w.draft_on for w in batch)
         tap = LayerTap(self.feature_layers) if heads else None

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
 from specpage.attention.cpu import NATIVE_SPAN
+from specpage.core.layer_groups import layer_groups
 from specpage.core.span import Span
 from specpage.executor.model_runner import ModelRunner
 from specpage.kernels.cpu import features as cpu
@@ -176,6 +178,40 @@ def test_gemma3_layers_give_the_modules_logits_and_kv(
     assert torch.equal(cache, ref_cache)
 
 
+@pytest.mark.parametrize("shape", ["decode 3", "verify 5", "verify 2 + decode 2"])
+def test_layer_groups_tables_give_one_tables_logits(gemma3_checkpoint: Path, shape: str,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gemma 3's KV in pages of a layer group each (core/layer_groups.py),
+    each group's pages elsewhere in the pool: the native call (each layer
+    through its group's slots and tables) gives the modules' logits and the
+    logits of one table for every layer, and writes each layer's K/V into
+    its group's pages."""
+    loaded = load_model(gemma3_checkpoint, "bf16")
+    c = loaded.config
+    groups = layer_groups([c.window_of(i) or 0 for i in range(c.num_layers)])
+    assert len(groups.windows) == 7  # one layer a page: 1 global, 6 sliding
+    one = prefilled(gemma3_checkpoint, None, 3)
+    per_group = 8 * 3 + 8
+    runner = ModelRunner(loaded, per_group * 7, BLOCK, groups=groups)
+
+    def grouped(spans: list[Span]) -> list[Span]:  # group g's blocks g * per_group onwards
+        return [msgspec.structs.replace(s, group_tables=[
+            [b + g * per_group for b in s.block_table] for g in range(1, 7)]) for s in spans]
+
+    with torch.inference_mode():
+        runner.forward(grouped([Span([(11 * s + 3 * j) % 500 + 1 for j in range(40)], 0,
+                                     table(s), 1) for s in range(3)]))
+    spans = grouped(spans_of(shape))
+    (logits, cache, _), (ref_logits, ref_cache, _) = both_ways(runner, spans, monkeypatch)
+    assert torch.equal(logits, ref_logits) and torch.equal(cache, ref_cache)
+    (one_logits, one_cache, _), _ = both_ways(one, spans_of(shape), monkeypatch)
+    assert torch.equal(logits, one_logits)
+    for layer in range(7):  # each layer's K/V in its group's pages, as one table holds it
+        group, index = groups.place(layer)
+        pages = cache[index, :, group * per_group:(group + 1) * per_group]
+        assert torch.equal(pages, one_cache[layer, :, :per_group])
+
+
 @pytest.mark.parametrize("quantization", QUANTIZATIONS)
 def test_two_threads_reading_ahead_change_nothing(
         checkpoint: Path, quantization: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -260,11 +296,13 @@ def test_the_native_call_refuses_operands_that_do_not_fit(checkpoint: Path) -> N
     def call(**changes: object) -> None:
         args = dict(caches=list(runner.kv.layers), norms=plan.norms, kinds=plan.kinds,
                     outs=plan.outs, operands=plan.operands, taps=[], qk_norms=[],
-                    windows=[], local_rope=[], local_layers=[], activation=0) | changes
+                    windows=[], local_rope=[], local_layers=[], activation=0, group_slots=[],
+                    group_tables=[], layer_groups=[]) | changes
         kernels.decoder_stack(x, cos, sin, args["caches"], index, index[None], torch.tensor(
             [0, 1]), torch.ones(1, dtype=torch.int64), args["norms"], args["kinds"],
             args["outs"], args["operands"], 2, 1, 1e-5, 0.125, args["taps"], args["qk_norms"],
-            args["windows"], args["local_rope"], args["local_layers"], args["activation"])
+            args["windows"], args["local_rope"], args["local_layers"], args["activation"],
+            args["group_slots"], args["group_tables"], args["layer_groups"])
 
     before = runner.kv.tensor.clone()
     with pytest.raises(RuntimeError, match="norms and .* products"):
@@ -289,6 +327,10 @@ def test_the_native_call_refuses_operands_that_do_not_fit(checkpoint: Path) -> N
         call(local_rope=[cos, sin], local_layers=[1])
     with pytest.raises(RuntimeError, match="unknown activation 2"):
         call(activation=2)
+    with pytest.raises(RuntimeError, match="must pair up, with a group per layer"):
+        call(group_slots=[index], group_tables=[], layer_groups=[0, 1, 1])
+    with pytest.raises(RuntimeError, match="layer group 2 has no slots and tables"):
+        call(group_slots=[index], group_tables=[index[None]], layer_groups=[0, 2, 1])
     assert torch.equal(runner.kv.tensor, before)
 
 

@@ -15,7 +15,8 @@ import torch
 from specpage.attention.cpu import CpuAttention
 from specpage.attention.native import native_kernels
 from specpage.attention.reference import TorchAttention
-from specpage.core.block_pool import BlockPool
+from specpage.core.block_pool import HOLE, BlockPool
+from specpage.core.layer_groups import GroupedPool, layer_groups
 from specpage.core.request import SamplingParams
 from specpage.core.span import Span
 from specpage.engine import Engine, EngineConfig
@@ -104,6 +105,38 @@ def test_logits_equal_transformers(checkpoints, backend, pieces):
     assert float((ours - ref).abs().max()) < TOLERANCE
 
 
+@pytest.mark.parametrize("backend", list(backends()))
+def test_logits_through_layer_groups_equal_transformers(checkpoints, backend):
+    """The target's KV in pages of a layer group each (core/layer_groups.py),
+    each group through its own tables and the sliding ones giving back the
+    blocks behind their window as prefill and decoding commit: transformers'
+    logits on every backend, chunked and then a token at a time."""
+    _, hf, folder, _ = checkpoints
+    loaded = load_model(folder)
+    c = loaded.config
+    groups = layer_groups([c.window_of(i) or 0 for i in range(c.num_layers)])
+    count = len(groups.windows)
+    pool = GroupedPool(BlockPool(64 * count, BLOCK_SIZE), groups)
+    runner = ModelRunner(loaded, 64 * count, BLOCK_SIZE, backend=backends()[backend](),
+                         groups=groups)
+    tokens = random.Random(3).choices(range(VOCAB), k=40)
+    pool.allocate_prompt(0, tokens)
+    rows, start = [], 0
+    for n in [7, 7, 7, 7, 1, 1, 1, 1, 1, 1, 1, 5]:
+        piece = tokens[start:start + n]
+        first, *others = pool.block_tables(0)
+        rows.append(runner.forward([Span(piece, start, first, n, others)]))
+        pool.commit(0, piece)
+        start += n
+    with torch.no_grad():
+        ref = hf(torch.tensor([tokens])).logits[0]
+    assert float((torch.cat(rows) - ref).abs().max()) < TOLERANCE
+    # the sliding groups gave back all but the window's blocks
+    held = [sum(b != HOLE for b in pool.pool.block_table((0, g))) for g in range(count)]
+    assert held == [10 if w == 0 else 2 for w in groups.windows]  # positions 33..39
+    pool.check_integrity()
+
+
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 
 
@@ -147,6 +180,49 @@ def test_greedy_generation_equals_transformers(checkpoints, hf_outputs, speculat
     eng.pool.check_integrity()
     drafted = eng.stats().drafted_tokens
     assert (drafted > 0) == (speculation != "off")
+
+
+@pytest.mark.parametrize("speculation", ["off", "model-free"])
+def test_layer_groups_change_no_token_and_hold_fewer_blocks(checkpoints, speculation):
+    """EngineConfig.hybrid_kv on and off: the same greedy tokens, with a
+    prompt's prefix shared from the cache, n > 1, an abort and preemption
+    (a pool that cannot hold every sequence at once), and the pool whole
+    after; on, a windowed model's sequences hold fewer blocks' worth of KV."""
+    variant, _, folder, _ = checkpoints
+    methods = "ngram,suffix" if speculation == "model-free" else ""
+    runs = {}
+    for hybrid in (False, True):
+        eng = Engine(load_model(folder), None, None, EngineConfig(
+            block_size=BLOCK_SIZE, num_blocks=40, spec_k=3, adaptive_k=False,
+            spec_methods=methods, max_step_tokens=24, hybrid_kv=hybrid))
+        batch = prompts()
+        for i, prompt in enumerate(batch + [batch[0] + [5, 6]]):  # the last: a prefix hit
+            eng.add_request(str(i), prompt, GREEDY)
+        eng.add_request("n", batch[2], SamplingParams(max_tokens=20, temperature=0.0,
+                                                      ignore_eos=True, n=2))
+        eng.add_request("gone", batch[1], GREEDY)
+        tokens: dict[tuple[str, int], list[int]] = {}
+        peak = 0
+        for step in range(800):
+            if not eng.has_unfinished():
+                break
+            if step == 3:
+                eng.abort("gone")
+            for out in eng.step():
+                tokens.setdefault((out.request_id, out.index), []).extend(out.token_ids)
+            stats = eng.pool.stats()
+            pool = eng.pool
+            groups = len(pool.groups.windows) if isinstance(pool, GroupedPool) else 1
+            peak = max(peak, stats.in_use / groups)  # in blocks of every layer
+            eng.pool.check_integrity()
+        assert not eng.has_unfinished()
+        assert eng.pool.stats().in_use == 0
+        tokens.pop(("gone", 0), None)
+        runs[hybrid] = (tokens, peak, eng.stats().preemptions, eng.stats().prefix_cached_tokens)
+    assert runs[True][0] == runs[False][0]
+    assert runs[False][2] > 0 and runs[False][3] > 0  # preempted, and a prefix shared
+    if variant != "qwen3":
+        assert runs[True][1] < runs[False][1]
 
 
 def gemma_raw(**changes):

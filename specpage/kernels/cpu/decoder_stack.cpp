@@ -276,14 +276,18 @@ enum Activation : int64_t { kSilu = 0, kGeluTanh = 1 };
 // qk_norms: none, or per layer l the q and k norms' weights at 2l, 2l+1;
 // windows: none, or per layer the keys a query sees back (0: all);
 // local_rope: none, or the (cos, sin) of the layers that local_layers marks
-// (per layer 0 or 1; none: every layer takes cos, sin).
+// (per layer 0 or 1; none: every layer takes cos, sin). group_slots and
+// group_tables: none, or the slots and block tables of layer groups 1, 2, ..
+// (core/layer_groups.py), slot_mapping and block_tables being group 0's,
+// and per layer in layer_groups the group it reads and writes.
 std::tuple<Tensor, Tensor, std::vector<Tensor>> decoder_stack(
     const Tensor& embedded, const Tensor& cos, const Tensor& sin, at::TensorList caches,
     const Tensor& slot_mapping, const Tensor& block_tables, const Tensor& query_start,
     const Tensor& context_lens, at::TensorList norms, at::IntArrayRef kinds,
     at::IntArrayRef outs, at::TensorList operands, int64_t heads, int64_t kv_heads, double eps,
     double scale, at::IntArrayRef taps, at::TensorList qk_norms, at::IntArrayRef windows,
-    at::TensorList local_rope, at::IntArrayRef local_layers, int64_t activation) {
+    at::TensorList local_rope, at::IntArrayRef local_layers, int64_t activation,
+    at::TensorList group_slots, at::TensorList group_tables, at::IntArrayRef layer_groups) {
   const int64_t layers = static_cast<int64_t>(caches.size());
   TORCH_CHECK(layers >= 1, "decoder_stack needs at least one layer");
   TORCH_CHECK(qk_norms.empty() || static_cast<int64_t>(qk_norms.size()) == 2 * layers,
@@ -305,6 +309,13 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> decoder_stack(
   TORCH_CHECK(activation == kSilu || activation == kGeluTanh,
               "decoder_stack: unknown activation ", activation);
   const int64_t per_layer = static_cast<int64_t>(norms.size()) / layers;  // 2 or 4
+  TORCH_CHECK(group_slots.size() == group_tables.size() &&
+                  (layer_groups.empty() || static_cast<int64_t>(layer_groups.size()) == layers),
+              "decoder_stack: group_slots and group_tables must pair up, with a group per layer");
+  for (const int64_t group : layer_groups) {
+    TORCH_CHECK(group >= 0 && group <= static_cast<int64_t>(group_slots.size()),
+                "decoder_stack: layer group ", group, " has no slots and tables");
+  }
   std::vector<Product> products;
   products.reserve(kinds.size());
   size_t next = 0;
@@ -356,6 +367,9 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> decoder_stack(
     }
     const Product* p = products.data() + i;
     Tensor cache = caches[l];
+    const int64_t group = layer_groups.empty() ? 0 : layer_groups[l];
+    const Tensor& slots = group == 0 ? slot_mapping : group_slots[group - 1];
+    const Tensor& tables = group == 0 ? block_tables : group_tables[group - 1];
     const Tensor qkv = product(p[0], normed);
     const bool local = !local_layers.empty() && local_layers[l] != 0;
     Tensor q;  // attention runs outside: it has threads of its own
@@ -364,10 +378,9 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> decoder_stack(
                                                                 qk_norms[2 * l + 1], heads,
                                                                 kv_heads, eps);
       q = k.rope_into_cache.call(rotated, local ? local_rope[0] : cos,
-                                 local ? local_rope[1] : sin, heads, kv_heads, cache,
-                                 slot_mapping);
+                                 local ? local_rope[1] : sin, heads, kv_heads, cache, slots);
     });
-    const Tensor attended = k.attention.call(q, cache, block_tables, query_start, context_lens,
+    const Tensor attended = k.attention.call(q, cache, tables, query_start, context_lens,
                                              scale, windows.empty() ? kNoWindow : windows[l]);
     const Tensor o = product(p[1], attended);
     before(i + 2, [&] {
@@ -402,7 +415,8 @@ TORCH_LIBRARY_FRAGMENT(specpage_cpu, m) {
         "Tensor slot_mapping, Tensor block_tables, Tensor query_start, Tensor context_lens, "
         "Tensor[] norms, int[] kinds, int[] outs, Tensor[] operands, int heads, int kv_heads, "
         "float eps, float scale, int[] taps, Tensor[] qk_norms, int[] windows, "
-        "Tensor[] local_rope, int[] local_layers, int activation) "
+        "Tensor[] local_rope, int[] local_layers, int activation, Tensor[] group_slots, "
+        "Tensor[] group_tables, int[] layer_groups) "
         "-> (Tensor, Tensor, Tensor[])");
 }
 
