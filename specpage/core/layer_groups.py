@@ -147,14 +147,31 @@ class GroupedPool:
     def allocate_prompt(self, seq_id: SeqId, token_ids: Sequence[int], cache_salt: bytes = b"",
                         lookup: bool = True) -> int:
         """BlockPool.allocate_prompt for every group, sharing the leading
-        blocks that every group's cache holds."""
+        blocks that every group's cache holds. A group's new blocks may
+        evict another group's cached ones before that group takes them:
+        then every group gives its blocks back and takes again, sharing what
+        the group that got least got (fewer each time, so it ends)."""
         hits = (min(self.pool.cached_blocks(token_ids, self._salt(cache_salt, g))
                     for g in self._range) if lookup else 0)
+        while True:
+            cached = self._allocate_groups(seq_id, token_ids, cache_salt, lookup, hits)
+            if len(set(cached)) == 1:
+                break
+            self.free(seq_id)
+            hits = min(cached) // self.block_size
+        self._drop(seq_id)
+        return cached[0]
+
+    def _allocate_groups(self, seq_id: SeqId, token_ids: Sequence[int], cache_salt: bytes,
+                         lookup: bool, hits: int) -> list[int]:
+        """Each group's allocate_prompt, sharing at most `hits` blocks: the
+        positions each shares; all or nothing."""
         done: list[Hashable] = []
+        cached: list[int] = []
         try:
             for g, i in enumerate(self._ids(seq_id)):
-                cached = self.pool.allocate_prompt(i, token_ids, self._salt(cache_salt, g),
-                                                   lookup, most_hits=hits)
+                cached.append(self.pool.allocate_prompt(i, token_ids, self._salt(cache_salt, g),
+                                                        lookup, most_hits=hits))
                 done.append(i)
         except OutOfBlocksError:
             for i in done:
@@ -162,7 +179,6 @@ class GroupedPool:
             needed = self.prompt_blocks(len(token_ids)) - len(self._range) * hits
             available = self.pool.num_available_blocks
             raise OutOfBlocksError(max(1, needed - available), needed, available) from None
-        self._drop(seq_id)
         return cached
 
     def reserve(self, seq_id: SeqId, n: int) -> list[Copy]:

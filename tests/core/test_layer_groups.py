@@ -164,3 +164,27 @@ class GroupedPoolMachine(PoolMachine):
 
 GroupedPoolMachine.TestCase.settings = PoolMachine.TestCase.settings
 TestGroupedPool = GroupedPoolMachine.TestCase
+
+
+def test_a_group_whose_hits_another_group_evicts_shares_none() -> None:
+    """Group 1's new block evicts group 2's cached hit (the least recently
+    used) before group 2 takes it: every group gives its blocks back and
+    takes them again, sharing no more than the group that got least."""
+    pool = grouped(num_blocks=9)
+    prompt = list(range(1, 9))  # 2 full blocks
+    for group in (2, 0, 1):  # group 2's blocks the least recently used
+        one = ("x", group)
+        pool.pool.allocate_prompt(one, prompt, pool._salt(b"", group))
+        pool.pool.commit(one, prompt)
+        pool.pool.free(one)
+    junk = list(range(100, 108))
+    pool.pool.allocate_prompt("junk", junk)
+    pool.pool.commit("junk", junk)
+    pool.pool.free("junk")  # 8 cached blocks, 1 free
+    # the first try shares 2 blocks in groups 0 and 1, 1 in group 2
+    assert pool.allocate_prompt("y", prompt + [50, 51, 52, 53]) == 4
+    assert [pool.pool.num_committed(("y", g)) for g in range(3)] == [4, 4, 4]
+    assert pool.stats().in_use == 9
+    pool.check_integrity()
+    pool.free("y")
+    assert pool.stats().in_use == 0

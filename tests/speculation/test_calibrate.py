@@ -138,6 +138,7 @@ class FakeRunner:
 
     block_size = 4
     device = torch.device("cpu")
+    group_count = 1
 
     def __init__(self, clock: Clock, fixed: float, per_position: float) -> None:
         self.clock, self.fixed, self.per_position = clock, fixed, per_position
