@@ -14,8 +14,10 @@ fp32 as gguf-py's gguf.quants does, value for value.
 
 A KQuantLinear's product runs on the native kernels where they are built
 (kernels/cpu/kquant_gemv.cpp: x taken to int8 per row and super-block, as
-llama.cpp's Q8_K, the weights' levels summed against it exactly in int32);
-elsewhere on the weights dequantized to fp32 for each product. A fused
+llama.cpp's Q8_K, the weights' levels summed against it exactly in int32,
+the blocks' bytes laid out once at load as tiles of 16 outputs, so that a
+vector holds four inputs of each); elsewhere on the weights dequantized to
+fp32 for each product. A fused
 projection (qkv, gate/up) is several GGUF tensors stacked along the
 outputs, not necessarily of one type (Q4_K_M stores attn_v and ffn_down as
 Q6_K, the rest as Q4_K): the layer keeps each run of one type as its own
@@ -206,14 +208,19 @@ class KQuantLinear(nn.Module):
         runs = runs_of_one_type(parts)
         self.native = kquant_kernels() is not None
         self.dense_tiles = self.native and cpu.has_amx()  # for many rows
+        self.tiled = self.native  # the buffers hold kquant_tiles' layout
         self.type_names = [run.type_name for run in runs]
-        # (GGML type, first column) of each run, in order
-        self.columns: list[tuple[int, int]] = []
+        # (GGML type, first column, outputs) of each run, in order
+        self.columns: list[tuple[int, int, int]] = []
         column = 0
         for index, run in enumerate(runs):
-            # uint8, so no cast of the model's dtype touches the blocks
-            self.register_buffer(f"blocks_{index}", run.data, persistent=False)
-            self.columns.append((run.format.ggml_type, column))
+            # the native kernels read a run as tiles of 16 outputs (the same
+            # bytes, laid out once here); uint8, so no cast of the model's
+            # dtype touches them
+            data = (kquant_kernels().kquant_tiles(run.data, run.format.ggml_type)
+                    if self.tiled else run.data)
+            self.register_buffer(f"blocks_{index}", data, persistent=False)
+            self.columns.append((run.format.ggml_type, column, run.rows))
             column += run.rows
         # int64, so no cast of the model's dtype touches it
         self.register_buffer("runs", torch.tensor(self.columns, dtype=torch.int64),
@@ -240,8 +247,8 @@ class KQuantLinear(nn.Module):
         kernels = kquant_kernels()
         xq = kernels.kquant_quantize_x(x.contiguous())
         y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
-        for blocks, (ggml_type, column) in zip(self._blocks(), self.columns, strict=True):
-            kernels.kquant_gemv(xq, blocks, ggml_type, y, column)
+        for tiles, (ggml_type, column, rows) in zip(self._blocks(), self.columns, strict=True):
+            kernels.kquant_gemv(xq, tiles, ggml_type, rows, y, column)
         return y
 
     def dequantized_product(self, x: torch.Tensor) -> torch.Tensor:
@@ -253,16 +260,19 @@ class KQuantLinear(nn.Module):
 
     def dense_product(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W.T in bf16 on the native kernels: each run's rows dequantized
-        to bf16 a tile of DENSE_TILE_BYTES at a time, each tile's product
-        into its columns of y (x's dtype), no bias."""
+        to bf16 some DENSE_TILE_BYTES at a time, each part's product into its
+        columns of y (x's dtype), no bias."""
         kernels = kquant_kernels()
         xb = x.to(torch.bfloat16).contiguous()
         y = torch.empty(x.shape[0], self.out_features, dtype=torch.bfloat16)
-        tile_rows = max(16, DENSE_TILE_BYTES // (2 * self.in_features))
-        for blocks, (ggml_type, column) in zip(self._blocks(), self.columns, strict=True):
-            for first in range(0, blocks.shape[0], tile_rows):
-                tile = kernels.kquant_dequantize(blocks[first : first + tile_rows], ggml_type)
-                y[:, column + first : column + first + tile.shape[0]] = F.linear(xb, tile)
+        tiles_at_once = max(1, DENSE_TILE_BYTES // (2 * 16 * self.in_features))
+        for tiles, (ggml_type, column, rows) in zip(self._blocks(), self.columns, strict=True):
+            for first in range(0, tiles.shape[0], tiles_at_once):
+                outputs = min(16 * tiles_at_once, rows - 16 * first)
+                dense = kernels.kquant_dequantize(tiles[first : first + tiles_at_once],
+                                                  ggml_type, outputs)
+                at = column + 16 * first
+                y[:, at : at + outputs] = F.linear(xb, dense)
         return y.to(x.dtype)
 
     def direct_product(self, rows: int) -> Product | None:
@@ -276,19 +286,28 @@ class KQuantLinear(nn.Module):
         kernels: Any = kquant_kernels()
         return kernels.kquant_gemv.default, (self.runs, *self._blocks())
 
+    def run_blocks(self) -> list[KQuantBlocks]:
+        """Each run's blocks as the GGUF stores them."""
+        if not self.tiled:
+            return [KQuantBlocks(data, name)
+                    for data, name in zip(self._blocks(), self.type_names, strict=True)]
+        kernels = kquant_kernels()
+        return [KQuantBlocks(kernels.kquant_untile(tiles, ggml_type, rows), name)
+                for tiles, (ggml_type, _, rows), name
+                in zip(self._blocks(), self.columns, self.type_names, strict=True)]
+
     def dequantize(self) -> torch.Tensor:
         """The fp32 weight [out, in], every run's rows in order."""
-        return torch.cat([KQuantBlocks(blocks, name).dequantize()
-                          for blocks, name in zip(self._blocks(), self.type_names, strict=True)])
+        return torch.cat([blocks.dequantize() for blocks in self.run_blocks()])
 
     @property
     def nbytes(self) -> int:
-        """Bytes one product reads: the blocks."""
+        """Bytes one product reads: the blocks (with a last tile's padding)."""
         return sum(int(b.numel()) for b in self._blocks())
 
     def extra_repr(self) -> str:
-        types = "+".join(f"{name}[{blocks.shape[0]}]"
-                         for name, blocks in zip(self.type_names, self._blocks(), strict=True))
+        types = "+".join(f"{name}[{rows}]"
+                         for name, (_, _, rows) in zip(self.type_names, self.columns, strict=True))
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"parts={types}, bias={self.bias is not None}, "
                 f"kernel={'native' if self.native else 'torch'}, dense_tiles={self.dense_tiles}")

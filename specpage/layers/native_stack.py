@@ -150,7 +150,7 @@ def stack_plan(layers: Sequence[Any], rows: int) -> StackPlan | None:
             product = linear.direct_product(rows)
             kind = None if product is None else kinds_by_kernel.get(product[0])
             if product is not None and product[0] == kernels.kquant_gemv.default:
-                runs = len(product[1]) - 1  # the runs' (type, column), then their blocks
+                runs = len(product[1]) - 1  # the runs' (type, column, outputs), then their tiles
                 kind = KQUANT + runs - 1 if runs <= KQUANT_RUNS else None
             if product is None or kind is None:
                 return None

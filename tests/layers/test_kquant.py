@@ -83,9 +83,30 @@ def test_dequantize_is_gguf_py_bit_for_bit(type_name):
 @native
 @pytest.mark.parametrize("type_name", TYPES)
 def test_the_native_dequantization_is_the_reference_in_bf16(type_name):
-    blocks = random_blocks(type_name, 32, 512, seed=1)
-    dense = kquant_kernels().kquant_dequantize(blocks.data, blocks.format.ggml_type)
+    blocks = random_blocks(type_name, 37, 512, seed=1)  # two tiles and 5 outputs
+    kernels, ggml_type = kquant_kernels(), blocks.format.ggml_type
+    dense = kernels.kquant_dequantize(kernels.kquant_tiles(blocks.data, ggml_type), ggml_type, 37)
     assert torch.equal(dense, blocks.dequantize().bfloat16())
+
+
+@native
+@pytest.mark.parametrize("type_name", TYPES)
+def test_tiles_hold_the_blocks_bytes_and_give_them_back(type_name):
+    """Tiles of 16 outputs: the same bytes, the last tile's missing outputs
+    zero; untiled, the blocks as the GGUF stores them."""
+    kernels = kquant_kernels()
+    for rows in (1, 16, 21):
+        blocks = random_blocks(type_name, rows, 768, seed=rows)
+        ggml_type = blocks.format.ggml_type
+        tiles = kernels.kquant_tiles(blocks.data, ggml_type)
+        assert tiles.shape == (-(-rows // 16), 3 * 16 * blocks.format.block_bytes)
+        assert sorted(tiles.flatten().tolist()) == sorted(
+            blocks.data.flatten().tolist() + [0] * (tiles.numel() - blocks.data.numel()))
+        assert torch.equal(kernels.kquant_untile(tiles, ggml_type, rows), blocks.data)
+    with pytest.raises(RuntimeError, match="kquant_gemv: tiles must be"):
+        y = torch.empty(1, 64)
+        kernels.kquant_gemv(kernels.kquant_quantize_x(torch.randn(1, 768)), tiles, ggml_type,
+                            40, y, 0)
 
 
 @native

@@ -312,7 +312,7 @@ def test_the_native_call_refuses_operands_that_do_not_fit(checkpoint: Path) -> N
     unknown = native_stack.KQUANT + native_stack.KQUANT_RUNS  # past the last K-quant kind
     with pytest.raises(RuntimeError, match=f"unknown product kind {unknown}"):
         call(kinds=[unknown] + plan.kinds[1:])
-    with pytest.raises(RuntimeError, match=r"a K-quant product's runs must be int64 \[1, 2\]"):
+    with pytest.raises(RuntimeError, match=r"a K-quant product's runs must be int64 \[1, 3\]"):
         call(kinds=[native_stack.KQUANT] + plan.kinds[1:],
              operands=[torch.zeros(2, 2, dtype=torch.int64)] + plan.operands)
     with pytest.raises(RuntimeError, match="taps must name layers"):

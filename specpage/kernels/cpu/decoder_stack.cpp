@@ -51,7 +51,7 @@ namespace {
 enum Kind : int64_t { kGemv = 0, kPanels = 1, kInt4 = 2, kOneDnn = 3, kInt8x = 4, kKQuant = 5 };
 // K-quant products (kquant_gemv.cpp) of 1 to kKQuantRuns runs of one GGML
 // type each are kinds kKQuant .. kKQuant + kKQuantRuns - 1: operands an
-// int64 [runs, 2] of (type, first column), then each run's blocks.
+// int64 [runs, 3] of (type, first column, outputs), then each run's tiles.
 constexpr int64_t kKQuantRuns = 4;
 
 int64_t kquant_runs(int64_t kind) {
@@ -97,8 +97,8 @@ struct Ops {
           "specpage_cpu::int8x_gemv");
   c10::TypedOperatorHandle<Tensor(const Tensor&)> kquant_x =
       op<Tensor(const Tensor&)>("specpage_cpu::kquant_quantize_x");
-  c10::TypedOperatorHandle<void(const Tensor&, const Tensor&, int64_t, Tensor&, int64_t)>
-      kquant = op<void(const Tensor&, const Tensor&, int64_t, Tensor&, int64_t)>(
+  c10::TypedOperatorHandle<void(const Tensor&, const Tensor&, int64_t, int64_t, Tensor&, int64_t)>
+      kquant = op<void(const Tensor&, const Tensor&, int64_t, int64_t, Tensor&, int64_t)>(
           "specpage_cpu::kquant_gemv");
 };
 
@@ -128,7 +128,7 @@ int64_t operand_count(int64_t kind) {
     case kOneDnn: return 1;  // packed weight
     default:
       TORCH_CHECK(kquant_runs(kind) > 0, "decoder_stack: unknown product kind ", kind);
-      return 1 + kquant_runs(kind);  // (type, column) of each run, then its blocks
+      return 1 + kquant_runs(kind);  // (type, column, outputs) of each run, then its tiles
   }
 }
 
@@ -144,13 +144,13 @@ Tensor kquant_product(const Product& p, const Tensor& x) {
   const Tensor& runs = p.operands[0];
   const int64_t count = kquant_runs(p.kind);
   TORCH_CHECK(runs.scalar_type() == at::kLong && runs.is_contiguous() && runs.dim() == 2 &&
-                  runs.size(0) == count && runs.size(1) == 2,
-              "decoder_stack: a K-quant product's runs must be int64 [", count, ", 2]");
+                  runs.size(0) == count && runs.size(1) == 3,
+              "decoder_stack: a K-quant product's runs must be int64 [", count, ", 3]");
   const int64_t* run = runs.data_ptr<int64_t>();
   const Tensor xq = ops().kquant_x.call(x.contiguous());
   Tensor y = at::empty({x.size(0), p.out}, x.options().dtype(at::kFloat));
   for (int64_t r = 0; r < count; ++r) {
-    ops().kquant.call(xq, p.operands[1 + r], run[2 * r], y, run[2 * r + 1]);
+    ops().kquant.call(xq, p.operands[1 + r], run[3 * r], run[3 * r + 2], y, run[3 * r + 1]);
   }
   return y.to(x.scalar_type());
 }

@@ -16,18 +16,20 @@
 //   y += d_w d_x sum_s sc[s] dot_s - dmin_w d_x sum_s m[s] xsum_s.
 // The weights are exact; x loses what 8 bits per 256 values lose.
 //
-// One output at a time (its weight row read once, front to back) for up to
-// 8 rows of x, which share each super-block's unpacking; more rows take more
-// passes while the weight row is in L1. Each row's sums run in one order
-// whatever the other rows or their number, so a row's result is the same
-// bit for bit alone or in any batch (layers/products.py row_invariant).
-// Threads split the outputs.
+// The weights are read as tiles of 16 outputs (the same bytes, laid out at
+// load so that a vector holds 4 inputs of each of 16 outputs; below), for
+// up to 4 rows of x at a time, which share the unpacking; more rows take
+// more passes while the tile is in cache. Each output's sums run in one
+// order whatever the other rows or their number, so a row's result is the
+// same bit for bit alone or in any batch (layers/products.py
+// row_invariant). Threads split the tiles.
 //
 // Without AVX-512 VNNI and BW a portable loop computes the same sums (the
 // int32 sums are exact, so only the float steps' order differs).
 //
-// Registered as torch.ops.specpage_cpu.kquant_quantize_x (x to Q8_K) and
-// kquant_gemv (Q8_K x by one tensor's blocks, into a slice of y's columns,
+// Registered as torch.ops.specpage_cpu.kquant_tiles and kquant_untile (a
+// tensor's blocks to tiles and back), kquant_quantize_x (x to Q8_K) and
+// kquant_gemv (Q8_K x by one tensor's tiles, into a slice of y's columns,
 // so that a fused projection's parts of several types share one x and one
 // y); kquant_dequantize gives the bf16 weights for the dense products of
 // many rows. layers/kquant.py holds the reference and chooses.
@@ -35,6 +37,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
@@ -43,6 +46,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define KQUANT_VNNI 1
@@ -61,6 +65,54 @@ constexpr int64_t kSuper = 256;  // values per super-block (GGML's QK_K)
 constexpr int64_t kQ4KBytes = 144, kQ5KBytes = 176, kQ6KBytes = 210;
 // GGML's type numbers, as the GGUF names them (ggml_type)
 constexpr int64_t kQ4K = 12, kQ5K = 13, kQ6K = 14;
+
+// ---- tiles ----
+//
+// The kernels read a tensor's outputs 16 at a time, each super-block of a
+// tile of 16 outputs as 16 x the block's bytes, the same bytes laid out so
+// that a vector holds one part of every output (kquant_tiles makes them
+// once, at load; kquant_untile gives the blocks back). Of a tile's
+// super-block:
+//   Q4_K: [0, 32) the 16 d, [32, 64) the 16 dmin (fp16), [64, 256) the
+//         packed scales as 3 vectors of one int32 word of each output, [256,
+//         2304) the nibbles as 32 vectors: vector v holds bytes 4v..4v+3 of
+//         each output's 128 (4 inputs of sub-block 2c in the low nibbles,
+//         of 2c + 1 in the high, c = v / 8);
+//   Q5_K: as Q4_K, with the fifth bits, 8 vectors of bytes 4v..4v+3 of each
+//         output's 32, at [256, 768) and the nibbles at [768, 2816);
+//   Q6_K: [0, 3072) for h = 0, 1 and m = 0..7 three vectors of 4 bytes of
+//         each output: the high pairs' bytes 32h + 4m.., the low nibbles'
+//         64h + 4m.. and 64h + 32 + 4m.. (the order the kernel reads them),
+//         [3072, 3328) the 16 scales of each output (scale g at 3072 + 16 g),
+//         [3328, 3360) the 16 d.
+// The kernels read a tile's super-block front to back: an order the
+// hardware's prefetchers follow from memory (an earlier Q6_K layout read
+// in three interleaved streams ran at half the bandwidth).
+// Outputs past a tensor's last fill its last tile with zero bytes: d = 0.
+constexpr int64_t kTile = 16;  // outputs a tile
+constexpr int64_t kKScales = 64, kQ4KNibbles = 256, kQ5KHigh = 256, kQ5KNibbles = 768;
+constexpr int64_t kQ6KScales = 3072, kQ6KD = 3328;
+
+// Where byte b of output o's block lies in its tile's super-block.
+int64_t tile_offset(int64_t type, int64_t o, int64_t b) {
+  // a run of bytes laid out as vectors of 4 bytes of each output
+  auto spread = [o](int64_t start, int64_t n) { return start + 64 * (n / 4) + 4 * o + n % 4; };
+  if (type == kQ6K) {
+    // the three vectors of h = n / 64 (low) or n / 32 (high), m
+    auto at = [o](int64_t h, int64_t m, int64_t slot, int64_t n) {
+      return 64 * (3 * (8 * h + m) + slot) + 4 * o + n % 4;
+    };
+    if (b < 128) return at(b / 64, (b % 32) / 4, 1 + (b % 64) / 32, b);
+    if (b < 192) return at((b - 128) / 32, ((b - 128) % 32) / 4, 0, b);
+    if (b < 208) return kQ6KScales + 16 * (b - 192) + o;
+    return kQ6KD + 2 * o + (b - 208);
+  }
+  if (b < 4) return 32 * (b / 2) + 2 * o + b % 2;     // d, dmin
+  if (b < 16) return kKScales + 4 * (16 * ((b - 4) / 4) + o) + (b - 4) % 4;
+  if (type == kQ4K) return spread(kQ4KNibbles, b - 16);
+  if (b < 48) return spread(kQ5KHigh, b - 16);
+  return spread(kQ5KNibbles, b - 48);
+}
 
 // x's Q8_K block, GGML's block_q8_K: 292 bytes.
 struct Q8KBlock {
@@ -194,88 +246,172 @@ inline void unpack_levels(const uint8_t* block, __m512i* levels) {
   }
 }
 
-// The scales of a pair of vectors' dot products (vectors 2p and 2p + 1 of
-// a super-block), as _mm512_packs_epi32 lays out those int32 sums in int16:
-// in 128-bit lane k, four of vector 2p's lanes (4k..4k+3), then four of
-// 2p + 1's. Entries index the super-block's scales as int16 lanes.
-// Q4_K/Q5_K: a vector's lanes 0-7 are sub-block 2c, 8-15 sub-block 2c + 1.
-alignas(64) constexpr int16_t kSubBlockPairs[2][32] = {
-    {0, 0, 0, 0, 2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2, 2, 1, 1, 1, 1, 3, 3, 3, 3, 1, 1, 1, 1, 3, 3, 3, 3},
-    {4, 4, 4, 4, 6, 6, 6, 6, 4, 4, 4, 4, 6, 6, 6, 6, 5, 5, 5, 5, 7, 7, 7, 7, 5, 5, 5, 5, 7, 7, 7, 7}};
-// Q6_K: a vector c's lanes 4k..4k+3 are its 16s 4c + k.
-alignas(64) constexpr int16_t kSixteenPairs[2][32] = {
-    {0, 0, 0, 0, 4, 4, 4, 4, 1, 1, 1, 1, 5, 5, 5, 5, 2, 2, 2, 2, 6, 6, 6, 6, 3, 3, 3, 3, 7, 7, 7, 7},
-    {8, 8, 8, 8, 12, 12, 12, 12, 9, 9, 9, 9, 13, 13, 13, 13,
-     10, 10, 10, 10, 14, 14, 14, 14, 11, 11, 11, 11, 15, 15, 15, 15}};
+// ---- the products of a tile of 16 outputs by kRows rows of x ----
+//
+// `tile` points at the tile's first super-block, `x` at the first row's
+// Q8_K blocks, rows `stride` blocks apart; total[r] gets row r's 16 outputs.
+// Each lane is one output: a vector of 64 levels holds 4 consecutive inputs
+// of each of the 16 outputs, and vpdpbusd against those 4 inputs of x
+// (broadcast) adds each output's 4 products to its lane. Per sub-block of
+// 32 (Q6_K: of 16) the int32 sums are multiplied by each output's scale
+// (vpmulld), so a super-block's sum is exact in int32, then
+//   total += float(sum) (d_w d_x) - float(sum_s m[s] xsum_s) (dmin_w d_x)
+// as the per-output kernels did. No horizontal sums: each output's terms
+// add in super-block order, whatever the rows.
 
-// Each row's sum over a super-block: per vector of 64 levels, vpdpbusd's
-// int32 sums of four products a lane (at most 4 x 63 x 127, so int16 holds
-// them), two vectors' packed to int16 and multiplied by their scales with
-// vpdpwssd into one int32 sum: exact, and 5 instructions per 128 values.
+// Byte `kByte` of each int32 lane of u, as an int32.
+template <int kByte>
+inline __m512i byte_of(__m512i u) {
+  if constexpr (kByte == 3) return _mm512_srli_epi32(u, 24);
+  return _mm512_and_si512(_mm512_srli_epi32(u, 8 * kByte), _mm512_set1_epi32(0xff));
+}
+
+inline void prefetch_ahead(const uint8_t* p, int64_t bytes) {
+  for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(p + kPrefetchAhead + line, 0, 2);
+}
+
+inline __m512i load_vector(const uint8_t* p) { return _mm512_loadu_si512(p); }
+
+// x's four int8 at p in every int32 lane.
+inline __m512i four_of(const int8_t* p) {
+  int32_t word;
+  std::memcpy(&word, p, sizeof(word));
+  return _mm512_set1_epi32(word);
+}
+
 template <int64_t kRows, int64_t kType>
-void row_product(const uint8_t* w, int64_t supers, const Q8KBlock* x, int64_t stride,
-                 float* dots) {
-  constexpr int64_t kBytes = kType == kQ4K ? kQ4KBytes : kType == kQ5K ? kQ5KBytes : kQ6KBytes;
-  constexpr bool kMins = kType != kQ6K;
-  const auto& pair_index = kMins ? kSubBlockPairs : kSixteenPairs;
-  const __m512i index0 = _mm512_load_si512(pair_index[0]);
-  const __m512i index1 = _mm512_load_si512(pair_index[1]);
-  __m512 total[kRows];
+void tile_product(const uint8_t* tile, int64_t supers, const Q8KBlock* x, int64_t stride,
+                  __m512* total) {
+  constexpr int64_t kBytes = kTile * (kType == kQ4K ? kQ4KBytes : kQ5KBytes);
+  constexpr int64_t kNibbles = kType == kQ4K ? kQ4KNibbles : kQ5KNibbles;
+  const __m512i low4 = _mm512_set1_epi8(0x0f);
+  const __m512i low6 = _mm512_set1_epi32(0x3f3f3f3f), k4 = _mm512_set1_epi32(0x0f0f0f0f),
+                k2 = _mm512_set1_epi32(0x03030303);
   for (int64_t r = 0; r < kRows; ++r) total[r] = _mm512_setzero_ps();
   for (int64_t s = 0; s < supers; ++s) {
-    const uint8_t* block = w + s * kBytes;
-    // every line of the block kPrefetchAhead on (one a block would miss
-    // some: blocks are 144 to 210 bytes)
-    for (int64_t line = 0; line < kBytes; line += 64) {
-      __builtin_prefetch(block + kPrefetchAhead + line, 0, 2);
-    }
-    __m512i levels[4];  // values 64c..64c+63, unsigned
-    unpack_levels<kType>(block, levels);
-    __m256i scales16;  // int16: Q4_K/Q5_K sc[8] then m[8]; Q6_K its 16 scales
-    // Q4_K/Q5_K: m[s] against x's sums of sub-block s (its two 16s): m[s]
-    // in both int16 of word s; Q6_K: each 16's scale against x's sum of it
-    // (the offset -32)
-    __m256i sum_weights;
-    float d, dmin = 0.0f;
-    if constexpr (kMins) {
-      uint32_t u[4];
-      scale_words(block + 4, u);
-      const __m128i bytes = _mm_set_epi32(static_cast<int>(u[3]), static_cast<int>(u[2]),
-                                          static_cast<int>(u[1]), static_cast<int>(u[0]));
-      scales16 = _mm256_cvtepu8_epi16(bytes);
-      sum_weights = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(bytes, bytes));
-      d = half_at(block);
-      dmin = half_at(block + 2);
-    } else {
-      scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 192)));
-      sum_weights = scales16;
-      d = half_at(block + 208);
-    }
-    const __m512i wide = _mm512_castsi256_si512(scales16);  // (the index reads lanes 0-15 only)
-    const __m512i pair_scales[2] = {_mm512_permutexvar_epi16(index0, wide),
-                                    _mm512_permutexvar_epi16(index1, wide)};
+    const uint8_t* t = tile + s * kBytes;
+    prefetch_ahead(t, kBytes);
+    // the 16 outputs' packed scales as scale_words unpacks one output's:
+    // bytes of u0 sc[0..3], u1 sc[4..7], u2 m[0..3], u3 m[4..7]
+    __m512i u0 = load_vector(t + kKScales), u1 = load_vector(t + kKScales + 64),
+            u2 = load_vector(t + kKScales + 128);
+    const __m512i u3 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(u2, 4), k4),
+                                       _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u1, 6), k2), 4));
+    const __m512i mins_low = _mm512_and_si512(u1, low6);
+    u1 = _mm512_or_si512(_mm512_and_si512(u2, k4),
+                         _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u0, 6), k2), 4));
+    u2 = mins_low;
+    u0 = _mm512_and_si512(u0, low6);
+    __m512i sum[kRows], msum[kRows];
+    for (int64_t r = 0; r < kRows; ++r) sum[r] = msum[r] = _mm512_setzero_si512();
+    // chunk c: sub-blocks 2c (low nibbles) and 2c + 1 (high)
+    auto chunk = [&](auto c_constant) {
+      constexpr int c = decltype(c_constant)::value;
+      __m512i lo[kRows], hi[kRows];
+      for (int64_t r = 0; r < kRows; ++r) lo[r] = hi[r] = _mm512_setzero_si512();
+      for (int i4 = 0; i4 < 8; ++i4) {
+        const __m512i v = load_vector(t + kNibbles + 64 * (8 * c + i4));
+        __m512i level_lo = _mm512_and_si512(v, low4);
+        __m512i level_hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        if constexpr (kType == kQ5K) {
+          // bit 2c (2c + 1) of each byte: the fifth bit of the low (high) nibbles
+          const __m512i high = load_vector(t + kQ5KHigh + 64 * i4);
+          const __m512i sixteen = _mm512_set1_epi8(16);
+          level_lo = _mm512_mask_add_epi8(level_lo, _mm512_test_epi8_mask(high, _mm512_set1_epi8(static_cast<char>(1 << (2 * c)))),
+                                          level_lo, sixteen);
+          level_hi = _mm512_mask_add_epi8(level_hi, _mm512_test_epi8_mask(high, _mm512_set1_epi8(static_cast<char>(2 << (2 * c)))),
+                                          level_hi, sixteen);
+        }
+        for (int64_t r = 0; r < kRows; ++r) {
+          const int8_t* q = x[r * stride + s].q + 64 * c + 4 * i4;
+          lo[r] = _mm512_dpbusd_epi32(lo[r], level_lo, four_of(q));
+          hi[r] = _mm512_dpbusd_epi32(hi[r], level_hi, four_of(q + 32));
+        }
+      }
+      const __m512i sc_lo = byte_of<(2 * c) % 4>(c < 2 ? u0 : u1);
+      const __m512i sc_hi = byte_of<(2 * c + 1) % 4>(c < 2 ? u0 : u1);
+      // m[2c] and m[2c + 1] as the two int16 of each lane, against x's sums
+      // of those sub-blocks (at most 32 x 127: int16) by vpmaddwd
+      const __m512i m_pair = _mm512_or_si512(byte_of<(2 * c) % 4>(c < 2 ? u2 : u3),
+                                             _mm512_slli_epi32(byte_of<(2 * c + 1) % 4>(c < 2 ? u2 : u3), 16));
+      for (int64_t r = 0; r < kRows; ++r) {
+        const int16_t* sums = x[r * stride + s].sums + 4 * c;
+        const uint32_t pair = static_cast<uint16_t>(sums[0] + sums[1]) |
+                              static_cast<uint32_t>(static_cast<uint16_t>(sums[2] + sums[3])) << 16;
+        sum[r] = _mm512_add_epi32(sum[r], _mm512_add_epi32(_mm512_mullo_epi32(lo[r], sc_lo),
+                                                           _mm512_mullo_epi32(hi[r], sc_hi)));
+        msum[r] = _mm512_add_epi32(msum[r], _mm512_madd_epi16(m_pair, _mm512_set1_epi32(static_cast<int>(pair))));
+      }
+    };
+    chunk(std::integral_constant<int, 0>{});
+    chunk(std::integral_constant<int, 1>{});
+    chunk(std::integral_constant<int, 2>{});
+    chunk(std::integral_constant<int, 3>{});
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t)));
+    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 32)));
     for (int64_t r = 0; r < kRows; ++r) {
-      const Q8KBlock& xb = x[r * stride + s];
-      const __m256i xsums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb.sums));
-      const __m256i offsets = _mm256_madd_epi16(xsums, sum_weights);  // 8 int32
-      __m512i sum = kMins ? _mm512_setzero_si512()
-                          : _mm512_zextsi256_si512(_mm256_sub_epi32(_mm256_setzero_si256(),
-                                                                    _mm256_slli_epi32(offsets, 5)));
-      for (int p = 0; p < 2; ++p) {
-        const __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), levels[2 * p],
-                                              _mm512_loadu_si512(xb.q + 128 * p));
-        const __m512i b = _mm512_dpbusd_epi32(_mm512_setzero_si512(), levels[2 * p + 1],
-                                              _mm512_loadu_si512(xb.q + 128 * p + 64));
-        sum = _mm512_dpwssd_epi32(sum, _mm512_packs_epi32(a, b), pair_scales[p]);
-      }
-      total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(d * xb.d), total[r]);
-      if constexpr (kMins) {
-        total[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(_mm512_zextsi256_si512(offsets)),
-                                    _mm512_set1_ps(dmin * xb.d), total[r]);
-      }
+      const __m512 dx = _mm512_set1_ps(x[r * stride + s].d);
+      total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r]), _mm512_mul_ps(d, dx), total[r]);
+      total[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(msum[r]), _mm512_mul_ps(dmin, dx), total[r]);
     }
   }
-  for (int64_t r = 0; r < kRows; ++r) dots[r] = _mm512_reduce_add_ps(total[r]);
+}
+
+// Q6_K: per 128 values h and four inputs m of each of its 32-value
+// quarters, the four level vectors of those inputs (their low nibbles with
+// the pairs' bits 0-1, 2-3, 4-5, 6-7); a 16's sum starts at -32 xsum, its
+// offset, then takes its scale.
+template <int64_t kRows>
+void tile_product_q6(const uint8_t* tile, int64_t supers, const Q8KBlock* x, int64_t stride,
+                     __m512* total) {
+  constexpr int64_t kBytes = kTile * kQ6KBytes;
+  const __m512i low4 = _mm512_set1_epi8(0x0f), top2 = _mm512_set1_epi8(0x30);
+  for (int64_t r = 0; r < kRows; ++r) total[r] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < supers; ++s) {
+    const uint8_t* t = tile + s * kBytes;
+    prefetch_ahead(t, kBytes);
+    __m512i sum[kRows];
+    for (int64_t r = 0; r < kRows; ++r) sum[r] = _mm512_setzero_si512();
+    for (int h = 0; h < 2; ++h) {
+      for (int half = 0; half < 2; ++half) {
+        // the 16s of values 128h + 16 half + 32 k, k = 0..3 (A, C, B, D)
+        __m512i acc[kRows][4];
+        for (int64_t r = 0; r < kRows; ++r) {
+          const int16_t* sums = x[r * stride + s].sums + 8 * h + half;
+          for (int k = 0; k < 4; ++k) acc[r][k] = _mm512_set1_epi32(-32 * sums[2 * k]);
+        }
+        for (int m = 4 * half; m < 4 * half + 4; ++m) {
+          const uint8_t* vectors = t + 192 * (8 * h + m);
+          const __m512i pairs = load_vector(vectors);
+          const __m512i low = load_vector(vectors + 64), low8 = load_vector(vectors + 128);
+          const __m512i level[4] = {
+              // values 128h + 4m (+ 32, + 64, + 96)
+              _mm512_or_si512(_mm512_and_si512(low, low4), _mm512_and_si512(_mm512_slli_epi16(pairs, 4), top2)),
+              _mm512_or_si512(_mm512_and_si512(low8, low4), _mm512_and_si512(_mm512_slli_epi16(pairs, 2), top2)),
+              _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(low, 4), low4), _mm512_and_si512(pairs, top2)),
+              _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(low8, 4), low4),
+                              _mm512_and_si512(_mm512_srli_epi16(pairs, 2), top2))};
+          for (int64_t r = 0; r < kRows; ++r) {
+            const int8_t* q = x[r * stride + s].q + 128 * h + 4 * m;
+            for (int k = 0; k < 4; ++k) acc[r][k] = _mm512_dpbusd_epi32(acc[r][k], level[k], four_of(q + 32 * k));
+          }
+        }
+        for (int k = 0; k < 4; ++k) {
+          const int g = 8 * h + 2 * k + half;
+          const __m512i scale = _mm512_cvtepi8_epi32(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(t + kQ6KScales + 16 * g)));
+          for (int64_t r = 0; r < kRows; ++r) {
+            sum[r] = _mm512_add_epi32(sum[r], _mm512_mullo_epi32(acc[r][k], scale));
+          }
+        }
+      }
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + kQ6KD)));
+    for (int64_t r = 0; r < kRows; ++r) {
+      const __m512 dx = _mm512_set1_ps(x[r * stride + s].d);
+      total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r]), _mm512_mul_ps(d, dx), total[r]);
+    }
+  }
 }
 
 // A super-block's weights in fp32 as GGML computes them ((d sc) q - dmin m,
@@ -408,27 +544,133 @@ int64_t block_bytes(int64_t type) {
   }
 }
 
+// Each byte's place in a tile's super-block, output by output (tile_offset).
+std::vector<int64_t> tile_offsets(int64_t type) {
+  const int64_t bytes = block_bytes(type);
+  std::vector<int64_t> offsets(kTile * bytes);
+  for (int64_t o = 0; o < kTile; ++o) {
+    for (int64_t b = 0; b < bytes; ++b) offsets[o * bytes + b] = tile_offset(type, o, b);
+  }
+  return offsets;
+}
+
+// Tile t's outputs back as blocks: `count` rows of supers x bytes at out.
+void untile(const uint8_t* tile, int64_t type, int64_t supers, int64_t count,
+            const std::vector<int64_t>& offsets, uint8_t* out) {
+  const int64_t bytes = block_bytes(type);
+  for (int64_t o = 0; o < count; ++o) {
+    for (int64_t s = 0; s < supers; ++s) {
+      const uint8_t* from = tile + s * kTile * bytes;
+      uint8_t* to = out + (o * supers + s) * bytes;
+      for (int64_t b = 0; b < bytes; ++b) to[b] = from[offsets[o * bytes + b]];
+    }
+  }
+}
+
 template <int64_t kType>
-void product(const at::Tensor& xq, const at::Tensor& blocks, float* y, int64_t y_stride) {
-  const int64_t rows = xq.size(0), out = blocks.size(0);
+void product(const at::Tensor& xq, const at::Tensor& tiles, int64_t out, float* y,
+             int64_t y_stride) {
+  const int64_t rows = xq.size(0), count = tiles.size(0);
   const int64_t supers = xq.size(1) / static_cast<int64_t>(sizeof(Q8KBlock));
   const auto* x = reinterpret_cast<const Q8KBlock*>(xq.data_ptr<uint8_t>());
-  const uint8_t* w = blocks.data_ptr<uint8_t>();
-  const int64_t row_bytes = blocks.size(1);
+  const uint8_t* w = tiles.data_ptr<uint8_t>();
+  const int64_t tile_bytes = tiles.size(1);
   // ~16 KB of weights per claim, so that two threads split even a short product
-  const int64_t grain = std::max<int64_t>(1, (16 << 10) / row_bytes);
-  at::parallel_for(0, out, grain, [&](int64_t first, int64_t last) {
-    for (int64_t o = first; o < last; ++o) {
-      for (int64_t row0 = 0; row0 < rows; row0 += 8) {
-        with_rows(std::min<int64_t>(8, rows - row0), [&](auto n) {
+  const int64_t grain = std::max<int64_t>(1, (16 << 10) / tile_bytes);
+#if defined(KQUANT_VNNI)
+  at::parallel_for(0, count, grain, [&](int64_t first, int64_t last) {
+    for (int64_t t = first; t < last; ++t) {
+      const __mmask16 valid = static_cast<__mmask16>((1u << std::min<int64_t>(kTile, out - kTile * t)) - 1);
+      for (int64_t row0 = 0; row0 < rows; row0 += 4) {
+        with_count<4>(std::min<int64_t>(4, rows - row0), [&](auto n) {
           constexpr int64_t kRows = decltype(n)::value;
-          float dots[kRows];
-          row_product<kRows, kType>(w + o * row_bytes, supers, x + row0 * supers, supers, dots);
-          for (int64_t r = 0; r < kRows; ++r) y[(row0 + r) * y_stride + o] = dots[r];
+          __m512 total[kRows];
+          if constexpr (kType == kQ6K) {
+            tile_product_q6<kRows>(w + t * tile_bytes, supers, x + row0 * supers, supers, total);
+          } else {
+            tile_product<kRows, kType>(w + t * tile_bytes, supers, x + row0 * supers, supers, total);
+          }
+          for (int64_t r = 0; r < kRows; ++r) {
+            _mm512_mask_storeu_ps(y + (row0 + r) * y_stride + kTile * t, valid, total[r]);
+          }
         });
       }
     }
   });
+#else
+  const std::vector<int64_t> offsets = tile_offsets(kType);
+  const int64_t row_bytes = supers * block_bytes(kType);
+  at::parallel_for(0, count, grain, [&](int64_t first, int64_t last) {
+    std::vector<uint8_t> blocks(kTile * row_bytes);
+    for (int64_t t = first; t < last; ++t) {
+      const int64_t outputs = std::min<int64_t>(kTile, out - kTile * t);
+      untile(w + t * tile_bytes, kType, supers, outputs, offsets, blocks.data());
+      for (int64_t o = 0; o < outputs; ++o) {
+        for (int64_t row0 = 0; row0 < rows; row0 += 8) {
+          with_rows(std::min<int64_t>(8, rows - row0), [&](auto n) {
+            constexpr int64_t kRows = decltype(n)::value;
+            float dots[kRows];
+            row_product<kRows, kType>(blocks.data() + o * row_bytes, supers, x + row0 * supers,
+                                      supers, dots);
+            for (int64_t r = 0; r < kRows; ++r) y[(row0 + r) * y_stride + kTile * t + o] = dots[r];
+          });
+        }
+      }
+    }
+  });
+#endif
+}
+
+// A GGUF tensor's blocks [out, supers x bytes] as tiles [ceil(out / 16),
+// supers x 16 x bytes].
+at::Tensor kquant_tiles(const at::Tensor& blocks, int64_t type) {
+  const int64_t bytes = block_bytes(type);
+  TORCH_CHECK(blocks.dim() == 2 && blocks.is_contiguous() && blocks.scalar_type() == at::kByte &&
+                  blocks.size(1) % bytes == 0,
+              "kquant_tiles: blocks must be contiguous uint8 [out, in / 256 * ", bytes, "]");
+  const int64_t out = blocks.size(0), supers = blocks.size(1) / bytes;
+  const int64_t count = (out + kTile - 1) / kTile;
+  at::Tensor tiles = at::zeros({count, supers * kTile * bytes}, blocks.options());
+  const std::vector<int64_t> offsets = tile_offsets(type);
+  const uint8_t* from = blocks.data_ptr<uint8_t>();
+  uint8_t* to = tiles.data_ptr<uint8_t>();
+  at::parallel_for(0, count, 1, [&](int64_t first, int64_t last) {
+    for (int64_t t = first; t < last; ++t) {
+      for (int64_t o = 0; o < std::min<int64_t>(kTile, out - kTile * t); ++o) {
+        for (int64_t s = 0; s < supers; ++s) {
+          const uint8_t* block = from + ((kTile * t + o) * supers + s) * bytes;
+          uint8_t* tile = to + (t * supers + s) * kTile * bytes;
+          for (int64_t b = 0; b < bytes; ++b) tile[offsets[o * bytes + b]] = block[b];
+        }
+      }
+    }
+  });
+  return tiles;
+}
+
+void check_tiles(const char* name, const at::Tensor& tiles, int64_t type, int64_t out) {
+  const int64_t bytes = block_bytes(type);
+  TORCH_CHECK(tiles.dim() == 2 && tiles.is_contiguous() && tiles.scalar_type() == at::kByte &&
+                  tiles.size(1) % (kTile * bytes) == 0 && out > kTile * (tiles.size(0) - 1) &&
+                  out <= kTile * tiles.size(0),
+              name, ": tiles must be kquant_tiles' contiguous uint8 [ceil(out / 16), in / 256 * 16 * ",
+              bytes, "] for out = ", out, ", got ", tiles.sizes());
+}
+
+// kquant_tiles' blocks back: [out, supers x bytes].
+at::Tensor kquant_untile(const at::Tensor& tiles, int64_t type, int64_t out) {
+  check_tiles("kquant_untile", tiles, type, out);
+  const int64_t bytes = block_bytes(type), supers = tiles.size(1) / (kTile * bytes);
+  at::Tensor blocks = at::empty({out, supers * bytes}, tiles.options());
+  const std::vector<int64_t> offsets = tile_offsets(type);
+  at::parallel_for(0, tiles.size(0), 1, [&](int64_t first, int64_t last) {
+    for (int64_t t = first; t < last; ++t) {
+      untile(tiles.data_ptr<uint8_t>() + t * tiles.size(1), type, supers,
+             std::min<int64_t>(kTile, out - kTile * t), offsets,
+             blocks.data_ptr<uint8_t>() + kTile * t * supers * bytes);
+    }
+  });
+  return blocks;
 }
 
 at::Tensor kquant_quantize_x(const at::Tensor& x) {
@@ -453,46 +695,50 @@ at::Tensor kquant_quantize_x(const at::Tensor& x) {
   return xq;
 }
 
-// y[:, column : column + out] = x @ W.T, x as kquant_quantize_x gives it.
-void kquant_gemv(const at::Tensor& xq, const at::Tensor& blocks, int64_t type, at::Tensor& y,
-                 int64_t column) {
+// y[:, column : column + out] = x @ W.T, x as kquant_quantize_x gives it,
+// W as kquant_tiles gives it.
+void kquant_gemv(const at::Tensor& xq, const at::Tensor& tiles, int64_t type, int64_t out,
+                 at::Tensor& y, int64_t column) {
   const int64_t bytes = block_bytes(type);
   TORCH_CHECK(xq.dim() == 2 && xq.is_contiguous() && xq.scalar_type() == at::kByte &&
                   xq.size(1) % static_cast<int64_t>(sizeof(Q8KBlock)) == 0,
               "kquant_gemv: xq must be kquant_quantize_x's uint8 [rows, in / 256 * 292]");
   const int64_t supers = xq.size(1) / static_cast<int64_t>(sizeof(Q8KBlock));
-  TORCH_CHECK(blocks.dim() == 2 && blocks.is_contiguous() && blocks.scalar_type() == at::kByte &&
-                  blocks.size(1) == supers * bytes,
-              "kquant_gemv: blocks must be contiguous uint8 [out, ", supers * bytes,
-              "] (", supers, " super-blocks of ", bytes, " bytes a row), got ", blocks.sizes());
+  check_tiles("kquant_gemv", tiles, type, out);
+  TORCH_CHECK(tiles.size(1) == supers * kTile * bytes, "kquant_gemv: tiles of ",
+              tiles.size(1) / (kTile * bytes), " super-blocks a row for x of ", supers);
   TORCH_CHECK(y.dim() == 2 && y.scalar_type() == at::kFloat && y.stride(1) == 1 &&
-                  y.size(0) == xq.size(0) && column >= 0 &&
-                  column + blocks.size(0) <= y.size(1),
+                  y.size(0) == xq.size(0) && column >= 0 && column + out <= y.size(1),
               "kquant_gemv: y must be fp32 [rows, >= column + out] with unit column stride");
-  float* out = y.data_ptr<float>() + column;
+  float* to = y.data_ptr<float>() + column;
   switch (type) {
-    case kQ4K: product<kQ4K>(xq, blocks, out, y.stride(0)); break;
-    case kQ5K: product<kQ5K>(xq, blocks, out, y.stride(0)); break;
-    default: product<kQ6K>(xq, blocks, out, y.stride(0)); break;
+    case kQ4K: product<kQ4K>(xq, tiles, out, to, y.stride(0)); break;
+    case kQ5K: product<kQ5K>(xq, tiles, out, to, y.stride(0)); break;
+    default: product<kQ6K>(xq, tiles, out, to, y.stride(0)); break;
   }
 }
 
-// The weights as bf16 [out, in] (dequantize_block).
-at::Tensor kquant_dequantize(const at::Tensor& blocks, int64_t type) {
-  const int64_t bytes = block_bytes(type);
-  TORCH_CHECK(blocks.dim() == 2 && blocks.is_contiguous() && blocks.scalar_type() == at::kByte &&
-                  blocks.size(1) % bytes == 0,
-              "kquant_dequantize: blocks must be contiguous uint8 [out, in / 256 * ", bytes, "]");
-  const int64_t out = blocks.size(0), supers = blocks.size(1) / bytes, in = supers * kSuper;
-  at::Tensor w = at::empty({out, in}, blocks.options().dtype(at::kBFloat16));
-  const uint8_t* data = blocks.data_ptr<uint8_t>();
+// The weights of `out` outputs' tiles as bf16 [out, in] (dequantize_block).
+at::Tensor kquant_dequantize(const at::Tensor& tiles, int64_t type, int64_t out) {
+  check_tiles("kquant_dequantize", tiles, type, out);
+  const int64_t bytes = block_bytes(type), supers = tiles.size(1) / (kTile * bytes);
+  const int64_t in = supers * kSuper;
+  at::Tensor w = at::empty({out, in}, tiles.options().dtype(at::kBFloat16));
   c10::BFloat16* dense = w.data_ptr<c10::BFloat16>();
-  at::parallel_for(0, out * supers, 64, [&](int64_t first, int64_t last) {
-    for (int64_t at = first; at < last; ++at) {
-      switch (type) {
-        case kQ4K: dequantize_block<kQ4K>(data + at * bytes, dense + at * kSuper); break;
-        case kQ5K: dequantize_block<kQ5K>(data + at * bytes, dense + at * kSuper); break;
-        default: dequantize_block<kQ6K>(data + at * bytes, dense + at * kSuper); break;
+  const std::vector<int64_t> offsets = tile_offsets(type);
+  at::parallel_for(0, tiles.size(0), 1, [&](int64_t first, int64_t last) {
+    std::vector<uint8_t> blocks(kTile * supers * bytes);
+    for (int64_t t = first; t < last; ++t) {
+      const int64_t outputs = std::min<int64_t>(kTile, out - kTile * t);
+      untile(tiles.data_ptr<uint8_t>() + t * tiles.size(1), type, supers, outputs, offsets,
+             blocks.data());
+      for (int64_t at = 0; at < outputs * supers; ++at) {
+        c10::BFloat16* to = dense + (kTile * t * supers + at) * kSuper;
+        switch (type) {
+          case kQ4K: dequantize_block<kQ4K>(blocks.data() + at * bytes, to); break;
+          case kQ5K: dequantize_block<kQ5K>(blocks.data() + at * bytes, to); break;
+          default: dequantize_block<kQ6K>(blocks.data() + at * bytes, to); break;
+        }
       }
     }
   });
@@ -511,13 +757,17 @@ bool has_kquant_vnni() {
 
 TORCH_LIBRARY_FRAGMENT(specpage_cpu, m) {
   m.def("kquant_quantize_x(Tensor x) -> Tensor");
-  m.def("kquant_gemv(Tensor xq, Tensor blocks, int type, Tensor(a!) y, int column) -> ()");
-  m.def("kquant_dequantize(Tensor blocks, int type) -> Tensor");
+  m.def("kquant_tiles(Tensor blocks, int type) -> Tensor");
+  m.def("kquant_untile(Tensor tiles, int type, int out) -> Tensor");
+  m.def("kquant_gemv(Tensor xq, Tensor tiles, int type, int out, Tensor(a!) y, int column) -> ()");
+  m.def("kquant_dequantize(Tensor tiles, int type, int out) -> Tensor");
   m.def("has_kquant_vnni() -> bool");
 }
 
 TORCH_LIBRARY_IMPL(specpage_cpu, CPU, m) {
   m.impl("kquant_quantize_x", &kquant_quantize_x);
+  m.impl("kquant_tiles", &kquant_tiles);
+  m.impl("kquant_untile", &kquant_untile);
   m.impl("kquant_gemv", &kquant_gemv);
   m.impl("kquant_dequantize", &kquant_dequantize);
 }
