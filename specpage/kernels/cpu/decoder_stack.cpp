@@ -37,6 +37,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <exception>
@@ -166,21 +167,35 @@ Tensor product(const Product& p, const Tensor& x) {
   }
 }
 
-// A product's weight as its threads read it: output blocks of 16 split over
-// threads as at::parallel_for splits them (the gemv and int4 kernels); none
-// (blocks 0) for the kernels that read otherwise.
-struct Weight {
+// A product's weights as its threads read them: output blocks of 16 split
+// over threads as at::parallel_for splits them (the gemv and int4 kernels;
+// each run's tiles of 16 outputs for the K-quant kernels); none (no parts)
+// for the kernels that read otherwise.
+struct Part {
   const uint8_t* data = nullptr;
   int64_t blocks = 0, block_bytes = 0;
 };
+struct Weight {
+  std::array<Part, kKQuantRuns> parts{};
+  int64_t count = 0;
+};
 
 Weight weight_of(const Product& p) {
-  if (p.kind != kGemv && !reads_tiles(p.kind)) return {};
-  const Tensor& w = p.operands[0];
-  const int64_t blocks = reads_tiles(p.kind) ? w.size(0) : w.size(0) / 16;
-  if (blocks == 0) return {};
-  return {static_cast<const uint8_t*>(w.data_ptr()), blocks,
-          static_cast<int64_t>(w.nbytes()) / blocks};
+  Weight w;
+  auto add = [&w](const Tensor& t, int64_t blocks) {
+    if (blocks > 0) {
+      w.parts[w.count++] = {static_cast<const uint8_t*>(t.data_ptr()), blocks,
+                            static_cast<int64_t>(t.nbytes()) / blocks};
+    }
+  };
+  if (const int64_t runs = kquant_runs(p.kind)) {
+    for (int64_t r = 0; r < runs; ++r) add(p.operands[1 + r], p.operands[1 + r].size(0));
+    return w;
+  }
+  if (p.kind != kGemv && !reads_tiles(p.kind)) return w;
+  const Tensor& t = p.operands[0];
+  add(t, reads_tiles(p.kind) ? t.size(0) : t.size(0) / 16);
+  return w;
 }
 
 // Bytes a reading-ahead thread asks for into its L2 per serial op: more
@@ -198,17 +213,18 @@ void read_ahead(const Weight* weights, int64_t count, int64_t tid, int64_t threa
                 const std::atomic<bool>& done) {
   int64_t left = kReadAheadBytes;
   for (int64_t n = 0; n < count && left > 0; ++n) {
-    const Weight& w = weights[n];
-    if (w.blocks == 0) continue;
-    const int64_t chunk = (w.blocks + threads - 1) / threads;
-    for (const int64_t share : {tid, int64_t{0}}) {
-      if (share == 0 && tid != 1) break;
-      const int64_t end = std::min(w.blocks, (share + 1) * chunk) * w.block_bytes;
-      for (int64_t at = std::min(w.blocks, share * chunk) * w.block_bytes; at < end && left > 0;
-           at += 1024, left -= 1024) {
-        if (done.load(std::memory_order_relaxed)) return;
-        for (int64_t line = at; line < std::min(end, at + 1024); line += 64) {
-          __builtin_prefetch(w.data + line, 0, 2);  // into L2
+    for (int64_t part = 0; part < weights[n].count && left > 0; ++part) {
+      const Part& w = weights[n].parts[part];
+      const int64_t chunk = (w.blocks + threads - 1) / threads;
+      for (const int64_t share : {tid, int64_t{0}}) {
+        if (share == 0 && tid != 1) break;
+        const int64_t end = std::min(w.blocks, (share + 1) * chunk) * w.block_bytes;
+        for (int64_t at = std::min(w.blocks, share * chunk) * w.block_bytes; at < end && left > 0;
+             at += 1024, left -= 1024) {
+          if (done.load(std::memory_order_relaxed)) return;
+          for (int64_t line = at; line < std::min(end, at + 1024); line += 64) {
+            __builtin_prefetch(w.data + line, 0, 2);  // into L2
+          }
         }
       }
     }
@@ -224,7 +240,7 @@ template <typename F>
 void overlapped(F&& serial, const Weight* next, int64_t count) {
   const int64_t threads = at::get_num_threads();
   const bool readable =
-      std::any_of(next, next + count, [](const Weight& w) { return w.blocks > 0; });
+      std::any_of(next, next + count, [](const Weight& w) { return w.count > 0; });
   if (threads < 2 || !readable || omp_in_parallel()) {
     serial();
     return;
