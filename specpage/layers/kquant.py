@@ -41,6 +41,7 @@ from specpage.kernels.cpu.native import loaded_kernels
 from specpage.layers.products import Product, invariant_linear, row_invariant_on
 
 SUPER_BLOCK = 256  # inputs per super-block (GGML's QK_K)
+TILE = 16  # outputs per tile of the native kernels' layout (kquant_gemv.cpp kTile)
 # Where the CPU has AMX, products of this many rows or more take the weights
 # dequantized to bf16 tile by tile and oneDNN's bf16 product on the tiles,
 # outside row-invariant mode: the int8 kernels are bound by their
@@ -265,13 +266,13 @@ class KQuantLinear(nn.Module):
         kernels = kquant_kernels()
         xb = x.to(torch.bfloat16).contiguous()
         y = torch.empty(x.shape[0], self.out_features, dtype=torch.bfloat16)
-        tiles_at_once = max(1, DENSE_TILE_BYTES // (2 * 16 * self.in_features))
+        tiles_at_once = max(1, DENSE_TILE_BYTES // (2 * TILE * self.in_features))
         for tiles, (ggml_type, column, rows) in zip(self._blocks(), self.columns, strict=True):
             for first in range(0, tiles.shape[0], tiles_at_once):
-                outputs = min(16 * tiles_at_once, rows - 16 * first)
+                outputs = min(TILE * tiles_at_once, rows - TILE * first)
                 dense = kernels.kquant_dequantize(tiles[first : first + tiles_at_once],
                                                   ggml_type, outputs)
-                at = column + 16 * first
+                at = column + TILE * first
                 y[:, at : at + outputs] = F.linear(xb, dense)
         return y.to(x.dtype)
 

@@ -554,17 +554,27 @@ std::vector<int64_t> tile_offsets(int64_t type) {
   return offsets;
 }
 
-// Tile t's outputs back as blocks: `count` rows of supers x bytes at out.
-void untile(const uint8_t* tile, int64_t type, int64_t supers, int64_t count,
-            const std::vector<int64_t>& offsets, uint8_t* out) {
+// f(offset in the tile, offset in the blocks) for every byte of a tile's
+// first `count` outputs: the tile as supers super-blocks of 16 x bytes, the
+// blocks as count rows of supers x bytes.
+template <typename F>
+void for_tile_bytes(int64_t type, int64_t supers, int64_t count,
+                    const std::vector<int64_t>& offsets, F&& f) {
   const int64_t bytes = block_bytes(type);
   for (int64_t o = 0; o < count; ++o) {
     for (int64_t s = 0; s < supers; ++s) {
-      const uint8_t* from = tile + s * kTile * bytes;
-      uint8_t* to = out + (o * supers + s) * bytes;
-      for (int64_t b = 0; b < bytes; ++b) to[b] = from[offsets[o * bytes + b]];
+      for (int64_t b = 0; b < bytes; ++b) {
+        f(s * kTile * bytes + offsets[o * bytes + b], (o * supers + s) * bytes + b);
+      }
     }
   }
+}
+
+// Tile t's outputs back as blocks: `count` rows of supers x bytes at out.
+void untile(const uint8_t* tile, int64_t type, int64_t supers, int64_t count,
+            const std::vector<int64_t>& offsets, uint8_t* out) {
+  for_tile_bytes(type, supers, count, offsets,
+                 [&](int64_t in_tile, int64_t in_blocks) { out[in_blocks] = tile[in_tile]; });
 }
 
 template <int64_t kType>
@@ -636,13 +646,10 @@ at::Tensor kquant_tiles(const at::Tensor& blocks, int64_t type) {
   uint8_t* to = tiles.data_ptr<uint8_t>();
   at::parallel_for(0, count, 1, [&](int64_t first, int64_t last) {
     for (int64_t t = first; t < last; ++t) {
-      for (int64_t o = 0; o < std::min<int64_t>(kTile, out - kTile * t); ++o) {
-        for (int64_t s = 0; s < supers; ++s) {
-          const uint8_t* block = from + ((kTile * t + o) * supers + s) * bytes;
-          uint8_t* tile = to + (t * supers + s) * kTile * bytes;
-          for (int64_t b = 0; b < bytes; ++b) tile[offsets[o * bytes + b]] = block[b];
-        }
-      }
+      uint8_t* tile = to + t * tiles.size(1);
+      const uint8_t* rows = from + kTile * t * supers * bytes;
+      for_tile_bytes(type, supers, std::min<int64_t>(kTile, out - kTile * t), offsets,
+                     [&](int64_t in_tile, int64_t in_blocks) { tile[in_tile] = rows[in_blocks]; });
     }
   });
   return tiles;
