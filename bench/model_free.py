@@ -15,7 +15,9 @@ ends it, as for a user).
 The systems are daemons (one up at a time, each started as `make serve`
 does, q4 by default): `specpage` (the default: draft model and the
 proposers that need no model), `model_free` (no draft), `draft_only`
-(spec_methods ""). Against each, the same daemon with spec OFF per request.
+(spec_methods ""), `head` (the EAGLE-3 head models/smollm2-head in the
+draft's place, beside the proposers that need no model). Against each, the
+same daemon with spec OFF per request.
 
 - single stream: each request alone, AUTO and OFF one after the other (the
   order alternating by request and round), decode speed from the client's
@@ -41,6 +43,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from itertools import zip_longest
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +55,7 @@ from specpage.client import Chunk, Client  # noqa: E402
 from specpage.models.fetch import ensure_model  # noqa: E402
 
 WORKLOADS = Path(__file__).resolve().parent / "workloads"
+HEAD = DRAFT.parent / "smollm2-head"  # the EAGLE-3 head (not the default)
 STREAMS = 32
 QUICK_REQUESTS = 6  # per set, single stream, with --quick
 QUICK_TOKENS = 64  # max_tokens cap with --quick
@@ -59,6 +63,7 @@ SYSTEMS = {
     "specpage": ["--draft", str(DRAFT)],
     "model_free": ["--draft", ""],
     "draft_only": ["--draft", str(DRAFT), "--spec-methods", ""],
+    "head": ["--draft", str(HEAD)],
 }
 
 
@@ -99,6 +104,8 @@ class Outcome:
         self.tokens: list[int] = []
         self.first = self.last = 0.0
         self.drafted = self.accepted = 0
+        # method -> [drafted, accepted, accepted at proposal 1, 2, ...]
+        self.by_method: dict[str, list[int]] = {}
 
     @property
     def decode_seconds(self) -> float:
@@ -130,9 +137,21 @@ async def single_stream(client: Client, requests: list[dict[str, Any]], r: int,
     for i in order:
         modes = ("auto", "off") if (i + r) % 2 == 0 else ("off", "auto")
         for mode in modes:
-            runs[mode][str(i)] = await run_one(client, requests[i], mode, f"s{r}-{mode}",
-                                               temperature)
+            before = await method_counts(client)
+            out = await run_one(client, requests[i], mode, f"s{r}-{mode}", temperature)
+            after = await method_counts(client)  # alone on the daemon: this request's
+            out.by_method = {m: [a - b for a, b in zip_longest(f, before.get(m, []), fillvalue=0)]
+                             for m, f in after.items()}
+            runs[mode][str(i)] = out
     return runs
+
+
+async def method_counts(client: Client) -> dict[str, list[int]]:
+    """The daemon's counts so far: method -> [drafted, accepted, accepted at
+    proposal 1, 2, ...]."""
+    info = await client.server_info()
+    return {m.method: [m.drafted_tokens, m.accepted_tokens, *m.accepted_by_position]
+            for m in info.by_method}
 
 
 async def concurrent(client: Client, requests: list[dict[str, Any]], mode: str,
@@ -154,6 +173,7 @@ async def measure(port: int, sets: dict[str, list[dict[str, Any]]], count: int,
                   streams: bool, temperature: float) -> dict[str, Any]:
     ratios: dict[str, list[float]] = defaultdict(list)
     counts: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    by_method: dict[str, dict[str, list[int]]] = defaultdict(dict)  # kind -> method -> sums
     same = total = 0
     detail: list[dict[str, Any]] = []  # every single-stream pair, for a second look
     async with Client(f"127.0.0.1:{port}") as client:
@@ -177,6 +197,11 @@ async def measure(port: int, sets: dict[str, list[dict[str, Any]]], count: int,
                     total += 1
                     counts[q["kind"]][0] += auto.drafted
                     counts[q["kind"]][1] += auto.accepted
+                    for method, figures in auto.by_method.items():
+                        sums = by_method[q["kind"]].setdefault(method, [])
+                        sums += [0] * (len(figures) - len(sums))
+                        for j, v in enumerate(figures):
+                            sums[j] += v
                 for kind, ids in kinds.items():
                     auto = speed([runs["auto"][i] for i in ids])
                     ratios[f"single/{kind}"].append(auto / speed([runs["off"][i] for i in ids]))
@@ -194,12 +219,19 @@ async def measure(port: int, sets: dict[str, list[dict[str, Any]]], count: int,
             "drafted_accepted_by_kind": {k: {"drafted": d, "accepted": a,
                                              "acceptance": a / max(d, 1)}
                                          for k, (d, a) in sorted(counts.items())},
+            # single stream, AUTO: per kind and method, drafted, accepted, and
+            # the share of proposals at position j (1, 2, ...) that were accepted
+            "by_method_and_position": {
+                kind: {method: {"drafted": f[0], "accepted": f[1],
+                                "accepted_by_position": f[2:]}
+                       for method, f in sorted(methods.items())}
+                for kind, methods in sorted(by_method.items())},
             "greedy_same_as_off": f"{same}/{total}", "requests": detail}
 
 
 def main() -> None:
     args = parse_args(__doc__, extra=lambda p: (
-        p.add_argument("--systems", default="specpage,model_free,draft_only"),
+        p.add_argument("--systems", default="specpage,model_free,draft_only,head"),
         p.add_argument("--rounds", type=int, default=3),
         p.add_argument("--no-streams", action="store_true", help="single stream only"),
         p.add_argument("--temperature", type=float, default=0.0,

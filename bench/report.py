@@ -379,15 +379,34 @@ def model_free(r: dict) -> list[str]:
         for kind, c in s["drafted_accepted_by_kind"].items():
             rows.append(f"| {system}, {kind}: drafted, accepted | {c['drafted']}, {c['accepted']} "
                         f"({fmt(c['acceptance'])}) | |")
+        for kind, methods in s.get("by_method_and_position", {}).items():
+            found = [f"{method} {c['drafted']}, {c['accepted']} (at proposal 1, 2, ...: "
+                     f"{', '.join(str(n) for n in _trimmed(c['accepted_by_position']))})"
+                     for method, c in methods.items() if c["drafted"]]
+            if found:
+                rows.append(f"| {system}, {kind}, single stream: drafted, accepted by method | "
+                            f"{'; '.join(found)} | |")
         if not temperature:
             rows.append(f"| {system}: greedy text the same as OFF | {s['greedy_same_as_off']} | |")
     return rows
 
 
+def _trimmed(counts: list[int]) -> list[int]:
+    """counts without their trailing zeros (one kept)."""
+    end = len(counts)
+    while end > 1 and counts[end - 1] == 0:
+        end -= 1
+    return counts[:end]
+
+
 def model_free_replay(r: dict) -> list[str]:
     """The target's greedy answers replayed through the proposers, by rule."""
     over = ", ".join(fmt(x) for x in r["verify_over_decode"][1:6])
-    rows = [f"| verifying 2..6 positions, over a decode step (the prices used) | {over} | |"]
+    rows = [f"| verifying 2..6 positions of one sequence, over a decode step (the prices "
+            f"used) | {over} | |"]
+    if "rows_over_decode" in r:
+        over = ", ".join(fmt(x) for x in r["rows_over_decode"][1:6])
+        rows.append(f"| 2..6 decode rows, over one (the daemon's start-up prices) | {over} | |")
     for name, rules in r["sets"].items():
         for rule, f in rules.items():
             kinds = ", ".join(f"{k} {fmt(v)}×" for k, v in f["by_kind"].items())
