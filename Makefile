@@ -42,21 +42,23 @@ bench: $(STAMP)
 llama-server:
 	bench/build_llama_server.sh
 
-# The daemon on the default pair, 127.0.0.1 only: SmolLM2-135M-Instruct
-# (fetched once, then offline) and its distilled draft (models/smollm2-draft).
-# The call to make is printed once the daemon answers (it loads the models
-# first); Ctrl-C or a TERM drains it, and make waits for it to exit.
-DRAFT := models/smollm2-draft
+# The daemon on the default model, 127.0.0.1 only: SmolLM2-135M-Instruct
+# (fetched once, then offline), speculating with the proposers that need no
+# model (bench/model_free.py: they pay more without a draft model beside
+# them). `make serve DRAFT=models/smollm2-draft` (or models/smollm2-head)
+# adds one. The call to make is printed once the daemon answers (it loads
+# the model first); Ctrl-C or a TERM drains it, and make waits for it to exit.
+DRAFT :=
 PORT := 50051
 serve: $(STAMP)
 	$(VENV)/bin/specpage models fetch smollm2-135m
-	@$(VENV)/bin/specpage serve --model smollm2-135m --draft $(DRAFT) --port $(PORT) & \
+	@$(VENV)/bin/specpage serve --model smollm2-135m $(if $(DRAFT),--draft $(DRAFT)) --port $(PORT) & \
 	pid=$$!; trap 'kill -TERM $$pid 2>/dev/null' INT TERM; \
 	until $(VENV)/bin/specpage info --server 127.0.0.1:$(PORT) >/dev/null 2>&1; do \
 		kill -0 $$pid 2>/dev/null || break; sleep 1; \
 	done; \
 	if kill -0 $$pid 2>/dev/null; then \
-		echo "specpage: serving on 127.0.0.1:$(PORT) (draft $(DRAFT)); call it with:"; \
+		echo "specpage: serving on 127.0.0.1:$(PORT)$(if $(DRAFT), (draft $(DRAFT))); call it with:"; \
 		echo '  .venv/bin/specpage generate --server 127.0.0.1:$(PORT) "What is the capital of France?"'; \
 	fi; \
 	wait $$pid; status=$$?; \

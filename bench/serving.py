@@ -13,9 +13,10 @@ every request streams exactly that many tokens. Two workloads:
 - a single stream: a few requests one after another.
 
 The systems:
-- specpage's HTTP front with the default pair (target smollm2-135m, draft
-  models/smollm2-draft, adaptive k), and with speculation off (no draft): the
-  peer match, since vLLM runs without speculation here; and both again with
+- specpage's HTTP front with the draft model (target smollm2-135m, draft
+  models/smollm2-draft, adaptive k), and without it (the proposers that need
+  no model alone, as `make serve` runs): the peer match, since vLLM runs
+  without speculation here; and both again with
   --quantization auto (the target's own Q4_1 blocks, bf16 activations);
   each system with a draft is reported against its target alone in the same
   weights, speed and greedy answers;

@@ -1,4 +1,4 @@
-"""Speculative decoding with the default pair (SmolLM2-135M-Instruct and the
+"""Speculative decoding with the draft pair (SmolLM2-135M-Instruct and the
 distilled draft in models/smollm2-draft), single stream, greedy, on held-out
 chat prompts (bench/prompts.py; no training prompt uses their topics), in
 one run:

@@ -30,7 +30,7 @@ SECRET_KEYS = frozenset({("server", "bearer_token")})
 
 class ModelSection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     target: str = "smollm2-135m"  # HF folder, .gguf file or a known model name
-    draft: str | None = None  # None: no speculation
+    draft: str | None = None  # None: no draft model (the proposers that need none still run)
     # auto: bf16 on CUDA and on a CPU with AVX-512 BF16 or AMX, else fp32
     # (loader.auto_dtype); None: the loader's default, fp32 on CPU.
     dtype: str | None = "auto"

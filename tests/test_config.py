@@ -253,7 +253,7 @@ def test_example_lists_every_key_and_loads() -> None:
         section = getattr(Config(), name)
         for field in msgspec.structs.fields(section):
             assert re.search(rf"^# {field.name} = ", text, re.MULTILINE), field.name
-    assert load_config(EXAMPLE, env={}) == Config(model=ModelSection(draft="smollm2-draft"))
+    assert load_config(EXAMPLE, env={}) == Config()
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ name resolves to the file, which the loader reads directly::
 
     <cache>/gguf/gemma-3-270m-q4_k_m.gguf
 
-The default draft is small enough to ship inside the package (a wheel carries
+The default target's draft is small enough to ship inside the package (a wheel carries
 it; in a checkout specpage/drafts/smollm2-draft links to models/smollm2-draft),
 so its name resolves to that folder, with no fetch and no copy.
 """

@@ -3,6 +3,7 @@ the README's steps give it models it can read."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -88,12 +89,15 @@ def test_unit_settings() -> None:
     ]
 
 
-def test_the_example_config_speculates_with_the_packaged_draft() -> None:
-    model = load_config(EXAMPLE, env={}).model
-    assert (model.target, model.draft) == ("smollm2-135m", "smollm2-draft")
-    # The draft needs no fetch: it is inside the installed package.
-    assert model.draft in fetch.PACKAGED
-    assert fetch.is_converted(fetch.packaged_model(model.draft))
+def test_the_example_config_speculates_without_a_model_and_names_the_packaged_draft() -> None:
+    config = load_config(EXAMPLE, env={})
+    assert (config.model.target, config.model.draft) == ("smollm2-135m", None)
+    assert config.engine.model_free_methods == ("ngram", "suffix")
+    # The draft its commented line names needs no fetch: it is inside the
+    # installed package.
+    [named] = re.findall(r'^# draft = "([^"]+)"$', EXAMPLE.read_text(), re.MULTILINE)
+    assert named in fetch.PACKAGED
+    assert fetch.is_converted(fetch.packaged_model(named))
 
 
 def test_readme_fetches_the_target_into_the_units_cache_directory() -> None:
