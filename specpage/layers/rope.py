@@ -11,8 +11,10 @@ from specpage.layers.rope_config import RopeConfig
 
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
-    """[head_dim // 2] float32."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    """[head_dim // 2] float32, on the CPU even where a model is built on the
+    meta device (where arithmetic runs through Python references that import
+    torch._dynamo)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
     inv_freq = 1.0 / (rope.theta**exponents)
     if rope.rope_type == "linear":
         inv_freq = inv_freq / rope.factor
@@ -22,7 +24,7 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
         if len(rope.freq_factors) != head_dim // 2:
             raise ValueError(f"{len(rope.freq_factors)} rope frequency factors for a head of "
                              f"{head_dim} (one per pair: {head_dim // 2})")
-        inv_freq = inv_freq / torch.tensor(rope.freq_factors, dtype=torch.float32)
+        inv_freq = inv_freq / torch.tensor(rope.freq_factors, dtype=torch.float32, device="cpu")
     return inv_freq
 
 

@@ -43,7 +43,12 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.config = config
         embedding = EMBEDDINGS.get(config.family, nn.Embedding)
-        self.embed_tokens = embedding(config.vocab_size, config.hidden_size)
+        # A weight given skips the random start that loading replaces: built
+        # on the meta device (models/loader.py), nn.init.normal_ imports
+        # torch._dynamo and with it triton, 1.5 s of every start and
+        # triton's leak report when the process exits.
+        self.embed_tokens = embedding(config.vocab_size, config.hidden_size, _weight=torch.empty(
+            config.vocab_size, config.hidden_size))
         layer = LAYERS.get(config.family, DecoderLayer)
         self.layers = nn.ModuleList(layer(config, i) for i in range(config.num_layers))
         self.norm = layer.norm_class(config.hidden_size, config.rms_norm_eps)

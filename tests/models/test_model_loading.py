@@ -2,13 +2,16 @@
 
 import json
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from specpage.models.config import ModelConfig, ModelLoadError
 from specpage.models.loader import check_draft_compatible, load_model
-from tests.support.checkpoints import tiny_checkpoint
+from tests.support.checkpoints import family_checkpoint, tiny_checkpoint
 
 
 def test_fp32_by_default_on_cpu_and_bf16_selectable(tmp_path):
@@ -106,3 +109,27 @@ def test_draft_with_another_tokenizer_is_rejected(tmp_path):
         (tmp_path / name / "tokenizer.json").write_text(json.dumps({"model": {"vocab": vocab}}))
     with pytest.raises(ModelLoadError, match="draft tokenizer .* does not match"):
         check_draft_compatible(load_model(tmp_path / "t"), load_model(tmp_path / "d"))
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_loading_a_model_imports_neither_dynamo_nor_triton(tmp_path, family):
+    """A model is built on the meta device and loaded over: nothing of its
+    construction may run through torch's Python references, which import
+    torch._dynamo and triton (seconds of every start, and triton's leak
+    report at exit)."""
+    if family == "llama":
+        tiny_checkpoint(tmp_path, rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                "original_max_position_embeddings": 64})
+    else:
+        family_checkpoint(tmp_path, family)
+    script = (
+        "import sys\n"
+        "from specpage.models.loader import load_model\n"
+        f"model = load_model({str(tmp_path)!r}, quantization='auto').model\n"
+        "assert model.embed_tokens.weight.device.type == 'cpu'\n"
+        "print(sorted(m for m in ('torch._dynamo', 'triton') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=300, cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
