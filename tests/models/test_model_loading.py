@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from specpage.engine.builder import load_tokenizer
 from specpage.models.config import ModelConfig, ModelLoadError
+from specpage.models.fetch import ensure_model
 from specpage.models.loader import check_draft_compatible, load_model
 from tests.support.checkpoints import family_checkpoint, tiny_checkpoint
 
@@ -133,3 +135,33 @@ def test_loading_a_model_imports_neither_dynamo_nor_triton(tmp_path, family):
                          timeout=300, cwd=Path(__file__).resolve().parents[2])
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_a_plain_fast_tokenizer_loads_as_autotokenizer_would(tmp_path):
+    """load_tokenizer takes transformers' fast tokenizer directly where
+    tokenizer_config.json names it (skipping AutoTokenizer's imports): the
+    same class, vocabulary, special tokens, chat template and token ids."""
+    from transformers import AutoTokenizer
+
+    folder = ensure_model("smollm2-135m")
+    ours, theirs = load_tokenizer(folder), AutoTokenizer.from_pretrained(folder)
+    assert type(ours) is type(theirs)
+    assert ours.chat_template == theirs.chat_template
+    assert ours.special_tokens_map == theirs.special_tokens_map
+    assert ours.added_tokens_decoder == theirs.added_tokens_decoder
+    assert ours.model_max_length == theirs.model_max_length
+    text = "Hello wörld! <|im_start|>user\n 12345 \t tabs  — 🙂"
+    assert ours.encode(text) == theirs.encode(text)
+    assert ours.decode(ours.encode(text)) == theirs.decode(theirs.encode(text))
+    chat = [{"role": "user", "content": "Hi"}]
+    assert (ours.apply_chat_template(chat, add_generation_prompt=True)
+            == theirs.apply_chat_template(chat, add_generation_prompt=True))
+    # another class named: AutoTokenizer chooses, as before
+    other = tmp_path / "other"
+    other.mkdir()
+    for file in ("tokenizer.json", "chat_template.jinja"):
+        shutil.copy(folder / file, other / file)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (other / "tokenizer_config.json").write_text(json.dumps(
+        {**config, "tokenizer_class": "GPT2Tokenizer"}))
+    assert type(load_tokenizer(other)) is type(AutoTokenizer.from_pretrained(other))
