@@ -59,9 +59,10 @@ PLAIN_FAST = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
 
 
 def load_tokenizer(folder: Path) -> Any:
-    if not (folder / "tokenizer.json").is_file() and not (folder / "tokenizer.model").is_file():
+    fast = (folder / "tokenizer.json").is_file()
+    if not fast and not (folder / "tokenizer.model").is_file():
         return None
-    if (folder / "tokenizer.json").is_file() and _tokenizer_class(folder) in PLAIN_FAST:
+    if fast and _tokenizer_class(folder) in PLAIN_FAST:
         # the same class and files, without AutoTokenizer's imports of
         # transformers' model registry (about 2.5 s of a start)
         from transformers import PreTrainedTokenizerFast
