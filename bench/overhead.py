@@ -9,6 +9,12 @@ emission (detokenizing, stop checks), and the model forwards (draft
 proposals and the target's verification). Two runs: speculation off, and the
 default draft at a fixed k = 4 (the most pool work: k tentative slots per
 sequence reserved and rolled back every step).
+
+A third run decodes long outputs (1,024 tokens each; 192 with --quick),
+speculation off: output emission (core/outputs.py: detokenizing and stop
+checks for every sequence of the step) is timed on its own, over the whole
+run and over its last quarter, where the outputs are longest. Emission that
+decoded each whole output every step grew with the output's length there.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ def instrument(engine: Engine, spent: dict[str, float]) -> None:
     # applying the result (commit, rollback, outputs); then the models
     timed(engine.core, "schedule", "core_schedule")
     timed(engine.core, "apply", "core_apply")
+    timed(engine.core.outputs, "append", "output_emission")
     if engine.executor.proposer is not None:
         timed(engine.executor.proposer, "propose", "draft_forwards")
     timed(engine.executor.verifier, "verify", "target_forward")
@@ -61,10 +68,14 @@ def run(llm: LLM, prompts: list[list[int]], tokens: int) -> dict[str, Any]:
             shares[part].append(seconds / total)
         shares["scheduler_and_pool"].append(
             (spent["core_schedule"] + spent["core_apply"]) / total)
+        shares["output_emission_ms"].append(spent["output_emission"] * 1e3)
     engine.pool.check_integrity()
+    late = steps * 3 // 4  # the last quarter of the steps: the longest outputs
     return {"decode_steps": steps,
-            **{f"{part}_share" if part != "step_ms" else "step_ms": statistics.median(v)
-               for part, v in shares.items()}}
+            **{f"{part}_share" if not part.endswith("_ms") else part: statistics.median(v)
+               for part, v in shares.items()},
+            **{f"last_quarter_{part}": statistics.median(shares[part][late:])
+               for part in ("step_ms", "output_emission_ms", "output_emission")}}
 
 
 def main() -> None:
@@ -81,6 +92,9 @@ def main() -> None:
         spec = LLM(target, draft=args.draft,
                    config=EngineConfig(spec_k=4, adaptive_k=False, **config))
         result["spec_k4"] = run(spec, prompts, tokens)
+    long = 192 if args.quick else 1024
+    plain = LLM(target, config=EngineConfig(spec_k=0, **{**config, "num_blocks": 6144}))
+    result["long_outputs"] = {"tokens_each": long, **run(plain, prompts, long)}
     result["machine"] = machine()
     finish("overhead", result)
 

@@ -191,6 +191,15 @@ def overhead(r: dict) -> list[str]:
                         f"{fmt(o['step_ms'], 0)} ms step | applying the result "
                         f"{fmt(100 * o['core_apply_share'], 1)}%, target forward "
                         f"{fmt(100 * o['target_forward_share'], 1)}% |")
+    if "long_outputs" in r:
+        o = r["long_outputs"]
+        rows.append(f"| batch {r['batch']}, speculation off, {o['tokens_each']} tokens each: "
+                    f"output emission (detokenizing, stop checks) per step | "
+                    f"{fmt(o['output_emission_ms'], 1)} ms, "
+                    f"{fmt(100 * o['output_emission_share'], 1)}% of a "
+                    f"{fmt(o['step_ms'], 0)} ms step; last quarter of the steps "
+                    f"{fmt(o['last_quarter_output_emission_ms'], 1)} ms, "
+                    f"{fmt(100 * o['last_quarter_output_emission'], 1)}% | |")
     return rows
 
 

@@ -207,3 +207,79 @@ def test_matcher_work_is_bounded_by_the_text_not_the_stop_strings(tokenizer):
     # one transition a character, plus failure links that never outnumber them
     assert len(text) <= work[10] <= 2 * len(text)
     assert len(text) <= work[10_000] <= 2 * len(text)
+
+
+class CountingTokenizer:
+    """SmolLM2's tokenizer, counting the tokens each decode call is given."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.calls = tokenizer, []
+
+    def decode(self, ids, skip_special_tokens=True):
+        self.calls.append(len(ids))
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def test_a_step_decodes_the_tokens_since_the_last_whole_text_not_the_whole_output(tokenizer):
+    """The work of a step does not grow with the output's length: with one
+    token a step, a window holds the tokens of the last two steps."""
+    text = "The quick brown fox jumps over the lazy dog, naïvely. " * 40
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    counting = CountingTokenizer(tokenizer)
+    detok = IncrementalDetokenizer(counting, tokenizer.encode("Say:"), stop=("#",))
+    counting.calls.clear()
+    emitted = "".join(feed(detok, ids)) + detok.flush()
+    assert emitted == text and len(ids) > 400
+    assert max(counting.calls) <= PROMPT_CONTEXT + 2
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_like():
+    """A Llama-2-style tokenizer, built here: BPE over words marked by '▁',
+    bytes for characters it lacks, and a decoder that drops the text's first
+    space, so that decoding is not the concatenation of the tokens' pieces."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    corpus = ["the quick brown fox jumps over the lazy dog", "héllo wörld, naïve café",
+              "a stop here and there", "numbers 12 345 6789"] * 20
+    trained = Tokenizer(models.BPE())
+    trained.normalizer = normalizers.Sequence([normalizers.Prepend("▁"),
+                                               normalizers.Replace(" ", "▁")])
+    trained.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=200, show_progress=False))
+    vocab = trained.get_vocab()
+    for byte in range(256):
+        vocab.setdefault(f"<0x{byte:02X}>", len(vocab))
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m)
+              for m in __import__("json").loads(trained.to_str())["model"]["merges"]]
+    tok = Tokenizer(models.BPE(vocab, merges, byte_fallback=True))
+    tok.normalizer = trained.normalizer
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[
+    HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(prompt=st.text("ab é世 🎉\n", max_size=6), output=st.text("ab é世 🎉\nthe fox", max_size=40),
+       cuts=st.lists(st.integers(1, 4), max_size=30),
+       stop=st.lists(st.text("ab é世", min_size=1, max_size=3), max_size=3))
+def test_a_tokenizer_whose_decoding_is_not_concatenation_gives_the_whole_decode(
+        sentencepiece_like, prompt, output, cuts, stop):
+    """Deltas, cuts at stop strings and the flushed tail equal those of
+    decoding the whole output every step, with characters split over byte
+    tokens and the decoder's dropped first space. (The text between steps
+    may differ: decoding the whole output turns a character already whole
+    back into U+FFFDs while bytes of the next one are missing, which this
+    byte fallback does, and so releases nothing until they come.)"""
+    ids = sentencepiece_like.encode(output, add_special_tokens=False)
+    prompt_ids = sentencepiece_like.encode(prompt, add_special_tokens=False)
+    detok = IncrementalDetokenizer(sentencepiece_like, prompt_ids, stop)
+    reference = ScanningDetokenizer(sentencepiece_like, prompt_ids, stop)
+    at = 0
+    for size in [*cuts, len(ids)]:
+        step, at = ids[at:at + size], at + size
+        assert detok.add(step) == reference.add(step)
+        assert (detok.used, detok.stopped) == (reference.used, reference.stopped)
+    assert detok.flush() == reference.flush()
+    assert detok.text == reference.text
