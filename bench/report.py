@@ -424,6 +424,23 @@ def model_free_replay(r: dict) -> list[str]:
     return rows
 
 
+def model_free_sampled(r: dict) -> list[str]:
+    """Sampled requests in process: auto against off, the policy's expected
+    figure and the oracle cut of every candidate proposed whole."""
+    rows = []
+    for name in ("grounded", "chat"):
+        f = r[name]
+        steps = ", ".join(fmt(c) for _, c in list(f["step_vs_off_by_length"].values())[:6])
+        rows.append(f"| {name}, T {r['temperature']:g}, single stream: auto against off | "
+                    f"**{fmt(f['auto_vs_off'])}×**, {fmt(f['auto_tokens_per_step'])} tokens a "
+                    f"step at {fmt(f['auto_step_vs_off'])}× off's step time | policy's "
+                    f"expected {fmt(f['policy_expected'])}×; oracle cut of whole candidates "
+                    f"{fmt(f['oracle_cut'])}×; uncut {fmt(f['whole_uncut'])}× |")
+        rows.append(f"| {name}: a step proposing 0..5 tokens, over off's median step "
+                    f"({fmt(f['off_step_ms'])} ms) | {steps} | |")
+    return rows
+
+
 def model_free_peers(r: dict) -> list[str]:
     """The peers' draft-free speculation against themselves without it."""
     rows = []
@@ -578,6 +595,7 @@ SECTIONS = {"block_pool": block_pool, "model_runner": model_runner, "engine": en
             "quantization": quantization,
             "compile": compile_, "model_free": model_free, "model_free_t0.7": model_free,
             "model_free_replay": model_free_replay, "model_free_peers": model_free_peers,
+            "model_free_sampled": model_free_sampled,
             "model_free_cost": model_free_cost, "deterministic": deterministic,
             "soak": soak, "grammar_engines": grammar_engines, "structured": structured,
             "scaling": scaling}
