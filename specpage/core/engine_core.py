@@ -265,7 +265,7 @@ class EngineCore:
         draft_start, draft_tokens = self._rules(entry.speculation).catch_up(seq, entry.k)
         end = start + entry.num_new
         forks = (params.n - 1 if entry.wants_logits and seq.index == 0
-                 and not seq.output_token_ids else 0)
+                 and not seq.num_output else 0)
         if isinstance(self.pool, GroupedPool):
             block_table, *group_tables = self.pool.block_tables(seq.seq_id)
         else:

@@ -93,7 +93,7 @@ class ModelFreeProposer:
         depend on other requests."""
         methods = self.methods if methods is None else self.methods & methods
         length = min(self.max_tokens if length is None else length,
-                     seq.request.params.max_tokens - len(seq.output_token_ids))
+                     seq.request.params.max_tokens - seq.num_output)
         if length <= 0:
             return None
         params = seq.request.params

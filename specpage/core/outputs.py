@@ -67,19 +67,19 @@ class OutputProcessor:
         """Add sampled tokens to a sequence, cut at its first stop condition;
         top: the likeliest tokens at each one's position, when asked for."""
         params = seq.request.params
-        first = not seq.output_token_ids
+        first = not seq.num_output
         kept: list[int] = []
         reason = None
         eos = () if params.ignore_eos else self.eos_token_ids
         # the sampler bans EOS and stop ids below min_tokens; were one there, it ends nothing
-        done = len(seq.output_token_ids)
+        done = seq.num_output
         end_token = False  # the last kept token is EOS or a stop id, not text
         for token in tokens:
             kept.append(token)
             if ((token in eos or token in params.stop_token_ids)
                     and done + len(kept) > params.min_tokens):
                 reason, end_token = FinishReason.STOP, True
-            elif (len(seq.output_token_ids) + len(kept) >= params.max_tokens
+            elif (done + len(kept) >= params.max_tokens
                   or seq.num_tokens + len(kept) >= self.max_context):
                 reason = FinishReason.LENGTH
             if seq.grammar is not None and not end_token:
@@ -106,7 +106,7 @@ class OutputProcessor:
             out = self.finish(seq, reason, kept, text, kept_logprobs)
         else:
             out = RequestOutput(request.request_id, seq.index, kept, text,
-                                len(seq.output_token_ids),
+                                seq.num_output,
                                 logprobs=kept_logprobs if params.logprobs else None)
         if params.logprobs and params.top_logprobs:
             out.top_logprobs = list(top[: len(kept)])
@@ -124,9 +124,9 @@ class OutputProcessor:
         if detok is not None and not detok.stopped:
             text += detok.flush()  # held back for a stop string that never came
         request = seq.request
-        request.usage.completion_tokens = sum(len(s.output_token_ids) for s in request.sequences)
+        request.usage.completion_tokens = sum(s.num_output for s in request.sequences)
         output = RequestOutput(
-            request.request_id, seq.index, tokens, text, len(seq.output_token_ids),
+            request.request_id, seq.index, tokens, text, seq.num_output,
             finished=True, finish_reason=str(reason),
             logprobs=logprobs if request.params.logprobs else None,
         )

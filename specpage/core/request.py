@@ -249,7 +249,12 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
+        """A copy: its length is num_output, which costs nothing."""
         return self.token_ids[self.num_prompt :]
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.num_prompt
 
     @property
     def num_tokens(self) -> int:

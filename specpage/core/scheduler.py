@@ -58,7 +58,7 @@ def _key(seq: Sequence) -> tuple[int, float, int]:
 def _slots(seq: Sequence) -> int:
     """Running places a sequence will take: a first sample forks into n
     once its prompt is done."""
-    return seq.request.params.n if seq.index == 0 and not seq.output_token_ids else 1
+    return seq.request.params.n if seq.index == 0 and not seq.num_output else 1
 
 
 class Scheduler:
@@ -142,12 +142,12 @@ class Scheduler:
         if num_new < seq.num_uncomputed:
             return NO_SPECULATION
         params = seq.request.params
-        if not seq.output_token_ids:
+        if not seq.num_output:
             # The first token is sampled plainly, so samples that fork from
             # this step's logits draw it exactly as a request of their own would.
             return NO_SPECULATION
         room = min(
-            params.max_tokens - len(seq.output_token_ids) - 1,  # k + 1 tokens at most this step
+            params.max_tokens - seq.num_output - 1,  # k + 1 tokens at most this step
             self.max_context - seq.num_tokens,
         )
         return self.speculate(seq, batch).cut(max(0, room))
