@@ -32,7 +32,8 @@ class IncrementalDetokenizer:
         self.context = list(prompt_ids[-PROMPT_CONTEXT:])
         # A prompt that ends inside a character decodes to a trailing U+FFFD
         # that the first output bytes may complete: compare without it.
-        self.context_text = self._decode(self.context).rstrip("\ufffd")
+        context_text = self._decode(self.context)
+        self.context_text = context_text.rstrip("\ufffd")
         # The window decoded each step: tokens (of context + output) from
         # `start`; those before `read` decoded to `read_text`, which ends
         # `whole` (the text up to `read`, output only). `read` is where the
@@ -40,7 +41,7 @@ class IncrementalDetokenizer:
         # character (`read_whole` False): a window never starts there.
         self.start, self.read = 0, len(self.context)
         self.read_text, self.whole = self.context_text, ""
-        self.read_whole = self.context_text == self._decode(self.context)
+        self.read_whole = self.context_text == context_text
         self._window = (0, self.context_text)  # (output tokens, their window's text)
         self.matcher = StopMatcher(automaton_for(tuple(stop))) if stop else None
         self.output_ids: list[int] = []
