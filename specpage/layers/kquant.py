@@ -312,3 +312,28 @@ class KQuantLinear(nn.Module):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"parts={types}, bias={self.bias is not None}, "
                 f"kernel={'native' if self.native else 'torch'}, dense_tiles={self.dense_tiles}")
+
+
+class KQuantHead(KQuantLinear):
+    """The vocabulary projection on a GGUF's K-quant blocks (its output
+    weight, or the tied embedding), as DecoderModel.logits takes it: x to
+    int8 per super-block against the file's exact weights, as llama.cpp
+    computes it, into fp32 logits. The dense head reads 2 bytes a weight:
+    on the 0.5B Llama-shaped Q4_K_M file of bench/scaling.py, 101 MB a
+    token where its Q6_K output weight is 41 MB."""
+
+    # not a Q8Head: the native step leaves it to DecoderModel.logits
+    # (models/native_step.py)
+    int8x = False
+
+    def takes(self, x: torch.Tensor) -> bool:
+        """Any number of rows: forward chooses the product by their count."""
+        return x.dim() == 2 and x.shape[0] >= 1 and x.shape[1] == self.in_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, in_features] -> fp32 logits [rows, out_features]: the
+        int8 products' fp32 sums as they are, not rounded to x's dtype."""
+        if self.native and not (self.dense_tiles and x.shape[0] >= DENSE_FROM_ROWS
+                                and not row_invariant_on()):
+            return self.int8_product(x)
+        return super().forward(x).float()

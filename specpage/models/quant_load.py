@@ -49,7 +49,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specpage.layers.kquant import FORMATS as KQUANT_FORMATS
-from specpage.layers.kquant import KQuantBlocks, KQuantLinear
+from specpage.layers.kquant import KQuantBlocks, KQuantHead, KQuantLinear
 from specpage.layers.quant import (
     GROUP_SIZES,
     KERNEL_DTYPE,
@@ -171,13 +171,16 @@ def quantize_loaded(loaded: L, quantization: Quantization, path: Path,
     bf16 = bf16_activations(loaded, dtype_chosen)
     if reuse and not types <= FORMATS.keys():
         assert gguf is not None and weights is not None
-        _swap_mixed(loaded.model, GGUFFile(gguf), weights, bf16)
-        applied = f"GGUF {'/'.join(sorted(types))} blocks" + _q8_head(loaded.model, weights, bf16)
+        file = GGUFFile(gguf)
+        _swap_mixed(loaded.model, file, weights, bf16)
+        applied = f"GGUF {'/'.join(sorted(types))} blocks" + (
+            _q8_head(loaded.model, weights, bf16) or _kquant_head(loaded.model, file, bf16))
     elif reuse:
         assert weights is not None
         _swap(loaded.model, weights.blocks, int8x=bf16)
         applied = (f"q4 from GGUF {'/'.join(sorted(types))} blocks"
-                   + _q8_head(loaded.model, weights, bf16))
+                   + (_q8_head(loaded.model, weights, bf16)
+                      or _kquant_head(loaded.model, GGUFFile(gguf), bf16)))
     else:
         blocks = _rtn_cached(loaded, quantization.group)
         _swap(loaded.model, lambda i, name: blocks[f"layers.{i}.{name}"], int8x=bf16)
@@ -258,6 +261,26 @@ def _q8_head(model: DecoderModel, weights: GGUFWeights, bf16: bool) -> str:
         return ""
     model.q8_head = Q8Head(*head)
     return ", Q8_0 vocabulary projection"
+
+
+def _kquant_head(model: DecoderModel, gguf: GGUFFile, bf16: bool) -> str:
+    """A KQuantHead on the file's K-quant vocabulary projection (the tied
+    embedding, or the output weight), where it has one and the model
+    computes in bf16 (a chosen fp32 keeps the dense head); what was applied,
+    to be recorded."""
+    name = "token_embd.weight" if model.lm_head is None else "output.weight"
+    if not bf16 or name not in gguf.header.tensors:
+        return ""
+    raw = gguf.raw(name)
+    if raw.type_name not in KQUANT_FORMATS:
+        return ""
+    blocks = KQuantBlocks.from_gguf(raw.name, raw.type_name, raw.data)
+    if (blocks.rows, blocks.cols) != (model.config.vocab_size, model.config.hidden_size):
+        raise QuantizationError(f"{gguf.path}: {name} is {blocks.rows} x {blocks.cols}, the "
+                                f"model's vocabulary projection {model.config.vocab_size} x "
+                                f"{model.config.hidden_size}")
+    model.q8_head = KQuantHead([blocks])
+    return f", {raw.type_name} vocabulary projection"
 
 
 # GGML types whose blocks of 32 are a float16 d, first, and levels that fit

@@ -14,7 +14,7 @@ from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from specpage.core.span import Span
 from specpage.executor.model_runner import ModelRunner
-from specpage.layers.kquant import KQuantLinear
+from specpage.layers.kquant import KQuantHead, KQuantLinear, kquant_kernels
 from specpage.layers.rope import inverse_frequencies
 from specpage.models import gguf_file
 from specpage.models.config import ModelConfig, ModelLoadError
@@ -22,7 +22,7 @@ from specpage.models.fetch import cache_dir
 from specpage.models.gguf_dequant import SUPPORTED_TYPES
 from specpage.models.gguf_file import GGUFFile
 from specpage.models.loader import load_model
-from tests.support.checkpoints import greedy_through_pool, tiny_checkpoint
+from tests.support.checkpoints import greedy_through_pool, self_drafted, tiny_checkpoint
 from tests.support.gguf_files import CHAT_TEMPLATE, VOCAB_SIZE, write_gguf
 
 Q = gguf.GGMLQuantizationType
@@ -234,6 +234,46 @@ def test_k_quant_linears_run_on_the_files_blocks(tmp_path, monkeypatch):
     ours = greedy_logits(quantized, prompt)
     reference = greedy_logits(exact, prompt)
     assert ((ours - reference).abs().max() / reference.std()) < 0.05
+
+
+def k_quant_m_head(tied: bool):
+    """Q4_K_M's mix with its Q6_K vocabulary projection: the output weight,
+    or (tied) the embedding it shares."""
+    head = "model.embed_tokens.weight" if tied else "lm_head.weight"
+    return lambda name: Q.Q6_K if name == head else k_quant_m(name)
+
+
+@pytest.mark.skipif(kquant_kernels() is None, reason="no native K-quant kernels on this CPU")
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_k_quant_vocabulary_projection_runs_on_the_files_blocks(tmp_path, tied):
+    """A Q6_K vocabulary projection (the output weight, or a tied embedding)
+    loaded as `make serve` loads it (auto, bf16) projects on the file's
+    blocks, x to int8 per super-block as llama.cpp takes it: fp32 logits
+    within that rounding of the exact weights' product, a row's the same
+    bits alone or among others, and the same greedy tokens decoded alone or
+    verified after proposals. A chosen fp32 keeps the dense head."""
+    _, path = hf_and_gguf(tmp_path, "qwen2", k_quant_m_head(tied), hidden_size=256,
+                          intermediate_size=512, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=64, tie_word_embeddings=tied)
+    quantized = load_model(path, quantization="auto")
+    assert quantized.quantization.startswith("GGUF Q4_K/Q6_K blocks, Q6_K vocabulary projection")
+    head = quantized.model.q8_head
+    assert isinstance(head, KQuantHead) and head.type_names == ["Q6_K"]
+    weight = GGUFFile(path).dense("token_embd.weight" if tied else "output.weight")
+    torch.manual_seed(0)
+    x = torch.randn(8, 256).bfloat16()
+    expected = x.double() @ weight.double().T
+    for rows in range(1, 9):
+        assert head.takes(x[:rows])
+        actual = head(x[:rows])
+        assert actual.dtype == torch.float32
+        error = (actual.double() - expected[:rows]).abs().max() / expected[:rows].abs().max()
+        assert error < 2**-6, (rows, float(error))
+        assert torch.equal(head(x[rows - 1 : rows]), head(x[:rows])[rows - 1 :])
+    assert load_model(path, quantization="auto", dtype="float32").model.q8_head is None
+    _, spec, (alone, drafted) = self_drafted(path, "auto", 16)
+    assert isinstance(spec.target.model.q8_head, KQuantHead)
+    assert drafted == alone
 
 
 def greedy_logits(loaded, prompt: list[int]) -> torch.Tensor:

@@ -27,7 +27,7 @@ from specpage.models.loader import LoadedModel, load_model
 from specpage.models.quant_load import PROJECTIONS, quantize_rtn
 from specpage.models.quant_names import QuantizationError
 from tests.layers.test_quant import both_products, int8_x, native
-from tests.support.checkpoints import tiny_checkpoint
+from tests.support.checkpoints import self_drafted, tiny_checkpoint
 from tests.support.gguf_files import byte_level_alphabet
 
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 64, 128, 2, 4, 2
@@ -219,17 +219,10 @@ def test_speculation_on_the_q8_head_equals_decoding_on_it(
     monkeypatch.setattr(quant, "DENSE_FROM_ROWS", 10**9)
     monkeypatch.setattr(quant, "INT8X_DENSE_FROM_ROWS", 10**9)
     monkeypatch.setattr(quant, "Q8_HEAD_MAX_ROWS", 10**9)
-    path = ggufs["Q4_1 vocab 272"]
-    prompts = [[40, 41, 42, 43, 44], [50, 60, 70], [100, 101, 102, 103, 104, 105, 106]]
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    plain = LLM(path, None, EngineConfig(spec_k=0, adaptive_k=False, num_blocks=64),
-                quantization="q4")
-    spec = LLM(path, path, EngineConfig(spec_k=3, adaptive_k=False, num_blocks=64),
-               quantization="q4")
+    plain, spec, (alone, drafted) = self_drafted(ggufs["Q4_1 vocab 272"], "q4", 24)
     assert plain.target.model.q8_head is not None and spec.target.model.q8_head is not None
     assert spec.draft is not None and spec.draft.model.q8_head is not None
-    expected = [c.token_ids for c in plain.generate(prompts, params)]
-    assert [c.token_ids for c in spec.generate(prompts, params)] == expected
+    assert drafted == alone
 
 
 @pytest.mark.skipif(not keeps_dense_copy(), reason="no native bf16 products on this CPU")

@@ -163,3 +163,23 @@ def models_by_dtype(root: Path, drafts: tuple[str, ...] = ("draft", "head")):
         return cache[dtype]
 
     return get
+
+
+SELF_DRAFTED_PROMPTS = [[40, 41, 42, 43, 44], [50, 60, 70], [100, 101, 102, 103, 104, 105, 106]]
+
+
+def self_drafted(path: Path, quantization: str, max_tokens: int):
+    """(the target alone, the target drafting for itself with k 3): two LLMs
+    on one checkpoint, and their greedy tokens on SELF_DRAFTED_PROMPTS."""
+    from specpage.core.engine_config import EngineConfig
+    from specpage.core.request import SamplingParams
+    from specpage.llm import LLM
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    plain = LLM(path, None, EngineConfig(spec_k=0, adaptive_k=False, num_blocks=64),
+                quantization=quantization)
+    spec = LLM(path, path, EngineConfig(spec_k=3, adaptive_k=False, num_blocks=64),
+               quantization=quantization)
+    tokens = [[c.token_ids for c in llm.generate(SELF_DRAFTED_PROMPTS, params)]
+              for llm in (plain, spec)]
+    return plain, spec, tokens
