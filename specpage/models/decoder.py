@@ -123,9 +123,9 @@ class DecoderModel(nn.Module):
             logits = self.q8_head(x).float()
         elif (x.shape[0] == 1 and head.device.type == "cpu" and head.dtype == torch.float32
               and not row_invariant_on()):
-            logits = (x @ self._transposed_head(head)).float()
+            logits = (x @ self._transposed_head(self._dense(head))).float()
         else:
-            logits = cpu_linear(x, head, None, self._head_packed).float()
+            logits = cpu_linear(x, self._dense(head), None, self._head_packed).float()
         if self.output_vocab is None:
             return logits
         full = logits.new_full((logits.shape[0], self.config.vocab_size), float("-inf"))
@@ -219,8 +219,18 @@ class DecoderModel(nn.Module):
         if self.output_vocab is None:
             return head
         if self._head_rows is None or self._head_rows.dtype != head.dtype:
-            self._head_rows = head.detach()[self.output_vocab].contiguous()
+            self._head_rows = self._dense(head).detach()[self.output_vocab].contiguous()
         return self._head_rows
+
+    def _dense(self, head: torch.Tensor) -> torch.Tensor:
+        """head, or where only a placeholder of it is kept (a K-quant head
+        computes the logits on the file's blocks: models/quant_load.py
+        _kquant_head), those blocks dequantized, in head's dtype."""
+        if 0 not in head.stride():
+            return head
+        assert self.q8_head is not None, "a placeholder head without its blocks"
+        dense: torch.Tensor = self.q8_head.dequantize()
+        return dense.to(head.dtype)
 
     def _transposed_head(self, head: torch.Tensor) -> torch.Tensor:
         """The vocabulary projection as [hidden, vocab], made once (one more

@@ -280,6 +280,14 @@ def _kquant_head(model: DecoderModel, gguf: GGUFFile, bf16: bool) -> str:
                                 f"model's vocabulary projection {model.config.vocab_size} x "
                                 f"{model.config.hidden_size}")
     model.q8_head = KQuantHead([blocks])
+    if model.lm_head is not None and model.inv_freq.device.type == "cpu":
+        # Its dense copy is then never read to compute logits: a placeholder
+        # of its shape holds no memory (one zero of the dtype the model is
+        # about to take, expanded), and DecoderModel dequantizes the blocks
+        # where a draft's restricted vocabulary asks for rows of it.
+        model.lm_head.weight = torch.nn.Parameter(
+            torch.zeros((), dtype=QUANTIZED_DTYPE).expand(blocks.rows, blocks.cols),
+            requires_grad=False)
     return f", {raw.type_name} vocabulary projection"
 
 

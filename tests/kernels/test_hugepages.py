@@ -70,3 +70,17 @@ def test_pack_keeps_values_sharing_and_parameters():
         assert advised(model[1].weight.data_ptr())
         ptrs = sorted(t.data_ptr() for t in (model[0].weight, model[1].weight, model[1].bias))
         assert ptrs[-1] - ptrs[0] < 4096 * 256 * 4 + 256 * 256 * 4 + 1024
+
+
+def test_pack_leaves_an_expanded_placeholder_holding_no_memory():
+    """A weight kept only as a placeholder of its shape (one zero, expanded:
+    a K-quant head's dense copy, models/quant_load.py) is not copied into
+    the arena, where it would take its whole size."""
+    model = nn.Sequential(nn.Embedding(4096, 256), nn.Linear(256, 4096, bias=False))
+    placeholder = torch.zeros((), dtype=torch.bfloat16).expand(4096, 256)
+    model[1].weight = nn.Parameter(placeholder, requires_grad=False)
+    embedding = model[0].weight.detach().clone()
+    hugepages.pack(model)
+    assert model[1].weight.stride() == (0, 0) and model[1].weight.shape == (4096, 256)
+    assert model[1].weight.untyped_storage().nbytes() == 2
+    assert torch.equal(model[0].weight, embedding)

@@ -251,7 +251,8 @@ def test_a_k_quant_vocabulary_projection_runs_on_the_files_blocks(tmp_path, tied
     blocks, x to int8 per super-block as llama.cpp takes it: fp32 logits
     within that rounding of the exact weights' product, a row's the same
     bits alone or among others, and the same greedy tokens decoded alone or
-    verified after proposals. A chosen fp32 keeps the dense head."""
+    verified after proposals; an output weight's dense copy is not kept. A
+    chosen fp32 keeps the dense head."""
     _, path = hf_and_gguf(tmp_path, "qwen2", k_quant_m_head(tied), hidden_size=256,
                           intermediate_size=512, num_attention_heads=4,
                           num_key_value_heads=2, head_dim=64, tie_word_embeddings=tied)
@@ -270,6 +271,13 @@ def test_a_k_quant_vocabulary_projection_runs_on_the_files_blocks(tmp_path, tied
         error = (actual.double() - expected[:rows]).abs().max() / expected[:rows].abs().max()
         assert error < 2**-6, (rows, float(error))
         assert torch.equal(head(x[rows - 1 : rows]), head(x[:rows])[rows - 1 :])
+    if not tied:  # the dense output weight is not kept: a placeholder holding no memory
+        placeholder = quantized.model.lm_head.weight
+        assert placeholder.shape == weight.shape and 0 in placeholder.stride()
+        # a restricted vocabulary (a draft's) reads those rows of the blocks, dequantized
+        rows = torch.tensor([3, 17, 100, 200])
+        quantized.model.restrict_output_vocab(rows)
+        assert torch.equal(quantized.model._head().float(), weight[rows].bfloat16().float())
     assert load_model(path, quantization="auto", dtype="float32").model.q8_head is None
     _, spec, (alone, drafted) = self_drafted(path, "auto", 16)
     assert isinstance(spec.target.model.q8_head, KQuantHead)

@@ -85,7 +85,8 @@ def pack(model: nn.Module) -> None:
     for module in model.modules():
         for group in (module._parameters, module._buffers):
             for tensor in group.values():
-                if tensor is not None and tensor.device.type == "cpu":
+                # (an expanded placeholder holds no memory: it stays as it is)
+                if tensor is not None and tensor.device.type == "cpu" and 0 not in tensor.stride():
                     tensors.setdefault(id(tensor), tensor)
     sizes = {key: cdiv(t.numel() * t.element_size(), ALIGN) * ALIGN for key, t in tensors.items()}
     total = sum(sizes.values())
