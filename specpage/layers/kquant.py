@@ -233,10 +233,15 @@ class KQuantLinear(nn.Module):
     def _blocks(self) -> list[torch.Tensor]:
         return [getattr(self, f"blocks_{i}") for i in range(len(self.type_names))]
 
+    def takes_dense(self, rows: int) -> bool:
+        """Whether a product of `rows` rows runs on bf16 weights dequantized
+        tile by tile (AMX, many rows) rather than on the int8 products."""
+        return self.dense_tiles and rows >= DENSE_FROM_ROWS and not row_invariant_on()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.native:
             y = self.dequantized_product(x)
-        elif self.dense_tiles and x.shape[0] >= DENSE_FROM_ROWS and not row_invariant_on():
+        elif self.takes_dense(x.shape[0]):
             y = self.dense_product(x)
         else:
             y = self.int8_product(x).to(x.dtype)
@@ -281,8 +286,7 @@ class KQuantLinear(nn.Module):
         int8_product and there is no bias (layers/native_stack.py): the runs'
         (GGML type, first column), then their blocks; decoder_stack.cpp
         makes int8_product's calls from them."""
-        if (not self.native or self.bias is not None
-                or (self.dense_tiles and rows >= DENSE_FROM_ROWS and not row_invariant_on())):
+        if not self.native or self.bias is not None or self.takes_dense(rows):
             return None
         kernels: Any = kquant_kernels()
         return kernels.kquant_gemv.default, (self.runs, *self._blocks())
@@ -333,7 +337,6 @@ class KQuantHead(KQuantLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in_features] -> fp32 logits [rows, out_features]: the
         int8 products' fp32 sums as they are, not rounded to x's dtype."""
-        if self.native and not (self.dense_tiles and x.shape[0] >= DENSE_FROM_ROWS
-                                and not row_invariant_on()):
+        if self.native and not self.takes_dense(x.shape[0]):
             return self.int8_product(x)
         return super().forward(x).float()

@@ -225,7 +225,7 @@ class DecoderModel(nn.Module):
     def _dense(self, head: torch.Tensor) -> torch.Tensor:
         """head, or where only a placeholder of it is kept (a K-quant head
         computes the logits on the file's blocks: models/quant_load.py
-        _kquant_head), those blocks dequantized, in head's dtype."""
+        _head_on_blocks), those blocks dequantized, in head's dtype."""
         if 0 not in head.stride():
             return head
         assert self.q8_head is not None, "a placeholder head without its blocks"

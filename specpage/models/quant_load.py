@@ -173,14 +173,13 @@ def quantize_loaded(loaded: L, quantization: Quantization, path: Path,
         assert gguf is not None and weights is not None
         file = GGUFFile(gguf)
         _swap_mixed(loaded.model, file, weights, bf16)
-        applied = f"GGUF {'/'.join(sorted(types))} blocks" + (
-            _q8_head(loaded.model, weights, bf16) or _kquant_head(loaded.model, file, bf16))
+        applied = f"GGUF {'/'.join(sorted(types))} blocks" + _head_on_blocks(
+            loaded.model, weights, bf16, file)
     elif reuse:
         assert weights is not None
         _swap(loaded.model, weights.blocks, int8x=bf16)
         applied = (f"q4 from GGUF {'/'.join(sorted(types))} blocks"
-                   + (_q8_head(loaded.model, weights, bf16)
-                      or _kquant_head(loaded.model, GGUFFile(gguf), bf16)))
+                   + _head_on_blocks(loaded.model, weights, bf16))
     else:
         blocks = _rtn_cached(loaded, quantization.group)
         _swap(loaded.model, lambda i, name: blocks[f"layers.{i}.{name}"], int8x=bf16)
@@ -251,32 +250,29 @@ def _swap(model: DecoderModel, blocks_of: Callable[[int, str], Int4Blocks],
             setattr(layer, name, Int4Linear(blocks, bias, int8x))
 
 
-def _q8_head(model: DecoderModel, weights: GGUFWeights, bf16: bool) -> str:
-    """A Q8Head on the file's Q8_0 vocabulary projection (the tied
-    embedding, or the output weight), where it has one and the model
-    computes in bf16; what was applied, to be recorded."""
-    head = (weights.q8_0("token_embd.weight" if model.lm_head is None else "output.weight")
-            if bf16 else None)
-    if head is None or not Q8Head.usable(*head[0].shape):
-        return ""
-    model.q8_head = Q8Head(*head)
-    return ", Q8_0 vocabulary projection"
-
-
-def _kquant_head(model: DecoderModel, gguf: GGUFFile, bf16: bool) -> str:
-    """A KQuantHead on the file's K-quant vocabulary projection (the tied
-    embedding, or the output weight), where it has one and the model
-    computes in bf16 (a chosen fp32 keeps the dense head); what was applied,
-    to be recorded."""
+def _head_on_blocks(model: DecoderModel, weights: GGUFWeights, bf16: bool,
+                    file: GGUFFile | None = None) -> str:
+    """The vocabulary projection (the tied embedding, or the output weight)
+    on the file's blocks where the model computes in bf16 (a chosen fp32
+    keeps the dense head): a Q8Head on Q8_0 blocks, a KQuantHead on K-quant
+    ones; what was applied, to be recorded. file: the GGUF already open, if
+    it is."""
     name = "token_embd.weight" if model.lm_head is None else "output.weight"
-    if not bf16 or name not in gguf.header.tensors:
+    if not bf16 or name not in weights.tensors:
         return ""
-    raw = gguf.raw(name)
-    if raw.type_name not in KQUANT_FORMATS:
+    kind = weights.type_of(name)
+    if kind == "Q8_0":
+        head = weights.q8_0(name)
+        if head is None or not Q8Head.usable(*head[0].shape):
+            return ""
+        model.q8_head = Q8Head(*head)
+        return ", Q8_0 vocabulary projection"
+    if kind not in KQUANT_FORMATS:
         return ""
+    raw = (file or GGUFFile(weights.path)).raw(name)
     blocks = KQuantBlocks.from_gguf(raw.name, raw.type_name, raw.data)
     if (blocks.rows, blocks.cols) != (model.config.vocab_size, model.config.hidden_size):
-        raise QuantizationError(f"{gguf.path}: {name} is {blocks.rows} x {blocks.cols}, the "
+        raise QuantizationError(f"{weights.path}: {name} is {blocks.rows} x {blocks.cols}, the "
                                 f"model's vocabulary projection {model.config.vocab_size} x "
                                 f"{model.config.hidden_size}")
     model.q8_head = KQuantHead([blocks])
@@ -288,7 +284,7 @@ def _kquant_head(model: DecoderModel, gguf: GGUFFile, bf16: bool) -> str:
         model.lm_head.weight = torch.nn.Parameter(
             torch.zeros((), dtype=QUANTIZED_DTYPE).expand(blocks.rows, blocks.cols),
             requires_grad=False)
-    return f", {raw.type_name} vocabulary projection"
+    return f", {kind} vocabulary projection"
 
 
 # GGML types whose blocks of 32 are a float16 d, first, and levels that fit

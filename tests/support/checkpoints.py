@@ -20,7 +20,10 @@ from transformers import (
 )
 
 from specpage.core.block_pool import BlockPool
+from specpage.core.engine_config import EngineConfig
+from specpage.core.request import SamplingParams
 from specpage.core.span import Span
+from specpage.llm import LLM
 from specpage.models.fetch import ensure_model
 from specpage.models.loader import draft_dtype, load_model
 
@@ -171,10 +174,6 @@ SELF_DRAFTED_PROMPTS = [[40, 41, 42, 43, 44], [50, 60, 70], [100, 101, 102, 103,
 def self_drafted(path: Path, quantization: str, max_tokens: int):
     """(the target alone, the target drafting for itself with k 3): two LLMs
     on one checkpoint, and their greedy tokens on SELF_DRAFTED_PROMPTS."""
-    from specpage.core.engine_config import EngineConfig
-    from specpage.core.request import SamplingParams
-    from specpage.llm import LLM
-
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     plain = LLM(path, None, EngineConfig(spec_k=0, adaptive_k=False, num_blocks=64),
                 quantization=quantization)
