@@ -327,6 +327,32 @@ def q8_stream(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     return torch.cat([levels, _per_tile(d.float().half(), tiles, groups)], dim=2).contiguous()
 
 
+def q5_stream(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """int8x_gemv's operand for levels in -16..15 (GGML's Q5_0 blocks: q
+    int8 [out, in], d float16 values [out, in / 32]), uint8 [out / 16, in /
+    32, 352]: per 16 outputs and group of 32 inputs, the levels + 16 (0..31):
+    their low four bits as int8x_stream lays out nibbles (byte 4l + t of
+    chunk j holds input 8j + t of output l in its low nibble, 8j + 4 + t in
+    its high one), then 64 bytes of fifth bits (byte 4l + t: bit 2j that of
+    input 8j + t, bit 2j + 1 that of input 8j + 4 + t), then the 16 scales d
+    in float16."""
+    out_features, in_features = q.shape
+    tiles, groups = out_features // 16, in_features // 32
+    if not _fp16_values(d):
+        raise ValueError("Q5_0 scales must be float16 values")
+    if q.numel() and (int(q.min()) < -16 or int(q.max()) > 15):
+        raise ValueError("q5 tiles hold levels in -16..15")
+    # levels as [tile, l, group, j, nibble, t]: input 32g + 8j + 4 nibble + t
+    u = (q.to(torch.int16) + 16).to(torch.uint8).view(tiles, 16, groups, 4, 2, 4)
+    low = u & 0x0F
+    packed = (low[..., 0, :] | (low[..., 1, :] << 4)).permute(0, 2, 3, 1, 4)  # [tile, g, j, l, t]
+    shifts = (2 * torch.arange(4).view(4, 1, 1) + torch.arange(2).view(1, 2, 1)).to(torch.uint8)
+    fifth = ((u >> 4) << shifts).sum(dim=(3, 4), dtype=torch.uint8)  # [tile, l, g, t]
+    return torch.cat([packed.reshape(tiles, groups, NIBBLE_BYTES),
+                      fifth.permute(0, 2, 1, 3).reshape(tiles, groups, 64),
+                      _per_tile(d.float().half(), tiles, groups)], dim=2).contiguous()
+
+
 def _per_tile(values: torch.Tensor, tiles: int, groups: int) -> torch.Tensor:
     """[out, groups] values as [tiles, groups, 16 values' bytes]."""
     return values.view(tiles, 16, groups).transpose(1, 2).contiguous().view(torch.uint8)
@@ -411,14 +437,19 @@ class Q8Linear(nn.Module):
     levels (q − 16, q − 8) fit int8 exactly. x is taken to int8 per 32 and
     the levels multiplied as they are (int8x_gemv: vpdpbusd, and AMX tiles
     from 5 rows where the CPU has them), 8.5 bits a weight read where the
-    dense bf16 copy would read 16. The same call shape as
-    layers.linear.Linear: x [rows, in_features] -> [rows, out_features].
-    Needs int8x_kernels()."""
+    dense bf16 copy would read 16; levels that all lie in -16..15 (Q5_0's,
+    Q4_0's) as q5 tiles, 5.5 bits a weight, as the file stores Q5_0, where
+    the CPU has no AMX (whose tiles take q8 ones for many rows). The same
+    call shape as layers.linear.Linear: x [rows, in_features] ->
+    [rows, out_features]. Needs int8x_kernels()."""
 
     def __init__(self, q: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = q.shape
-        self.register_buffer("tiles", q8_stream(q, d), persistent=False)
+        self.q5 = bool(not cpu.has_amx() and q.numel() and int(q.min()) >= -16
+                       and int(q.max()) <= 15)
+        self.register_buffer("tiles", q5_stream(q, d) if self.q5 else q8_stream(q, d),
+                             persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(),
                                                            requires_grad=False)
 
@@ -436,11 +467,24 @@ class Q8Linear(nn.Module):
         return kernels.int8x_gemv.default, (self.tiles,)
 
     def dequantize(self) -> torch.Tensor:
-        """The fp32 weight [out, in] its tiles hold (q8_stream read back): d·q, exact."""
+        """The fp32 weight [out, in] its tiles hold (q8_stream's or
+        q5_stream's read back): d·q, exact."""
         tiles, groups = self.tiles.shape[0], self.tiles.shape[1]
-        levels = self.tiles[..., :512].view(tiles, groups, 8, 16, 4).permute(0, 3, 1, 2, 4)
-        q = levels.reshape(self.out_features, self.in_features).to(torch.int16) - 128
-        d = self.tiles[..., 512:].contiguous().view(torch.float16).view(tiles, groups, 16)
+        if self.q5:
+            # [tile, g, j, l, t] nibbles and [tile, g, l, t] fifth bits
+            packed = self.tiles[..., :NIBBLE_BYTES].view(tiles, groups, 4, 16, 4)
+            fifth = self.tiles[..., NIBBLE_BYTES : NIBBLE_BYTES + 64].view(tiles, groups, 1, 16, 4)
+            j = torch.arange(4).view(1, 1, 4, 1, 1)
+            low = torch.stack([packed & 0x0F, packed >> 4], dim=4)  # [tile, g, j, l, nibble, t]
+            bits = torch.stack([(fifth >> (2 * j)) & 1, (fifth >> (2 * j + 1)) & 1], dim=4)
+            u = (low + (bits << 4)).permute(0, 3, 1, 2, 4, 5)  # [tile, l, g, j, nibble, t]
+            q = u.reshape(self.out_features, self.in_features).to(torch.int16) - 16
+            scales = self.tiles[..., NIBBLE_BYTES + 64 :]
+        else:
+            levels = self.tiles[..., :512].view(tiles, groups, 8, 16, 4).permute(0, 3, 1, 2, 4)
+            q = levels.reshape(self.out_features, self.in_features).to(torch.int16) - 128
+            scales = self.tiles[..., 512:]
+        d = scales.contiguous().view(torch.float16).view(tiles, groups, 16)
         d = d.permute(0, 2, 1).reshape(self.out_features, groups).float()
         w = q.float().view(self.out_features, groups, Q8_GROUP) * d[..., None]
         return w.view(self.out_features, self.in_features)
@@ -453,7 +497,7 @@ class Q8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, kernel=int8x q8")
+                f"bias={self.bias is not None}, kernel=int8x {'q5' if self.q5 else 'q8'}")
 
 
 def dequantize(blocks: Int4Blocks, exact: bool = False) -> torch.Tensor:

@@ -9,7 +9,8 @@
            int8 levels (Q8_0, and Q5_0, which a _K_M file uses where a
            width is no multiple of 256: Gemma 3 270M's), each projection
            on its own kind's blocks (layers/quant.py Q8Linear for the int8
-           levels, where the CPU has AVX-512 VNNI); otherwise
+           levels, where the CPU has AVX-512 VNNI; q5 tiles for a
+           projection all of Q5_0, where it has no AMX); otherwise
            round-to-nearest from the loaded weights, cached under
            <cache>/quantized/
     q8     refused: torch's CPU int8 weight-only kernel is slower than q4 here,

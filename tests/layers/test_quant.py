@@ -180,6 +180,60 @@ def test_the_q8_head_takes_up_to_16_rows_where_the_tiles_run_it() -> None:
 
 @native
 @pytest.mark.skipif(not quant.int8x_kernels(), reason="no AVX-512 VNNI on this CPU")
+@pytest.mark.parametrize("inputs", [32, 96, 640])  # Gemma 3 270M's width: 20 groups
+def test_q5_tiles_multiply_q5_0_levels_as_their_exact_weights(inputs: int) -> None:
+    """Levels in -16..15 (a GGUF's Q5_0 blocks) as q5 tiles, 352 bytes per
+    16 outputs and 32 inputs (5.5 bits a weight, as the file stores them,
+    where q8 tiles take 8.5): int8x_gemv gives int8(x) @ (d·q).T for every
+    row count, each row the same bits alone as in any batch, reading on into
+    a next product's tiles changes nothing, a group that is not finite
+    gives NaN, and Q8Linear's tiles read back to the weights exactly."""
+    kernels = bf16_kernels()
+    torch.manual_seed(7)
+    q = torch.randint(-16, 16, (48, inputs), dtype=torch.int8)
+    q[0, :32] = -16  # every level's extremes, every fifth bit set and clear
+    q[1, :32] = 15
+    d = (torch.randn(48, inputs // 32) * 0.01).half().float()
+    tiles = quant.q5_stream(q, d)
+    assert tiles.shape == (3, inputs // 32, 352)
+    weights = (q.float().view(48, -1, 32) * d[..., None]).view(48, inputs)
+    x = torch.randn(19, inputs).bfloat16()
+    x[7, 3] = float("inf")
+    batch = kernels.int8x_gemv(x, tiles)  # type: ignore[union-attr]
+    finite = batch.float().isfinite().all(dim=1)
+    assert finite.tolist() == [r != 7 for r in range(19)]
+    expected = int8_x(x) @ weights.T
+    error = (batch.float() - expected)[finite].abs().max() / expected[finite].abs().max()
+    assert error < 2**-7, float(error)
+    for rows in range(1, 19):
+        alone = kernels.int8x_gemv(x[rows - 1 : rows], tiles)  # type: ignore[union-attr]
+        assert torch.equal(alone.view(torch.int16), batch[rows - 1 : rows].view(torch.int16)), rows
+        first = kernels.int8x_gemv(x[:rows], tiles, tiles[:1])  # type: ignore[union-attr]
+        assert torch.equal(first.view(torch.int16), batch[:rows].view(torch.int16)), rows
+    linear = quant.Q8Linear(q, d)  # q5 tiles where the CPU has no AMX
+    assert torch.equal(linear.tiles, tiles) is linear.q5
+    assert torch.equal(linear.dequantize(), weights)
+
+
+def test_q8_linear_takes_q5_tiles_only_for_levels_they_hold_and_without_amx() -> None:
+    """Q5_0's levels go to q5 tiles where the CPU has no AMX (whose tiles
+    take q8 ones from 5 rows); a Q8_0 tensor's always to q8 tiles; a level
+    outside -16..15 is refused by the q5 layout, by name."""
+    from specpage.kernels.cpu import features as cpu
+
+    d = torch.full((16, 1), 0.01).half().float()
+    q5_levels = torch.randint(-16, 16, (16, 32), dtype=torch.int8)
+    q8_levels = q5_levels.clone()
+    q8_levels[0, 0] = 16
+    assert quant.Q8Linear(q5_levels, d).q5 is not cpu.has_amx()
+    assert not quant.Q8Linear(q8_levels, d).q5
+    assert quant.Q8Linear(q8_levels, d).tiles.shape[-1] == 544
+    with pytest.raises(ValueError, match=r"q5 tiles hold levels in -16\.\.15"):
+        quant.q5_stream(q8_levels, d)
+
+
+@native
+@pytest.mark.skipif(not quant.int8x_kernels(), reason="no AVX-512 VNNI on this CPU")
 def test_q8_linear_is_its_levels_times_d_on_int8_inputs() -> None:
     """Q8Linear (a GGUF's Q8_0 or Q5_0 blocks) computes int8(x) @ (d·q).T
     plus its bias for any number of rows, each row the same bits alone as

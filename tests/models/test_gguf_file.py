@@ -372,9 +372,11 @@ def test_q8_levels_times_d_are_ggmls_own_dequantization(qtype):
 
 def test_a_mixed_k_m_file_runs_each_projection_on_its_own_blocks(tmp_path, monkeypatch):
     """A _K_M file that mixes int8 levels (Q5_0, Q8_0) into its K-quants, as
-    Gemma 3 270M's does: auto runs q/k/v and gate/up as Q8Linear, o and
+    Gemma 3 270M's does: auto runs q/k/v and gate/up as Q8Linear (all-Q5_0
+    ones on q5 tiles where the CPU has no AMX), o and
     down on their K-quant blocks, dequantizes none of them, and gives the
     exact model's logits to within the int8 inputs' rounding."""
+    from specpage.kernels.cpu import features as cpu_features
     from specpage.layers.quant import Q8Linear, int8x_kernels
 
     if not int8x_kernels():
@@ -389,6 +391,9 @@ def test_a_mixed_k_m_file_runs_each_projection_on_its_own_blocks(tmp_path, monke
     layer = quantized.model.layers[0]
     assert isinstance(layer.qkv_proj, Q8Linear) and isinstance(layer.gate_up_proj, Q8Linear)
     assert isinstance(layer.o_proj, KQuantLinear) and isinstance(layer.down_proj, KQuantLinear)
+    # gate/up (Q5_0 both) read as the file stores them where the CPU has no
+    # AMX; q/k/v (Q5_0 with a Q8_0 v) as q8 tiles
+    assert layer.gate_up_proj.q5 is not cpu_features.has_amx() and not layer.qkv_proj.q5
     exact = load_model(folder)
     for ours_layer, exact_layer in zip(quantized.model.layers, exact.model.layers, strict=True):
         for name in ("qkv_proj", "gate_up_proj"):  # the int8 levels: the file's weights exactly

@@ -350,13 +350,21 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& tiles,
 //       then 16 scales and 16 offsets, fp16 (320 bytes) or fp32 (384);
 //   q8: 512 bytes, eight chunks, byte 4l + t of chunk j = q[l][4j + t] + 128
 //       (GGML's Q8_0 values made unsigned), then 16 fp16 scales d; the
-//       offset is -128 d (544 bytes).
+//       offset is -128 d (544 bytes);
+//   q5: levels q in 0..31 (GGML's Q5_0 values, level - 16 the weight's
+//       multiple of d): their low four bits as q4's 256 bytes; then 64
+//       bytes of fifth bits, byte 4l + t holding in bit 2j that of
+//       q[l][8j + t] and in bit 2j + 1 that of q[l][8j + 4 + t]; then 16
+//       fp16 scales d; the offset is -16 d (352 bytes: 5.5 bits a weight,
+//       as the file's blocks, where q8 tiles read 8.5).
 // A unpacked nibble chunk is two vectors of bytes (an and, a shift and an
 // and): against the bf16 kernel above, a third of the instructions a tile.
 
 constexpr int64_t kQ8TileBytes = kBlock * kGroup + kBlock * 2;  // levels + fp16 scales
+constexpr int64_t kFifthBitBytes = kBlock * kGroup / 8;
+constexpr int64_t kQ5TileBytes = kNibbleBytes + kFifthBitBytes + kBlock * 2;  // + fp16 scales
 
-enum class Format { kQ4Half, kQ4Float, kQ8 };
+enum class Format { kQ4Half, kQ4Float, kQ8, kQ5 };
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 struct QuantizedX {
@@ -412,6 +420,7 @@ template <int64_t kRows, Format kFormat>
 void block_rows_int8x(const Int8xOperands& p, int64_t b, int64_t row0, const Ahead& ahead) {
   constexpr int64_t kTileBytes = kFormat == Format::kQ4Half    ? kHalfTileBytes
                                  : kFormat == Format::kQ4Float ? kFloatTileBytes
+                                 : kFormat == Format::kQ5      ? kQ5TileBytes
                                                                : kQ8TileBytes;
   const __m512i low_nibbles = _mm512_set1_epi8(0x0f);
   over_groups<kRows, kTileBytes>(p.tiles, p.groups, p.y, p.out, b, row0, ahead,
@@ -435,23 +444,36 @@ void block_rows_int8x(const Int8xOperands& p, int64_t b, int64_t row0, const Ahe
     } else {
       for (int64_t j = 0; j < 4; ++j) {
         const __m512i bytes = _mm512_loadu_si512(tile + 64 * j);
-        const __m512i low = _mm512_and_si512(bytes, low_nibbles);
-        const __m512i high = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low_nibbles);
+        __m512i low = _mm512_and_si512(bytes, low_nibbles);
+        __m512i high = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low_nibbles);
+        if constexpr (kFormat == Format::kQ5) {  // 16 more where the fifth bit is set
+          const __m512i fifth = _mm512_loadu_si512(tile + kNibbleBytes);
+          const __m512i sixteen = _mm512_set1_epi8(16);
+          low = _mm512_mask_add_epi8(
+              low, _mm512_test_epi8_mask(fifth, _mm512_set1_epi8(static_cast<char>(1 << (2 * j)))),
+              low, sixteen);
+          high = _mm512_mask_add_epi8(
+              high, _mm512_test_epi8_mask(fifth, _mm512_set1_epi8(static_cast<char>(2 << (2 * j)))),
+              high, sixteen);
+        }
         for (int64_t r = 0; r < kRows; ++r) {
           dot[r][0] = _mm512_dpbusd_epi32(dot[r][0], low, word(r, 2 * j));
           dot[r][1] = _mm512_dpbusd_epi32(dot[r][1], high, word(r, 2 * j + 1));
         }
       }
     }
-    const uint8_t* params = tile + (kFormat == Format::kQ8 ? kBlock * kGroup : kNibbleBytes);
+    const uint8_t* params = tile + (kFormat == Format::kQ8   ? kBlock * kGroup
+                                    : kFormat == Format::kQ5 ? kNibbleBytes + kFifthBitBytes
+                                                             : kNibbleBytes);
     __m512 scale, offset;
     if constexpr (kFormat == Format::kQ4Float) {
       scale = _mm512_loadu_ps(reinterpret_cast<const float*>(params));
       offset = _mm512_loadu_ps(reinterpret_cast<const float*>(params) + kBlock);
     } else {
       scale = halves(params);
-      offset = kFormat == Format::kQ8 ? _mm512_mul_ps(scale, _mm512_set1_ps(-128.0f))
-                                      : halves(params + 2 * kBlock);
+      offset = kFormat == Format::kQ8   ? _mm512_mul_ps(scale, _mm512_set1_ps(-128.0f))
+               : kFormat == Format::kQ5 ? _mm512_mul_ps(scale, _mm512_set1_ps(-16.0f))
+                                        : halves(params + 2 * kBlock);
     }
     for (int64_t r = 0; r < kRows; ++r) {
       const int64_t at = (row0 + r) * p.groups + g;
@@ -614,14 +636,16 @@ at::Tensor int8x_product(const at::Tensor& x, const at::Tensor& tiles,
                          const std::optional<at::Tensor>& next, Kernel kernel) {
   check_x(x, "int8x_gemv");
   const int64_t rows = x.size(0), in = x.size(1), groups = in / kGroup;
-  const auto sizes = {kHalfTileBytes, kFloatTileBytes, kQ8TileBytes};
+  const auto sizes = {kHalfTileBytes, kFloatTileBytes, kQ8TileBytes, kQ5TileBytes};
   TORCH_CHECK(is_tiles(tiles, sizes) && tiles.size(1) == groups,
               "tiles must be contiguous uint8 [out / 16, in / 32, ", kHalfTileBytes, ", ",
-              kFloatTileBytes, " or ", kQ8TileBytes,
-              "] (layers/quant.py's int8x_stream) for x of ", in, " inputs");
+              kFloatTileBytes, ", ", kQ8TileBytes, " or ", kQ5TileBytes,
+              "] (layers/quant.py's int8x_stream, q8_stream or q5_stream) for x of ", in,
+              " inputs");
   TORCH_CHECK(!next.has_value() || is_tiles(*next, sizes),
               "next must be contiguous uint8 [out / 16, in / 32, ", kHalfTileBytes, ", ",
-              kFloatTileBytes, " or ", kQ8TileBytes, "]: the next product's tiles");
+              kFloatTileBytes, ", ", kQ8TileBytes, " or ", kQ5TileBytes,
+              "]: the next product's tiles");
   TORCH_CHECK(kernel != Kernel::kAmx || has_amx_int8(),
               "int8x_gemv: this build or CPU has no AMX int8 tiles");
   TORCH_CHECK(kernel != Kernel::kAmx || tiles.size(2) == kQ8TileBytes,
@@ -660,6 +684,8 @@ at::Tensor int8x_product(const at::Tensor& x, const at::Tensor& tiles,
         block_rows_int8x<kRows, Format::kQ4Half>(ops, b, row0, ahead);
       } else if (tile_bytes == kFloatTileBytes) {
         block_rows_int8x<kRows, Format::kQ4Float>(ops, b, row0, ahead);
+      } else if (tile_bytes == kQ5TileBytes) {
+        block_rows_int8x<kRows, Format::kQ5>(ops, b, row0, ahead);
       } else {
         block_rows_int8x<kRows, Format::kQ8>(ops, b, row0, ahead);
       }
