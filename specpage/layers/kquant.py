@@ -244,18 +244,19 @@ class KQuantLinear(nn.Module):
         elif self.takes_dense(x.shape[0]):
             y = self.dense_product(x)
         else:
-            y = self.int8_product(x).to(x.dtype)
+            y = self.int8_product(x, x.dtype)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
-    def int8_product(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ W.T on the native kernels, fp32, no bias: x to int8 once for
-        every run."""
+    def int8_product(self, x: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """x @ W.T on the native kernels, no bias: x to int8 once for every
+        run; in fp32, or each output's fp32 value cast to dtype."""
         kernels = kquant_kernels()
         xq = kernels.kquant_quantize_x(x.contiguous())
-        y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
+        y = torch.empty(x.shape[0], self.out_features,
+                        dtype=dtype if dtype == torch.bfloat16 else torch.float32)
         for tiles, (ggml_type, column, rows) in zip(self._blocks(), self.columns, strict=True):
             kernels.kquant_gemv(xq, tiles, ggml_type, rows, y, column)
-        return y
+        return y.to(dtype)
 
     def dequantized_product(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W.T on the weights dequantized to fp32 for this call (where the

@@ -154,6 +154,31 @@ def test_bf16_x_gives_bf16_y():
     check_close(y.float(), q8k_x(x), blocks.dequantize(), rounding=2 ** -8)
 
 
+@native
+def test_a_bf16_y_is_the_fp32_products_cast_bit_for_bit():
+    """kquant_gemv into a bf16 y (as the native layer stack takes it for
+    bf16 x) rounds each output once, to the bits that casting its fp32
+    value gives, in every run's columns, tiles ending inside a run
+    included; the other columns untouched."""
+    kernels = kquant_kernels()
+    layer = KQuantLinear(fused_parts())
+    x = torch.randn(6, 512).bfloat16()
+    x[4, 7] = float("nan")
+    xq = kernels.kquant_quantize_x(x)
+    fp32 = torch.empty(6, 2 + layer.out_features)
+    bf16 = torch.full((6, 2 + layer.out_features), 3.0, dtype=torch.bfloat16)
+    for tiles, (ggml_type, column, rows) in zip(layer._blocks(), layer.columns, strict=True):
+        kernels.kquant_gemv(xq, tiles, ggml_type, rows, fp32, column + 1)
+        kernels.kquant_gemv(xq, tiles, ggml_type, rows, bf16, column + 1)
+    finite = [0, 1, 2, 3, 5]  # row 4 is NaN (whose bits the two casts spell differently)
+    cast = fp32[finite, 1:-1].bfloat16()
+    assert torch.equal(bf16[finite, 1:-1].view(torch.int16), cast.view(torch.int16))
+    assert bf16[4, 1:-1].isnan().all() and not bf16[finite].isnan().any()
+    assert (bf16[:, 0] == 3.0).all() and (bf16[:, -1] == 3.0).all()
+    assert torch.equal(layer.int8_product(x, torch.bfloat16)[finite].view(torch.int16),
+                       cast.view(torch.int16))
+
+
 @pytest.mark.parametrize("type_name", TYPES)
 def test_the_fallback_multiplies_the_dequantized_weights(type_name):
     blocks = random_blocks(type_name, 48, 512, seed=4)

@@ -140,7 +140,8 @@ struct Product {
 };
 
 // KQuantLinear.int8_product, then its cast to x's dtype: x to int8 once,
-// each run's products into its columns of an fp32 y.
+// each run's products into its columns of y, in x's dtype where that is
+// bf16 (the kernel rounds each output as the cast of its fp32 value does).
 Tensor kquant_product(const Product& p, const Tensor& x) {
   const Tensor& runs = p.operands[0];
   const int64_t count = kquant_runs(p.kind);
@@ -149,11 +150,12 @@ Tensor kquant_product(const Product& p, const Tensor& x) {
               "decoder_stack: a K-quant product's runs must be int64 [", count, ", 3]");
   const int64_t* run = runs.data_ptr<int64_t>();
   const Tensor xq = ops().kquant_x.call(x.contiguous());
-  Tensor y = at::empty({x.size(0), p.out}, x.options().dtype(at::kFloat));
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  Tensor y = at::empty({x.size(0), p.out}, x.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
   for (int64_t r = 0; r < count; ++r) {
     ops().kquant.call(xq, p.operands[1 + r], run[3 * r], run[3 * r + 2], y, run[3 * r + 1]);
   }
-  return y.to(x.scalar_type());
+  return bf16 ? y : y.to(x.scalar_type());
 }
 
 Tensor product(const Product& p, const Tensor& x) {

@@ -577,8 +577,22 @@ void untile(const uint8_t* tile, int64_t type, int64_t supers, int64_t count,
                  [&](int64_t in_tile, int64_t in_blocks) { out[in_blocks] = tile[in_tile]; });
 }
 
-template <int64_t kType>
-void product(const at::Tensor& xq, const at::Tensor& tiles, int64_t out, float* y,
+// A tile's 16 outputs of one row (the first `count`) into y, fp32 or bf16
+// (rounded to nearest even, as torch rounds fp32 to bf16).
+inline void store_outputs(float* y, const float* values, int64_t count) {
+  std::memcpy(y, values, count * sizeof(float));
+}
+
+inline void store_outputs(c10::BFloat16* y, const float* values, int64_t count) {
+  if (count == kTile) {
+    store(y, load(values));
+  } else {
+    for (int64_t i = 0; i < count; ++i) y[i] = c10::BFloat16(values[i]);
+  }
+}
+
+template <int64_t kType, typename out_t>
+void product(const at::Tensor& xq, const at::Tensor& tiles, int64_t out, out_t* y,
              int64_t y_stride) {
   const int64_t rows = xq.size(0), count = tiles.size(0);
   const int64_t supers = xq.size(1) / static_cast<int64_t>(sizeof(Q8KBlock));
@@ -590,7 +604,7 @@ void product(const at::Tensor& xq, const at::Tensor& tiles, int64_t out, float* 
 #if defined(KQUANT_VNNI)
   at::parallel_for(0, count, grain, [&](int64_t first, int64_t last) {
     for (int64_t t = first; t < last; ++t) {
-      const __mmask16 valid = static_cast<__mmask16>((1u << std::min<int64_t>(kTile, out - kTile * t)) - 1);
+      const int64_t outputs = std::min<int64_t>(kTile, out - kTile * t);
       for (int64_t row0 = 0; row0 < rows; row0 += 4) {
         with_count<4>(std::min<int64_t>(4, rows - row0), [&](auto n) {
           constexpr int64_t kRows = decltype(n)::value;
@@ -601,7 +615,9 @@ void product(const at::Tensor& xq, const at::Tensor& tiles, int64_t out, float* 
             tile_product<kRows, kType>(w + t * tile_bytes, supers, x + row0 * supers, supers, total);
           }
           for (int64_t r = 0; r < kRows; ++r) {
-            _mm512_mask_storeu_ps(y + (row0 + r) * y_stride + kTile * t, valid, total[r]);
+            alignas(64) float values[kTile];
+            _mm512_store_ps(values, total[r]);
+            store_outputs(y + (row0 + r) * y_stride + kTile * t, values, outputs);
           }
         });
       }
@@ -622,7 +638,9 @@ void product(const at::Tensor& xq, const at::Tensor& tiles, int64_t out, float* 
             float dots[kRows];
             row_product<kRows, kType>(blocks.data() + o * row_bytes, supers, x + row0 * supers,
                                       supers, dots);
-            for (int64_t r = 0; r < kRows; ++r) y[(row0 + r) * y_stride + kTile * t + o] = dots[r];
+            for (int64_t r = 0; r < kRows; ++r) {
+              y[(row0 + r) * y_stride + kTile * t + o] = static_cast<out_t>(dots[r]);
+            }
           });
         }
       }
@@ -703,7 +721,8 @@ at::Tensor kquant_quantize_x(const at::Tensor& x) {
 }
 
 // y[:, column : column + out] = x @ W.T, x as kquant_quantize_x gives it,
-// W as kquant_tiles gives it.
+// W as kquant_tiles gives it; y fp32, or bf16 (each output rounded once, to
+// the bits its fp32 value's cast gives).
 void kquant_gemv(const at::Tensor& xq, const at::Tensor& tiles, int64_t type, int64_t out,
                  at::Tensor& y, int64_t column) {
   const int64_t bytes = block_bytes(type);
@@ -714,14 +733,22 @@ void kquant_gemv(const at::Tensor& xq, const at::Tensor& tiles, int64_t type, in
   check_tiles("kquant_gemv", tiles, type, out);
   TORCH_CHECK(tiles.size(1) == supers * kTile * bytes, "kquant_gemv: tiles of ",
               tiles.size(1) / (kTile * bytes), " super-blocks a row for x of ", supers);
-  TORCH_CHECK(y.dim() == 2 && y.scalar_type() == at::kFloat && y.stride(1) == 1 &&
-                  y.size(0) == xq.size(0) && column >= 0 && column + out <= y.size(1),
-              "kquant_gemv: y must be fp32 [rows, >= column + out] with unit column stride");
-  float* to = y.data_ptr<float>() + column;
-  switch (type) {
-    case kQ4K: product<kQ4K>(xq, tiles, out, to, y.stride(0)); break;
-    case kQ5K: product<kQ5K>(xq, tiles, out, to, y.stride(0)); break;
-    default: product<kQ6K>(xq, tiles, out, to, y.stride(0)); break;
+  TORCH_CHECK(y.dim() == 2 && (y.scalar_type() == at::kFloat || y.scalar_type() == at::kBFloat16) &&
+                  y.stride(1) == 1 && y.size(0) == xq.size(0) && column >= 0 &&
+                  column + out <= y.size(1),
+              "kquant_gemv: y must be fp32 or bf16 [rows, >= column + out] with unit column "
+              "stride");
+  auto into = [&](auto* to) {
+    switch (type) {
+      case kQ4K: product<kQ4K>(xq, tiles, out, to + column, y.stride(0)); break;
+      case kQ5K: product<kQ5K>(xq, tiles, out, to + column, y.stride(0)); break;
+      default: product<kQ6K>(xq, tiles, out, to + column, y.stride(0)); break;
+    }
+  };
+  if (y.scalar_type() == at::kFloat) {
+    into(y.data_ptr<float>());
+  } else {
+    into(y.data_ptr<c10::BFloat16>());
   }
 }
 
