@@ -72,12 +72,34 @@ inline int64_t first_tile(const Item& item, const Shape& shape, int64_t t) {
 // 32 sequences, 30 layers' caches read cold as in a step: 128 positions
 // 424 -> 248 us a layer, 512 positions 1878 -> 900 us (2 cores).
 constexpr int64_t kAhead = 16;
+// ... and further ahead, into L2 only (prefetcht1): a row read from memory
+// takes longer than 16 positions' work, and asking for it into L1 further
+// ahead evicts what the kernel is reading (16 -> 64 into L1: 1.06-1.11x
+// slower). SmolLM2's shape (3 KV heads of 64), 30 layers' caches read in
+// turn, 2 cores, alternated in one process: 32 sequences of 200 and 500
+// positions 0.88-0.89x and 0.87-0.88x the time a layer, one of 2,000
+// 0.88-0.90x, one of 500 and a verify span of 5 level; SmolLM2-135M q4's
+// forward of 32 decode rows at 200 and 500 positions 0.98x and 0.94x, of
+// one at 1,000 0.96x. (The fp32 and pre-BF16 path, attend_item, reads
+// ahead the same way; it was not measured apart.)
+constexpr int64_t kFarAhead = 64;
 
-template <typename scalar_t, int64_t kChunks>
+template <typename scalar_t, int64_t kChunks, int kLocality = 3>
 inline void prefetch_row(const scalar_t* row) {
   constexpr int64_t bytes = kChunks * kLanes * sizeof(scalar_t);
   for (int64_t b = 0; b < bytes; b += 64) {
-    __builtin_prefetch(reinterpret_cast<const char*>(row) + b, 0, 3);
+    __builtin_prefetch(reinterpret_cast<const char*>(row) + b, 0, kLocality);
+  }
+}
+
+// Asks for the rows (plus offset: the V rows) of position p + kAhead of a
+// context of `context` into L1 and, where `far`, of p + kFarAhead into L2.
+template <typename scalar_t, int64_t kChunks>
+inline void prefetch_ahead(const scalar_t* const* rows, int64_t offset, int64_t p,
+                           int64_t context, bool far = true) {
+  if (p + kAhead < context) prefetch_row<scalar_t, kChunks>(rows[p + kAhead] + offset);
+  if (far && p + kFarAhead < context) {
+    prefetch_row<scalar_t, kChunks, 1>(rows[p + kFarAhead] + offset);
   }
 }
 
@@ -155,7 +177,7 @@ void attend_item(const scalar_t* q, const scalar_t* cache, scalar_t* out, const 
     const int64_t count = std::min(kLanes, context - p0);
     const scalar_t* const* k = keys.data() + p0;
     for (int64_t j = 0; j < count; ++j) {
-      if (p0 + j + kAhead < context) prefetch_row<scalar_t, kChunks>(k[j + kAhead]);
+      prefetch_ahead<scalar_t, kChunks>(keys.data(), 0, p0 + j, context);
       vfloat kv[kChunks];  // widened once for all rows
       for (int64_t c = 0; c < kChunks; ++c) kv[c] = load(k[j] + c * kLanes);
       for (int64_t r = 0; r < rows; ++r) {
@@ -180,7 +202,7 @@ void attend_item(const scalar_t* q, const scalar_t* cache, scalar_t* out, const 
                 context - span + t + 1, padded_context);
   }
   for (int64_t p = begin; p < context; ++p) {
-    if (p + kAhead < context) prefetch_row<scalar_t, kChunks>(keys[p + kAhead] + shape.v_offset);
+    prefetch_ahead<scalar_t, kChunks>(keys.data(), shape.v_offset, p, context);
     const scalar_t* v = keys[p] + shape.v_offset;
     vfloat vv[kChunks];
     for (int64_t c = 0; c < kChunks; ++c) vv[c] = load(v + c * kLanes);
@@ -279,7 +301,7 @@ inline void rows_values(const float* const* weights, const c10::BFloat16* const*
                         c10::BFloat16* const* out) {
   vfloat acc[kRows][kChunks] = {};
   for (int64_t p = begin; p < context; ++p) {
-    if (p + kAhead < context) prefetch_row<c10::BFloat16, kChunks>(keys[p + kAhead] + v_offset);
+    prefetch_ahead<c10::BFloat16, kChunks>(keys, v_offset, p, context);
     const c10::BFloat16* v = keys[p] + v_offset;
     vfloat vv[kChunks];
     for (int64_t c = 0; c < kChunks; ++c) vv[c] = load(v + c * kLanes);
@@ -327,7 +349,9 @@ void attend_rows_bf16(const c10::BFloat16* q, const c10::BFloat16* cache, c10::B
       vuint tile[16];
       for (int64_t j = 0; j < 16; ++j) {
         if (j < count) {
-          if (p0 + j + kAhead < context) prefetch_row<c10::BFloat16, kChunks>(keys[p0 + j + kAhead]);
+          // (the near row asked for with each pair block, as before: asked for
+          // only with the first, the far rows gained nothing in one run)
+          prefetch_ahead<c10::BFloat16, kChunks>(keys.data(), 0, p0 + j, context, b == 0);
           std::memcpy(&tile[j], keys[p0 + j] + b * 2 * kPairsPerTile, sizeof(vuint));
         } else {
           tile[j] = vuint{};
