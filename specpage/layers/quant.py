@@ -244,6 +244,8 @@ class Int4Linear(nn.Module):
 
 
 NIBBLE_BYTES = 256  # of a tile: 16 outputs x 32 inputs
+FIFTH_BIT_BYTES = 64  # of a q5 tile: a bit of each of 16 outputs x 32 inputs
+Q5_TILE_BYTES = NIBBLE_BYTES + FIFTH_BIT_BYTES + 32  # + 16 fp16 scales
 
 
 def fp16_exact(blocks: Int4Blocks) -> bool:
@@ -349,7 +351,7 @@ def q5_stream(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     shifts = (2 * torch.arange(4).view(4, 1, 1) + torch.arange(2).view(1, 2, 1)).to(torch.uint8)
     fifth = ((u >> 4) << shifts).sum(dim=(3, 4), dtype=torch.uint8)  # [tile, l, g, t]
     return torch.cat([packed.reshape(tiles, groups, NIBBLE_BYTES),
-                      fifth.permute(0, 2, 1, 3).reshape(tiles, groups, 64),
+                      fifth.permute(0, 2, 1, 3).reshape(tiles, groups, FIFTH_BIT_BYTES),
                       _per_tile(d.float().half(), tiles, groups)], dim=2).contiguous()
 
 
@@ -446,9 +448,8 @@ class Q8Linear(nn.Module):
     def __init__(self, q: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = q.shape
-        self.q5 = bool(not cpu.has_amx() and q.numel() and int(q.min()) >= -16
-                       and int(q.max()) <= 15)
-        self.register_buffer("tiles", q5_stream(q, d) if self.q5 else q8_stream(q, d),
+        q5 = bool(not cpu.has_amx() and q.numel() and int(q.min()) >= -16 and int(q.max()) <= 15)
+        self.register_buffer("tiles", q5_stream(q, d) if q5 else q8_stream(q, d),
                              persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(),
                                                            requires_grad=False)
@@ -458,6 +459,11 @@ class Q8Linear(nn.Module):
         y: torch.Tensor = kernels.int8x_gemv(x.to(KERNEL_DTYPE).contiguous(), self.tiles)
         y = y.to(x.dtype)
         return y if self.bias is None else y + self.bias
+
+    @property
+    def q5(self) -> bool:
+        """Whether the tiles are q5_stream's (else q8_stream's)."""
+        return self.tiles.shape[-1] == Q5_TILE_BYTES
 
     def direct_product(self, rows: int) -> Product | None:
         """The kernel call for x of `rows` bf16 rows (layers/native_stack.py)."""
@@ -473,13 +479,14 @@ class Q8Linear(nn.Module):
         if self.q5:
             # [tile, g, j, l, t] nibbles and [tile, g, l, t] fifth bits
             packed = self.tiles[..., :NIBBLE_BYTES].view(tiles, groups, 4, 16, 4)
-            fifth = self.tiles[..., NIBBLE_BYTES : NIBBLE_BYTES + 64].view(tiles, groups, 1, 16, 4)
+            fifth = self.tiles[..., NIBBLE_BYTES : NIBBLE_BYTES + FIFTH_BIT_BYTES]
+            fifth = fifth.view(tiles, groups, 1, 16, 4)
             j = torch.arange(4).view(1, 1, 4, 1, 1)
             low = torch.stack([packed & 0x0F, packed >> 4], dim=4)  # [tile, g, j, l, nibble, t]
             bits = torch.stack([(fifth >> (2 * j)) & 1, (fifth >> (2 * j + 1)) & 1], dim=4)
             u = (low + (bits << 4)).permute(0, 3, 1, 2, 4, 5)  # [tile, l, g, j, nibble, t]
             q = u.reshape(self.out_features, self.in_features).to(torch.int16) - 16
-            scales = self.tiles[..., NIBBLE_BYTES + 64 :]
+            scales = self.tiles[..., NIBBLE_BYTES + FIFTH_BIT_BYTES :]
         else:
             levels = self.tiles[..., :512].view(tiles, groups, 8, 16, 4).permute(0, 3, 1, 2, 4)
             q = levels.reshape(self.out_features, self.in_features).to(torch.int16) - 128
