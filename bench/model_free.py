@@ -13,8 +13,9 @@ greedy (or sampled at --temperature, unseeded), with its own max_tokens (EOS
 ends it, as for a user).
 
 The systems are daemons (one up at a time, each started as `make serve`
-does, q4 by default): `specpage` (the default: draft model and the
-proposers that need no model), `model_free` (no draft), `draft_only`
+does, q4 by default): `specpage` (draft model and the proposers that need
+no model), `model_free` (no draft: `make serve`'s default), `no_corpus` (no
+draft, prompt lookup and the suffix cache without the corpus table), `draft_only`
 (spec_methods ""), `head` (the EAGLE-3 head models/smollm2-head in the
 draft's place, beside the proposers that need no model). Against each, the
 same daemon with spec OFF per request.
@@ -62,6 +63,7 @@ QUICK_TOKENS = 64  # max_tokens cap with --quick
 SYSTEMS = {
     "specpage": ["--draft", str(DRAFT)],
     "model_free": ["--draft", ""],
+    "no_corpus": ["--draft", "", "--spec-methods", "ngram,suffix"],
     "draft_only": ["--draft", str(DRAFT), "--spec-methods", ""],
     "head": ["--draft", str(HEAD)],
 }

@@ -17,7 +17,7 @@ from specpage.serve.logging_setup import configure_logging
 SHORTCUTS = {"host": "server.host", "port": "server.port", "http_port": "server.http_port",
              "target": "model.target",
              "draft": "model.draft", "spec_k": "engine.spec_k",
-             "spec_methods": "engine.spec_methods",
+             "spec_methods": "engine.spec_methods", "spec_corpus": "engine.spec_corpus",
              "tensor_parallel_size": "engine.tensor_parallel_size",
              "deterministic": "engine.deterministic",
              "quantization": "model.quantization"}
@@ -38,7 +38,11 @@ def add_parser(sub: Any, name: str) -> None:
     parser.add_argument("--spec-k", help="largest k (0: no speculation)")
     parser.add_argument("--spec-methods", help="proposers that need no model, comma-separated: "
                         "ngram (prompt lookup), suffix (earlier requests of the same cache "
-                        "salt); empty: none (default ngram,suffix)")
+                        "salt), corpus (a fixed table of the target's own answers); empty: "
+                        "none (default ngram,suffix,corpus)")
+    parser.add_argument("--spec-corpus", help="the corpus proposer's table: auto (the one "
+                        "that ships for the target's vocabulary, if any), a table file, or "
+                        "empty for none (default auto)")
     parser.add_argument("--quantization", help="both models' linears: none, q4, q4-g64, "
                         "q4-g128 or auto (default: q4 where a model is a Q4_0/Q4_1 GGUF)")
     parser.add_argument("--deterministic", action="store_const", const="true", default=None,

@@ -16,7 +16,7 @@ from specpage.core.request import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOK
 # Fraction of the pool kept free when admitting a request while others run,
 # so running sequences can still grow by a step or two without preempting.
 ADMISSION_WATERMARK = 0.02
-MODEL_FREE_METHODS = ("ngram", "suffix")  # core/model_free.py's, by vLLM's names
+MODEL_FREE_METHODS = ("ngram", "suffix", "corpus")  # core/model_free.py's (vLLM's names first)
 
 
 class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -29,8 +29,13 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     adaptive_k: bool = True
     # proposers that need no model (core/model_free.py), comma-separated:
     # "ngram" (prompt lookup in the sequence's own context), "suffix" (earlier
-    # requests' texts of the same cache salt); "" for none
-    spec_methods: str = "ngram,suffix"
+    # requests' texts of the same cache salt), "corpus" (a fixed table of the
+    # target's own answers, spec_corpus); "" for none
+    spec_methods: str = "ngram,suffix,corpus"
+    # the corpus method's table (core/corpus.py): "auto", the one that ships
+    # for the target's vocabulary if any (else the method is off); or a
+    # table file's path, which must be of the target's vocabulary
+    spec_corpus: str = "auto"
     spec_ngram_min: int = 1  # n-gram lengths matched, longest first
     spec_ngram_max: int = 4
     spec_model_free_k: int = 8  # model-free proposals per step at most

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 import msgspec
 
 from specpage.core import ledger
+from specpage.core.corpus import CorpusTable
 from specpage.core.engine_config import EngineConfig
 from specpage.core.grammar import SequenceGrammar
 from specpage.core.layer_groups import GroupedPool, Pool
@@ -81,14 +82,16 @@ class EngineCore:
         max_context: int,
         tokenizer: Any = None,
         eos_token_ids: tuple[int, ...] = (),
+        corpus: CorpusTable | None = None,
     ) -> None:
+        """corpus: the table of the `corpus` proposer (none: it is off)."""
         self.config = config
         self.pool = pool
         self.policy = policy
         # the draft's rules, those the policy was made for (core/proposer_rules.py)
         self.rules = policy.rules
         self.max_context = max_context
-        self.model_free = ModelFreeProposer(config, enabled=policy.model_free_k > 0)
+        self.model_free = ModelFreeProposer(config, enabled=policy.model_free_k > 0, corpus=corpus)
         self.scheduler = Scheduler(config, max_context, pool, self._speculate, self.rules)
         self.outputs = OutputProcessor(tokenizer, eos_token_ids, max_context, self._end)
         self.requests: dict[str, Request] = {}

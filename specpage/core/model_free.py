@@ -8,6 +8,10 @@ to verify (no draft forward).
 - `suffix`: the outputs of earlier requests of the same cache salt
   (core/suffix_cache.py); a finished request's output goes in unless it
   opted out.
+- `corpus`: a fixed table of the n-grams of the target's own answers to
+  varied prompts (core/corpus.py), where the engine has one for the
+  target's vocabulary: what the model itself says next where the context
+  has no match.
 
 Each token a method finds carries its chance of acceptance, learned from
 what verification accepted of earlier tokens found on the same evidence
@@ -22,6 +26,7 @@ import enum
 from typing import NamedTuple
 
 from specpage.core.chance import ChanceTable
+from specpage.core.corpus import CorpusTable
 from specpage.core.engine_config import EngineConfig
 from specpage.core.ngram import Continuation, Evidence, NgramCounts
 from specpage.core.request import FinishReason, Sequence
@@ -34,12 +39,13 @@ class Method(enum.StrEnum):
     DRAFT = "draft"  # the draft model or the EAGLE-3 head
     NGRAM = "ngram"
     SUFFIX = "suffix"
+    CORPUS = "corpus"  # a fixed table of the target's own answers (core/corpus.py)
     # the tokens a request's grammar allows next with no alternative
     # (core/grammar.py): known without any model
     GRAMMAR = "grammar"
 
 
-MODEL_FREE = (Method.NGRAM, Method.SUFFIX)
+MODEL_FREE = (Method.NGRAM, Method.SUFFIX, Method.CORPUS)
 
 
 class Candidate(NamedTuple):
@@ -74,11 +80,15 @@ NO_SPECULATION = Speculation(0)
 
 
 class ModelFreeProposer:
-    def __init__(self, config: EngineConfig, enabled: bool = True) -> None:
-        """enabled: False keeps nothing and proposes nothing (speculation off)."""
+    def __init__(self, config: EngineConfig, enabled: bool = True,
+                 corpus: CorpusTable | None = None) -> None:
+        """enabled: False keeps nothing and proposes nothing (speculation
+        off); corpus: the `corpus` method's table (none: that method is off)."""
         self.max_tokens = config.model_free_k
         self.n_min, self.n_max = config.spec_ngram_min, config.spec_ngram_max
-        self.methods = frozenset(Method(m) for m in config.model_free_methods if enabled)
+        self.methods = frozenset(Method(m) for m in config.model_free_methods
+                                 if enabled and (m != Method.CORPUS or corpus is not None))
+        self.corpus = corpus
         self.suffix = SuffixCache(config.spec_suffix_cache_tokens, self.n_min, self.n_max)
         self.contexts: dict[int, tuple[NgramCounts, int]] = {}  # seq_id -> (counts, indexed)
         self.num_counted = 0  # n-gram counts made for contexts, all sequences
@@ -90,7 +100,7 @@ class ModelFreeProposer:
         tokens, by the methods on (or those of them given). A seeded
         sample's comes from its own context only, with its confidences as
         chances: its tokens depend on what it proposes, which must not
-        depend on other requests."""
+        depend on other requests (the corpus table is no request's)."""
         methods = self.methods if methods is None else self.methods & methods
         length = min(self.max_tokens if length is None else length,
                      seq.request.params.max_tokens - seq.num_output)
@@ -107,8 +117,11 @@ class ModelFreeProposer:
         if across and Method.SUFFIX in methods:
             found = _candidate(Method.SUFFIX, self.suffix.continuation(
                 seq.request.cache_salt, seq.token_ids, length), table, sampled)
-            if found is not None and (best is None or sum(found.chance) > sum(best.chance)):
-                best = found
+            best = _likelier(best, found)
+        if Method.CORPUS in methods:
+            assert self.corpus is not None
+            best = _likelier(best, _candidate(
+                Method.CORPUS, self.corpus.continuation(seq.token_ids, length), table, sampled))
         return best
 
     def observe(self, seq: Sequence, speculation: Speculation, accepted: int) -> None:
@@ -156,6 +169,13 @@ class ModelFreeProposer:
             self.num_counted += counts.add(seq.token_ids, indexed, end)
             self.contexts[seq.seq_id] = (counts, end)
         return counts
+
+
+def _likelier(best: Candidate | None, found: Candidate | None) -> Candidate | None:
+    """found where it promises more accepted tokens than best (or there is no best)."""
+    if found is not None and (best is None or sum(found.chance) > sum(best.chance)):
+        return found
+    return best
 
 
 def _candidate(method: Method, found: Continuation, table: ChanceTable | None,

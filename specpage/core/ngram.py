@@ -22,6 +22,7 @@ Pure Python; no torch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import NamedTuple
 
@@ -190,21 +191,27 @@ class NgramCounts:
         return None
 
     def continuation(self, context: Seq[int], length: int) -> Continuation:
-        """Up to `length` tokens likely to follow context, by walking the
-        counts while the chain's confidence stays above MIN_CHAIN."""
-        tail = list(context[max(0, len(context) - self.n_max) :])
-        found_after = Continuation([], [], [])
-        chain = 1.0
-        while len(found_after.tokens) < length:
-            found = self.next_token(tail)
-            if found is None:
-                break
-            token, p, evidence = found
-            chain *= p
-            if chain < MIN_CHAIN:
-                break
-            found_after.tokens.append(token)
-            found_after.confidence.append(p)
-            found_after.evidence.append(evidence)
-            tail = tail[1:] + [token] if len(tail) == self.n_max else tail + [token]
-        return found_after
+        return walk(self.next_token, self.n_max, context, length)
+
+
+def walk(next_token: Callable[[Seq[int]], tuple[int, float, Evidence] | None], n_max: int,
+         context: Seq[int], length: int) -> Continuation:
+    """Up to `length` tokens likely to follow context, by asking next_token
+    (of a table of n-grams up to n_max) while the chain's confidence stays
+    above MIN_CHAIN."""
+    tail = list(context[max(0, len(context) - n_max) :])
+    found_after = Continuation([], [], [])
+    chain = 1.0
+    while len(found_after.tokens) < length:
+        found = next_token(tail)
+        if found is None:
+            break
+        token, p, evidence = found
+        chain *= p
+        if chain < MIN_CHAIN:
+            break
+        found_after.tokens.append(token)
+        found_after.confidence.append(p)
+        found_after.evidence.append(evidence)
+        tail = tail[1:] + [token] if len(tail) == n_max else tail + [token]
+    return found_after

@@ -27,6 +27,7 @@ from specpage.core.request import Request, SamplingParams
 from specpage.core.scheduler import Scheduler
 from specpage.executor.executor import Executor
 from specpage.executor.tensor_parallel import TensorParallelExecutor
+from specpage.models.corpus import corpus_table
 from specpage.models.eagle3 import LoadedHead
 from specpage.models.loader import (
     LoadedModel,
@@ -84,9 +85,11 @@ class Engine:
         groups = hybrid_groups(target, draft, c, self.max_context)
         count = 1 if groups is None else len(groups.windows)
         pool = BlockPool(c.num_blocks * count, c.block_size, model_identity=identity)
+        corpus = (corpus_table(c.spec_corpus, tokenizer)
+                  if "corpus" in c.model_free_methods and policy.model_free_k else None)
         self.core = EngineCore(c, pool if groups is None else GroupedPool(pool, groups),
                                policy, self.max_context, tokenizer,
-                               tuple(target.config.eos_token_ids))
+                               tuple(target.config.eos_token_ids), corpus)
         self.intake = Intake(c, tokenizer, target.config.vocab_size, self.max_context,
                              policy.max_proposals, tuple(target.config.eos_token_ids))
         self.executor = (Executor(target, draft, c, groups=groups)

@@ -92,7 +92,8 @@ def test_unit_settings() -> None:
 def test_the_example_config_speculates_without_a_model_and_names_the_packaged_draft() -> None:
     config = load_config(EXAMPLE, env={})
     assert (config.model.target, config.model.draft) == ("smollm2-135m", None)
-    assert config.engine.model_free_methods == ("ngram", "suffix")
+    assert config.engine.model_free_methods == ("ngram", "suffix", "corpus")
+    assert config.engine.spec_corpus == "auto"
     # The draft its commented line names needs no fetch: it is inside the
     # installed package.
     [named] = re.findall(r'^# draft = "([^"]+)"$', EXAMPLE.read_text(), re.MULTILINE)
