@@ -3,6 +3,7 @@ against spec OFF on the same daemon, as `make serve` starts it.
 
     python bench/model_free.py [--quick] [--systems A,B,...] [--rounds N]
                                [--temperature T] [--sets grounded,chat] [--no-streams]
+                               [--no-single] [--out NAME]
 
 The requests: bench/workloads/grounded.jsonl (input-grounded: summaries of
 a given paragraph, rewrites, extraction into JSON, tables, code edits, answers
@@ -172,7 +173,7 @@ def speed(outcomes: list[Outcome]) -> float:
 
 
 async def measure(port: int, sets: dict[str, list[dict[str, Any]]], count: int,
-                  streams: bool, temperature: float) -> dict[str, Any]:
+                  streams: bool, temperature: float, single: bool = True) -> dict[str, Any]:
     ratios: dict[str, list[float]] = defaultdict(list)
     counts: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     by_method: dict[str, dict[str, list[int]]] = defaultdict(dict)  # kind -> method -> sums
@@ -185,9 +186,10 @@ async def measure(port: int, sets: dict[str, list[dict[str, Any]]], count: int,
                               temperature)
         for r in range(count):
             for name, requests in sets.items():
-                runs = await single_stream(client, requests, r, temperature)
+                runs = (await single_stream(client, requests, r, temperature) if single
+                        else {"auto": {}, "off": {}})
                 kinds = defaultdict(list)
-                for i, q in enumerate(requests):
+                for i, q in enumerate(requests if single else []):
                     kinds[q["kind"]].append(str(i))
                     kinds[name].append(str(i))
                     auto, off = runs["auto"][str(i)], runs["off"][str(i)]
@@ -236,6 +238,9 @@ def main() -> None:
         p.add_argument("--systems", default="specpage,model_free,draft_only,head"),
         p.add_argument("--rounds", type=int, default=3),
         p.add_argument("--no-streams", action="store_true", help="single stream only"),
+        p.add_argument("--no-single", action="store_true", help="32 streams only"),
+        p.add_argument("--out", help="the results' name under bench/results (default "
+                       "model_free, or model_free_t<T> when sampled)"),
         p.add_argument("--temperature", type=float, default=0.0,
                        help="sampled (unseeded) above 0: AUTO's and OFF's texts then differ, "
                             "and the results go to model_free_t<T>.json"),
@@ -252,13 +257,14 @@ def main() -> None:
         try:
             results[name] = asyncio.run(measure(port, sets, count,
                                                 not (args.quick or args.no_streams),
-                                                args.temperature))
+                                                args.temperature, not args.no_single))
         finally:
             server.stop()
         print(json.dumps({name: results[name]["auto_vs_off"]}), file=sys.stderr, flush=True)
     headline = {f"{name}/{k}": v["median"] for name, r in results.items()
                 for k, v in r["auto_vs_off"].items()}
-    name = "model_free" if args.temperature == 0 else f"model_free_t{args.temperature:g}"
+    name = args.out or ("model_free" if args.temperature == 0
+                        else f"model_free_t{args.temperature:g}")
     finish(name, {"machine": machine(), "rounds": count, "temperature": args.temperature,
                   "systems": results, "headline_auto_vs_off": headline})
 
