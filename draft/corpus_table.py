@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from specpage.core.corpus import N_MAX, CorpusTable, vocabulary_fingerprint
-from specpage.models.fetch import ensure_model
+from specpage.engine.builder import ModelChoice, load_models
 
 
 def answers(folder: Path) -> Iterator[tuple[list[int], int]]:
@@ -32,11 +32,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--data", type=Path, default=Path("draft/snapshots"))
     parser.add_argument("--out", type=Path, default=Path("models/smollm2-corpus/table.bin"))
-    parser.add_argument("--model", default="smollm2-135m", help="whose tokenizer the answers use")
+    parser.add_argument("--model", default="smollm2-135m",
+                        help="whose tokenizer the answers use: a name, folder or GGUF, "
+                        "as `specpage serve --model` takes it")
     args = parser.parse_args()
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(ensure_model(args.model))
+    # the tokenizer the engine itself would read for that target
+    tokenizer = load_models(ModelChoice(args.model)).tokenizer
     table = CorpusTable.count(answers(args.data), vocabulary_fingerprint(tokenizer))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     table.save(args.out)
