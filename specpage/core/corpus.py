@@ -46,10 +46,12 @@ from specpage.core.config_error import ConfigError
 from specpage.core.ngram import (
     BITS,
     COUNT_CAP,
+    MASKS,
     SHRINK,
     Continuation,
     Evidence,
     NgramCounts,
+    tail_key,
     walk,
 )
 
@@ -57,7 +59,6 @@ MAGIC = b"specpage n-gram table 1\n"
 N_MAX = 3  # n-grams of up to 3 tokens: a key fits 63 bits
 LEAST = 2  # times a longer n-gram's follower must have been seen to be kept
 _FIELD = (1 << BITS) - 1  # a packed value's follower, count or total
-_MASKS = [(1 << (BITS * n)) - 1 for n in range(N_MAX + 1)]
 
 
 class CorpusTableError(ConfigError):
@@ -116,12 +117,10 @@ class CorpusTable:
     def next_token(self, context: Seq[int]) -> tuple[int, float, Evidence] | None:
         """As NgramCounts.next_token: the likeliest follower of the longest
         n-gram ending context that the table holds."""
-        longest, end = min(self.n_max, len(context)), len(context)
-        key = 0
-        for back in range(longest, 0, -1):
-            key = key << BITS | context[end - back]
+        longest = min(self.n_max, len(context))
+        key = tail_key(context, longest)
         for n in range(longest, 0, -1):
-            value = self.tables[n - 1].get(key & _MASKS[n])
+            value = self.tables[n - 1].get(key & MASKS[n])
             if value is None:
                 continue
             best, count, total = value & _FIELD, value >> BITS & _FIELD, value >> 2 * BITS

@@ -109,7 +109,16 @@ class Followers:
 # which costs proposals, never outputs (verification decides).
 BITS = 21
 MAX_NGRAM = 32  # the longest n-gram matched (engine.spec_ngram_max at most)
-_MASKS = [(1 << (BITS * n)) - 1 for n in range(MAX_NGRAM + 1)]  # an n-gram's key in a longer one's
+MASKS = [(1 << (BITS * n)) - 1 for n in range(MAX_NGRAM + 1)]  # an n-gram's key in a longer one's
+
+
+def tail_key(context: Seq[int], n: int) -> int:
+    """The key of context's last n tokens (the oldest highest): masked with
+    MASKS[m], the key of its last m."""
+    key, end = 0, len(context)
+    for back in range(n, 0, -1):
+        key = key << BITS | context[end - back]
+    return key
 
 
 class NgramCounts:
@@ -175,12 +184,10 @@ class NgramCounts:
     def next_token(self, context: Seq[int]) -> tuple[int, float, Evidence] | None:
         """The likeliest follower of the longest n-gram ending context that
         occurred: (token, confidence, evidence), or None."""
-        longest, end = min(self.n_max, len(context)), len(context)
-        key = 0
-        for back in range(longest, 0, -1):  # the longest n-gram's key, oldest token first
-            key = key << BITS | context[end - back]
+        longest = min(self.n_max, len(context))
+        key = tail_key(context, longest)
         for n in range(longest, self.n_min - 1, -1):
-            entry = self.tables[n - self.n_min].get(key & _MASKS[n])
+            entry = self.tables[n - self.n_min].get(key & MASKS[n])
             if entry is None:
                 continue
             if isinstance(entry, int):
