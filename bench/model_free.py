@@ -135,8 +135,8 @@ async def single_stream(client: Client, requests: list[dict[str, Any]], r: int,
                         temperature: float) -> dict[str, dict[str, Outcome]]:
     """Every request alone in both modes: {mode: {index: outcome}}."""
     runs: dict[str, dict[str, Outcome]] = {"auto": {}, "off": {}}
-    order = list(range(len(requests)))
-    order = order[r % len(order):] + order[: r % len(order)]
+    shift = r % max(len(requests), 1)
+    order = list(range(shift, len(requests))) + list(range(shift))
     for i in order:
         modes = ("auto", "off") if (i + r) % 2 == 0 else ("off", "auto")
         for mode in modes:
@@ -186,10 +186,10 @@ async def measure(port: int, sets: dict[str, list[dict[str, Any]]], count: int,
                               temperature)
         for r in range(count):
             for name, requests in sets.items():
-                runs = (await single_stream(client, requests, r, temperature) if single
-                        else {"auto": {}, "off": {}})
+                alone = requests if single else []
+                runs = await single_stream(client, alone, r, temperature)
                 kinds = defaultdict(list)
-                for i, q in enumerate(requests if single else []):
+                for i, q in enumerate(alone):
                     kinds[q["kind"]].append(str(i))
                     kinds[name].append(str(i))
                     auto, off = runs["auto"][str(i)], runs["off"][str(i)]
