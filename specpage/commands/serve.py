@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -78,4 +79,11 @@ def run(args: argparse.Namespace) -> int:
     )
 
     logging.getLogger("specpage").info("starting", extra={"config": str(args.config or "")})
-    return uvloop.run(serve(config)) if hasattr(uvloop, "run") else asyncio.run(serve(config))
+    try:
+        return uvloop.run(serve(config)) if hasattr(uvloop, "run") else asyncio.run(serve(config))
+    finally:
+        # The loop's handlers (a second SIGTERM while draining does nothing)
+        # went with it, back to the default that kills: the daemon has
+        # drained and is exiting, so one more stop request changes nothing.
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, signal.SIG_IGN)

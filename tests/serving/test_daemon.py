@@ -284,7 +284,7 @@ async def test_sigterm_drains_in_flight_requests_and_exits_0(tmp_path):
             await gate.wait_held()
             while (await client.server_info()).running < 3:  # two steps at most
                 await gate.step()
-            daemon.process.send_signal(__import__("signal").SIGTERM)
+            daemon.terminate()
             assert await not_serving(daemon) == 2  # NOT_SERVING
             with pytest.raises(grpc.aio.AioRpcError) as error:
                 await client.complete(prompt(7), **GREEDY)
@@ -319,7 +319,7 @@ async def test_sd_notify_messages_in_order(tmp_path):
             messages.append(sock.recv(4096).decode())
         while "WATCHDOG=1" not in messages:
             messages.append(sock.recv(4096).decode())
-        daemon.process.send_signal(__import__("signal").SIGTERM)
+        daemon.terminate()
         while "STOPPING=1" not in messages:
             messages.append(sock.recv(4096).decode())
     finally:

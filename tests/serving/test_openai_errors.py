@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -256,7 +255,7 @@ async def test_drain_finishes_http_streams_and_refuses_new_requests(models: Path
             async with Client(daemon.address, max_retries=0) as client:
                 while (await client.server_info()).running < 2:  # two steps at most
                     await gate.step()
-            daemon.process.send_signal(signal.SIGTERM)
+            daemon.terminate()
             health = await http.get("/health")
             end = time.monotonic() + HEALTH_TIMEOUT_S  # SIGTERM is handled on its own time
             while health.status_code == 200 and time.monotonic() < end:

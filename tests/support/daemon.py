@@ -69,6 +69,7 @@ class Daemon:
         if without_triton:
             assert not gate, "one wrapper at a time"
             command = "tests.support.no_triton"
+        self._terminated = False
         self._log_file = self.log.open("w")
         self.process = subprocess.Popen(
             [sys.executable, "-m", command, "serve", "--config", str(self.config)],
@@ -97,9 +98,14 @@ class Daemon:
             stub = health_pb2_grpc.HealthStub(channel)
             return int(stub.Check(health_pb2.HealthCheckRequest(), timeout=30).status)
 
-    def stop(self, timeout: float = 60.0) -> int:
-        if self.process.poll() is None:
+    def terminate(self) -> None:
+        """SIGTERM, once, as systemd stops a unit: `stop` then only waits."""
+        if not self._terminated and self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
+        self._terminated = True
+
+    def stop(self, timeout: float = 60.0) -> int:
+        self.terminate()
         try:
             return self.process.wait(timeout)
         except subprocess.TimeoutExpired:
