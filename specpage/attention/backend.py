@@ -68,6 +68,29 @@ class SpanLayout:
     slot_mapping: torch.Tensor  # [num_tokens] int64, flat slot of each new token
 
 
+def _slots(table: Sequence[int], start: int, n: int, block_size: int) -> list[int]:
+    """The flat slots of positions start..start + n under a block table."""
+    return [table[p // block_size] * block_size + p % block_size for p in range(start, start + n)]
+
+
+def group_tables(spans: Sequence[Span], block_size: int,
+                 count: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Layer groups 1..count - 1's slot mappings and block tables (group 0's
+    are lay_out_spans'), as the native layer stack reads them: each group's
+    a row of one tensor, so that the six groups of a Gemma 3 forward cost
+    two tensors instead of a SpanLayout each (0.2 ms of its ~10 ms step)."""
+    if count <= 1:
+        return [], []
+    groups = range(count - 1)
+    width = max(len(s.group_tables[g]) for s in spans for g in groups)
+    slots = [[slot for s in spans
+              for slot in _slots(s.group_tables[g], s.start, len(s.token_ids), block_size)]
+             for g in groups]
+    tables = [[[*s.group_tables[g], *[0] * (width - len(s.group_tables[g]))] for s in spans]
+              for g in groups]
+    return list(_int64(slots).unbind(0)), list(_int64(tables).unbind(0))
+
+
 def lay_out_spans(spans: Sequence[Span], block_size: int) -> SpanLayout:
     """The spans' positions and block tables; only their lengths are read of
     their tokens."""
@@ -81,8 +104,7 @@ def lay_out_spans(spans: Sequence[Span], block_size: int) -> SpanLayout:
     for start, n, s in zip(starts, query_lens, spans, strict=True):
         table = s.block_table
         query_start.append(query_start[-1] + n)
-        slots.extend(table[p // block_size] * block_size + p % block_size
-                     for p in range(start, start + n))
+        slots.extend(_slots(table, start, n, block_size))
     return SpanLayout(
         block_size=block_size,
         starts=_int64(starts),

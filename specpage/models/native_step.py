@@ -11,9 +11,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from specpage.attention.backend import AttentionBackend, lay_out_spans
+from specpage.attention.backend import AttentionBackend, group_tables, lay_out_spans
 from specpage.attention.cpu import NATIVE_SPAN, CpuAttention
-from specpage.core.span import Span, group_spans
+from specpage.core.span import Span
 from specpage.kernels.cpu.native import loaded_kernels
 from specpage.layers import native_stack
 from specpage.layers.native_stack import StackPlan, call_stack, widths_fit
@@ -97,8 +97,7 @@ class NativeStep:
         if plan is None:
             return None
         layout = lay_out_spans(spans, self.block_size)
-        groups = [layout] + [lay_out_spans(group_spans(spans, g), self.block_size)
-                             for g in range(1, self.group_count)]
+        group_slots, group_blocks = group_tables(spans, self.block_size, self.group_count)
         # the token ids, their positions and the rows to score, as slices of one tensor
         values = [t for s in spans for t in s.token_ids]
         values.extend(p for s in spans for p in range(s.start, s.end))
@@ -114,7 +113,7 @@ class NativeStep:
         embedded = torch.embedding(weight, ids) if self.embed is None else self.embed(ids)
         x, branch = call_stack(
             model.config, plan, embedded, (rope, local), self.caches,
-            [g.slot_mapping for g in groups], [g.block_tables for g in groups],
+            [layout.slot_mapping, *group_slots], [layout.block_tables, *group_blocks],
             layout.query_start, layout.context_lens, tap, self.layer_groups)
         if logits_index.shape[0] != tokens:  # else every row, in order
             x, branch = x[logits_index], branch[logits_index]
