@@ -115,6 +115,44 @@ def test_rope_into_the_cache_writes_rope_qks_k_and_v_at_their_slots(dtype):
                                    torch.tensor([0, 1, 2, 64]))
 
 
+@pytest.mark.parametrize(("dtype", "weight_dtype"), [(torch.float32, torch.float32),
+                                                   (torch.bfloat16, torch.bfloat16),
+                                                   (torch.bfloat16, torch.float32)])
+def test_norm_rope_into_the_cache_is_the_norms_then_rope_into_the_cache(dtype, weight_dtype):
+    """norm_rope_qk_into_cache (Gemma 3's and Qwen3's q/k norms in the
+    native layer stack) gives, bit for bit, what rms_norm of each q and k
+    head, their rows put back beside v, then rope_qk_into_cache give: q,
+    and the cache's K and V rows. Tokens split over threads (300) too."""
+    torch.manual_seed(2)
+    heads, kv_heads, head_dim = 4, 1, 256
+    kernels = native_kernels()
+    for tokens in (1, 5, 300):
+        qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim).to(dtype)
+        q_norm, k_norm = (torch.randn(head_dim).to(weight_dtype) for _ in range(2))
+        positions = torch.arange(tokens) * 3 + 1
+        cos, sin = cos_sin(inverse_frequencies(RopeConfig(theta=10000.0), head_dim), positions,
+                           dtype)
+        slots = torch.randperm(tokens + 20)[:tokens]
+        cache = torch.randn(2, (tokens + 20 + 15) // 16, 16, kv_heads, head_dim).to(dtype)
+        expected = cache.clone()
+        q_width, k_width = heads * head_dim, kv_heads * head_dim
+        with torch.inference_mode():
+            normed = torch.cat([
+                kernels.rms_norm(qkv[:, :q_width].reshape(-1, head_dim), q_norm, 1e-6)
+                .view(tokens, q_width),
+                kernels.rms_norm(qkv[:, q_width:q_width + k_width].reshape(-1, head_dim),
+                                 k_norm, 1e-6).view(tokens, k_width),
+                qkv[:, q_width + k_width:]], dim=1)
+            q = kernels.rope_qk_into_cache(normed, cos, sin, heads, kv_heads, expected, slots)
+            ours = kernels.norm_rope_qk_into_cache(qkv, q_norm, k_norm, 1e-6, cos, sin, heads,
+                                                   kv_heads, cache, slots)
+        assert torch.equal(ours, q)
+        assert torch.equal(cache, expected)
+    with pytest.raises(RuntimeError, match="weight must be contiguous"):
+        kernels.norm_rope_qk_into_cache(qkv, torch.ones(head_dim // 2), k_norm, 1e-6, cos, sin,
+                                        heads, kv_heads, cache, slots)
+
+
 def test_what_the_kernels_do_not_take_runs_the_torch_ops():
     """fp16, widths that are not whole vectors and autograd take the torch
     ops, with the same results as the references."""

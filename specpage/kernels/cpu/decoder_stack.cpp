@@ -17,7 +17,8 @@
 // one process to the next the same step moved by up to 25%.
 //
 // Qwen3's layers take their q/k norms (each head of q and k through an
-// RMSNorm before the rotary embedding) and any layer its sliding window.
+// RMSNorm before the rotary embedding, in the same call as the rotation:
+// fused_ops.cpp's norm_rope_qk_into_cache) and any layer its sliding window.
 // Gemma 3's take four norms (before and after each branch), each scaling by
 // a float32 (1 + weight) in the norm kernels, a GeGLU MLP (tanh GELU, by
 // the same ATen ops as models/gemma3.py) and, on their sliding layers, a
@@ -82,6 +83,13 @@ struct Ops {
                                   Tensor&, const Tensor&)>
       rope_into_cache = op<Tensor(const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t,
                                   Tensor&, const Tensor&)>("specpage_cpu::rope_qk_into_cache");
+  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const Tensor&, double,
+                                  const Tensor&, const Tensor&, int64_t, int64_t, Tensor&,
+                                  const Tensor&)>
+      norm_rope_into_cache =
+          op<Tensor(const Tensor&, const Tensor&, const Tensor&, double, const Tensor&,
+                    const Tensor&, int64_t, int64_t, Tensor&, const Tensor&)>(
+              "specpage_cpu::norm_rope_qk_into_cache");
   c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                                   const Tensor&, double, int64_t)>
       attention = op<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
@@ -266,20 +274,6 @@ void overlapped(F&& serial, const Weight* next, int64_t count) {
   if (error) std::rethrow_exception(error);
 }
 
-// qkv [rows, (heads + 2 kv_heads) * d] with each head of q and k through
-// its RMSNorm (weights [d]), as DecoderLayer.rotated_qkv computes it.
-Tensor normed_qk(const Ops& k, const Tensor& qkv, const Tensor& q_norm, const Tensor& k_norm,
-                 int64_t heads, int64_t kv_heads, double eps) {
-  const int64_t rows = qkv.size(0), d = q_norm.size(0);
-  const Tensor q = k.rms_norm.call(
-      qkv.narrow(1, 0, heads * d).reshape({rows * heads, d}).contiguous(), q_norm, eps);
-  const Tensor kn = k.rms_norm.call(
-      qkv.narrow(1, heads * d, kv_heads * d).reshape({rows * kv_heads, d}).contiguous(), k_norm,
-      eps);
-  return at::cat({q.view({rows, heads * d}), kn.view({rows, kv_heads * d}),
-                  qkv.narrow(1, (heads + kv_heads) * d, kv_heads * d)}, 1);
-}
-
 // The MLP's activation: SiLU(gate) * up, or GELU-tanh(gate) * up.
 enum Activation : int64_t { kSilu = 0, kGeluTanh = 1 };
 
@@ -392,11 +386,13 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> decoder_stack(
     const bool local = !local_layers.empty() && local_layers[l] != 0;
     Tensor q;  // attention runs outside: it has threads of its own
     before(i + 1, [&] {
-      const Tensor rotated = qk_norms.empty() ? qkv : normed_qk(k, qkv, qk_norms[2 * l],
-                                                                qk_norms[2 * l + 1], heads,
-                                                                kv_heads, eps);
-      q = k.rope_into_cache.call(rotated, local ? local_rope[0] : cos,
-                                 local ? local_rope[1] : sin, heads, kv_heads, cache, slots);
+      const Tensor& c = local ? local_rope[0] : cos;
+      const Tensor& s = local ? local_rope[1] : sin;
+      // each head of q and k through its RMSNorm first, where the layer has them
+      q = qk_norms.empty()
+              ? k.rope_into_cache.call(qkv, c, s, heads, kv_heads, cache, slots)
+              : k.norm_rope_into_cache.call(qkv, qk_norms[2 * l], qk_norms[2 * l + 1], eps, c,
+                                            s, heads, kv_heads, cache, slots);
     });
     const Tensor attended = k.attention.call(q, cache, tables, query_start, context_lens,
                                              scale, windows.empty() ? kNoWindow : windows[l]);

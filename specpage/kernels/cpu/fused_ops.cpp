@@ -289,6 +289,49 @@ at::Tensor rope_qk_into_cache(const at::Tensor& qkv, const at::Tensor& cos,
   return q;
 }
 
+// rope_qk_into_cache after an RMSNorm of each q head (weight q_norm [head_dim])
+// and each k head (k_norm), as Gemma 3 and Qwen3 norm them: what rms_norm
+// over the heads' rows, their concatenation with v and rope_qk_into_cache
+// compute, value for value (the normed heads rounded to qkv's dtype before
+// they are rotated), in one call. Returns q.
+at::Tensor norm_rope_qk_into_cache(const at::Tensor& qkv, const at::Tensor& q_norm,
+                                   const at::Tensor& k_norm, double eps, const at::Tensor& cos,
+                                   const at::Tensor& sin, int64_t heads, int64_t kv_heads,
+                                   at::Tensor& cache, const at::Tensor& slot_mapping) {
+  check_rope(qkv, cos, sin, heads, kv_heads);
+  const int64_t tokens = qkv.size(0), head_dim = cos.size(1);
+  const at::Tensor heads_view = qkv.narrow(1, 0, head_dim);  // [tokens, head_dim]: the weights' width
+  check_weight(q_norm, heads_view);
+  check_weight(k_norm, heads_view);
+  TORCH_CHECK(q_norm.scalar_type() == k_norm.scalar_type(), "q_norm and k_norm must have one dtype");
+  at::Tensor normed = at::empty({tokens, qkv.size(1)}, qkv.options());
+  by_dtype(qkv.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    by_weight<scalar_t>(q_norm, [&](auto weight_tag) {
+      using weight_t = decltype(weight_tag);
+      const scalar_t* src = qkv.data_ptr<scalar_t>();
+      scalar_t* dst = normed.data_ptr<scalar_t>();
+      const weight_t* wq = q_norm.data_ptr<weight_t>();
+      const weight_t* wk = k_norm.data_ptr<weight_t>();
+      const int64_t stride = qkv.stride(0), width = qkv.size(1);
+      const int64_t rotated = heads + kv_heads;
+      at::parallel_for(0, tokens, row_grain(width), [&](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; ++t) {
+          const scalar_t* row = src + t * stride;
+          scalar_t* out = dst + t * width;
+          for (int64_t h = 0; h < rotated; ++h) {
+            norm_row(row + h * head_dim, h < heads ? wq : wk, out + h * head_dim, head_dim,
+                     static_cast<float>(eps));
+          }
+          std::memcpy(out + rotated * head_dim, row + rotated * head_dim,
+                      kv_heads * head_dim * sizeof(scalar_t));
+        }
+      });
+    });
+  });
+  return rope_qk_into_cache(normed, cos, sin, heads, kv_heads, cache, slot_mapping);
+}
+
 // Structured outputs: -inf at every token of a logit row that its grammar's
 // bitmask (one bit per token, set where allowed, 32 to a little-endian int32)
 // forbids, in place; tokens past the mask's width are forbidden. A mask
@@ -360,6 +403,9 @@ TORCH_LIBRARY_FRAGMENT(specpage_cpu, m) {
   m.def("rope_qk(Tensor qkv, Tensor cos, Tensor sin, int heads, int kv_heads) -> (Tensor, Tensor)");
   m.def("rope_qk_into_cache(Tensor qkv, Tensor cos, Tensor sin, int heads, int kv_heads, "
         "Tensor(a!) cache, Tensor slot_mapping) -> Tensor");
+  m.def("norm_rope_qk_into_cache(Tensor qkv, Tensor q_norm, Tensor k_norm, float eps, "
+        "Tensor cos, Tensor sin, int heads, int kv_heads, Tensor(a!) cache, "
+        "Tensor slot_mapping) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specpage_cpu, CPU, m) {
@@ -368,5 +414,6 @@ TORCH_LIBRARY_IMPL(specpage_cpu, CPU, m) {
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("rope_qk", &rope_qk);
   m.impl("rope_qk_into_cache", &rope_qk_into_cache);
+  m.impl("norm_rope_qk_into_cache", &norm_rope_qk_into_cache);
   m.impl("grammar_mask_", &grammar_mask_);
 }
