@@ -1,5 +1,5 @@
 """A decoder layer's elementwise work: RMSNorm (alone or after the residual
-add), SiLU-and-mul and the rotary embedding of q and k, each one native pass
+add), SiLU- and GELU-and-mul and the rotary embedding of q and k, each one native pass
 (specpage/kernels/cpu/fused_ops.cpp) where it applies: CPU tensors in fp32
 or bf16 whose widths are whole vectors, with autograd off. Elsewhere the
 torch ops below run, which are also what the kernels are tested against.
@@ -110,6 +110,21 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return F.silu(gate) * up
     out: torch.Tensor = kernels.silu_and_mul(_unit_columns(gate_up))  # type: ignore[attr-defined]
     return out
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [rows, 2 * width] (gate, then up) -> gelu(gate) * up [rows,
+    width], GELU by its tanh approximation (Gemma's GeGLU)."""
+    kernels = _native(gate_up, gate_up.shape[-1] // 2)
+    if kernels is None or gate_up.dim() != 2:
+        return gelu_tanh_and_mul_ref(gate_up)
+    out: torch.Tensor = kernels.gelu_tanh_and_mul(_unit_columns(gate_up))  # type: ignore[attr-defined]
+    return out
+
+
+def gelu_tanh_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
 
 
 def rope_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,

@@ -8,11 +8,10 @@ their rotary base and the attention scale are the config's
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specpage.attention.backend import AttentionBackend, AttentionMetadata
-from specpage.layers import native_stack
+from specpage.layers import fused, native_stack
 from specpage.layers.norm import GemmaRMSNorm
 from specpage.models.config import ModelConfig
 from specpage.models.layer import DecoderLayer
@@ -52,7 +51,7 @@ class Gemma3Layer(DecoderLayer):
         attn = self.attention(normed, rope, cache, meta, backend)
         x, normed = self.pre_feedforward_layernorm.after_add(self.post_attention_layernorm(attn), x)
         gate_up = self.gate_up_proj(normed)
-        return x, self.post_feedforward_layernorm(self.down_proj(gelu_tanh_and_mul(gate_up)))
+        return x, self.post_feedforward_layernorm(self.down_proj(fused.gelu_tanh_and_mul(gate_up)))
 
     def stack_norm_modules(self) -> tuple[nn.Module, ...]:
         """decoder_stack.cpp's four: before attention, after it, before the
@@ -60,8 +59,3 @@ class Gemma3Layer(DecoderLayer):
         return (self.input_layernorm, self.post_attention_layernorm,
                 self.pre_feedforward_layernorm, self.post_feedforward_layernorm)
 
-
-def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up [rows, 2 * width] (gate, then up) -> gelu_tanh(gate) * up [rows, width]."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.gelu(gate, approximate="tanh") * up

@@ -74,6 +74,26 @@ def test_silu_and_mul_equals_the_torch_ops(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_tanh_and_mul_equals_the_torch_ops(dtype):
+    """Gemma's GeGLU: F.gelu(gate, approximate="tanh") * up in torch's
+    order, its tanh through exp. Below x = -5, 1 + tanh(z) is within a step
+    or two of fp32's grid near -1 of 0: there both give 0 or a value below
+    2^-22 |x up| (0 or not as each tanh's last bit falls)."""
+    torch.manual_seed(1)
+    gate_up = (torch.randn(33, 2 * 2048) * 4).to(dtype)
+    gate_up[0, :8] = torch.tensor([-100.0, -20.0, -1e-3, 0.0, 1e-3, 20.0, 100.0, 88.0])
+    with torch.inference_mode():
+        ours = fused.gelu_tanh_and_mul(gate_up)
+        ref = fused.gelu_tanh_and_mul_ref(gate_up)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    tail = gate <= -5
+    bound = 2**-22 * (gate * up).abs()
+    assert bool((ours.float().abs() <= bound)[tail].all())
+    assert bool((ref.float().abs() <= bound)[tail].all())
+    close(torch.where(tail, ref, ours), ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 128)])
 def test_rope_equals_the_torch_ops(dtype, heads, kv_heads, head_dim):
     torch.manual_seed(heads)

@@ -20,8 +20,8 @@
 // RMSNorm before the rotary embedding, in the same call as the rotation:
 // fused_ops.cpp's norm_rope_qk_into_cache) and any layer its sliding window.
 // Gemma 3's take four norms (before and after each branch), each scaling by
-// a float32 (1 + weight) in the norm kernels, a GeGLU MLP (tanh GELU, by
-// the same ATen ops as models/gemma3.py) and, on their sliding layers, a
+// a float32 (1 + weight) in the norm kernels, a GeGLU MLP (tanh GELU:
+// fused_ops.cpp's gelu_tanh_and_mul, as models/gemma3.py) and, on their sliding layers, a
 // rotary table of their own.
 //
 // Registered as torch.ops.specpage_cpu.decoder_stack.
@@ -31,7 +31,6 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/gelu.h>
 #include <ATen/ops/mul.h>
 #include <torch/library.h>
 
@@ -79,6 +78,8 @@ struct Ops {
           "specpage_cpu::add_rms_norm");
   c10::TypedOperatorHandle<Tensor(const Tensor&)> silu_and_mul =
       op<Tensor(const Tensor&)>("specpage_cpu::silu_and_mul");
+  c10::TypedOperatorHandle<Tensor(const Tensor&)> gelu_tanh_and_mul =
+      op<Tensor(const Tensor&)>("specpage_cpu::gelu_tanh_and_mul");
   c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t,
                                   Tensor&, const Tensor&)>
       rope_into_cache = op<Tensor(const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t,
@@ -408,13 +409,8 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> decoder_stack(
     const Tensor gate_up = product(p[2], normed);
     Tensor act;
     before(i + 3, [&] {
-      if (activation == kSilu) {
-        act = k.silu_and_mul.call(gate_up);
-      } else {
-        const int64_t width = gate_up.size(1) / 2;
-        act = at::mul(at::gelu(gate_up.narrow(1, 0, width), "tanh"),
-                      gate_up.narrow(1, width, width));
-      }
+      act = activation == kSilu ? k.silu_and_mul.call(gate_up)
+                                : k.gelu_tanh_and_mul.call(gate_up);
     });
     branch = product(p[3], act);
     if (per_layer == 4) branch = k.rms_norm.call(branch, norms[4 * l + 3], eps);

@@ -1,5 +1,6 @@
 // A decoder layer's elementwise work on CPU, one pass each instead of torch's
-// chain of ops: RMSNorm (alone, or after the residual add), SiLU-and-mul and
+// chain of ops: RMSNorm (alone, or after the residual add), SiLU- and
+// GELU-and-mul and
 // the rotary embedding of q and k; and a grammar's masks laid on logit rows. In a one-token step the chains' per-op
 // overhead is most of what is not a product; in a 32-row step their passes
 // over memory are.
@@ -153,9 +154,10 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   return {sum, out};
 }
 
-// gate_up [rows, 2 * width] (gate, then up) -> silu(gate) * up [rows, width],
-// silu rounded to the dtype before the product, as F.silu(gate) * up.
-at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+// gate_up [rows, 2 * width] (gate, then up) -> act(gate) * up [rows, width],
+// act's value rounded to the dtype before the product, as torch's two ops.
+template <typename Activation>
+at::Tensor gated(const at::Tensor& gate_up, Activation&& act) {
   check_rows(gate_up, "gate_up");
   TORCH_CHECK(gate_up.size(1) % (2 * kLanes) == 0, "gate_up's width must be a multiple of ",
               2 * kLanes);
@@ -171,14 +173,33 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
         const scalar_t* gate = src + r * stride;
         const scalar_t* up = gate + width;
         for (int64_t i = 0; i < width; i += kLanes) {
-          const vfloat g = load(gate + i);
-          const vfloat silu = rounded<scalar_t>(g / (1.0f + vexp(-g)));
-          store(dst + r * width + i, silu * load(up + i));
+          store(dst + r * width + i, rounded<scalar_t>(act(load(gate + i))) * load(up + i));
         }
       }
     });
   });
   return out;
+}
+
+// silu(gate) * up, as F.silu(gate) * up.
+at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+  return gated(gate_up, [](vfloat g) { return g / (1.0f + vexp(-g)); });
+}
+
+// gelu(gate) * up with GELU's tanh approximation (F.gelu(gate,
+// approximate="tanh") * up: Gemma's GeGLU) in torch's order, 0.5 x (1 +
+// tanh(z)), with tanh(z) = 2 sigmoid(2z) - 1 by exp as SiLU takes it: one
+// rounding onto fp32's grid near +-1, as torch's tanh, so that 1 + tanh(z)
+// takes the same steps (and is 0 where tanh(z) rounds to -1, below about
+// x = -5, as torch's).
+at::Tensor gelu_tanh_and_mul(const at::Tensor& gate_up) {
+  constexpr float kBeta = 0.7978845608028654f;  // sqrt(2 / pi)
+  constexpr float kKappa = 0.044715f;
+  return gated(gate_up, [](vfloat g) {
+    const vfloat z = kBeta * (g + kKappa * (g * g * g));
+    const vfloat tanh = 2.0f / (1.0f + vexp(-2.0f * z)) - 1.0f;
+    return 0.5f * g * (1.0f + tanh);
+  });
 }
 
 // x * cos + rotate_half(x) * sin for one head, each product rounded to the
@@ -400,6 +421,7 @@ TORCH_LIBRARY_FRAGMENT(specpage_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
+  m.def("gelu_tanh_and_mul(Tensor gate_up) -> Tensor");
   m.def("rope_qk(Tensor qkv, Tensor cos, Tensor sin, int heads, int kv_heads) -> (Tensor, Tensor)");
   m.def("rope_qk_into_cache(Tensor qkv, Tensor cos, Tensor sin, int heads, int kv_heads, "
         "Tensor(a!) cache, Tensor slot_mapping) -> Tensor");
@@ -412,6 +434,7 @@ TORCH_LIBRARY_IMPL(specpage_cpu, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("gelu_tanh_and_mul", &gelu_tanh_and_mul);
   m.impl("rope_qk", &rope_qk);
   m.impl("rope_qk_into_cache", &rope_qk_into_cache);
   m.impl("norm_rope_qk_into_cache", &norm_rope_qk_into_cache);

@@ -4,9 +4,9 @@ torch's cpp_extension into the specpage cache, loaded from there afterwards.
 
 - paged_attention.cpp: attention over KV blocks read in place
   (specpage/attention/cpu.py; its reference is in specpage/attention/native.py);
-- fused_ops.cpp: RMSNorm (with the residual add), SiLU-and-mul and rotary
-  embeddings (after q/k norms, where a model has them), one pass each (specpage/layers/fused.py, which holds their
-  references);
+- fused_ops.cpp: RMSNorm (with the residual add), SiLU- and GELU-and-mul
+  and rotary embeddings (after q/k norms, where a model has them), one pass
+  each (specpage/layers/fused.py, which holds their references);
 - bf16_gemv.cpp and bf16_panels.cpp: bf16 products of up to 8 and of 9 to
   64 rows on AVX-512 BF16 (specpage/layers/products.py cpu_linear; where the
   build lacks the instructions, has_bf16_gemv() is false and oneDNN takes
