@@ -63,6 +63,24 @@ def test_a_float32_scale_multiplies_before_the_rounding(rows):
     close(normed, fused.scaled_rms_norm_ref(x + residual, scale, 1e-6))
 
 
+@pytest.mark.parametrize(("dtype", "weight_dtype"), [(torch.float32, torch.float32),
+                                                   (torch.bfloat16, torch.bfloat16),
+                                                   (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize("rows", [1, 300])
+def test_normed_add_rms_norm_is_the_norm_then_the_add_and_norm(dtype, weight_dtype, rows):
+    """Gemma 3's branch norm, residual add and next norm in one call give,
+    bit for bit, rms_norm then add_rms_norm."""
+    torch.manual_seed(rows)
+    kernels = native_kernels()
+    branch, residual = (torch.randn(rows, 640).to(dtype) for _ in range(2))
+    branch_weight, weight = (torch.randn(640).to(weight_dtype) for _ in range(2))
+    with torch.inference_mode():
+        total, normed = kernels.add_rms_norm(kernels.rms_norm(branch, branch_weight, 1e-6),
+                                             residual, weight, 1e-6)
+        ours = kernels.normed_add_rms_norm(branch, residual, branch_weight, weight, 1e-6)
+    assert torch.equal(ours[0], total) and torch.equal(ours[1], normed)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul_equals_the_torch_ops(dtype):
     torch.manual_seed(1)

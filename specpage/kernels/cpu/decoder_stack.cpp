@@ -76,6 +76,10 @@ struct Ops {
   c10::TypedOperatorHandle<Pair(const Tensor&, const Tensor&, const Tensor&, double)>
       add_rms_norm = op<Pair(const Tensor&, const Tensor&, const Tensor&, double)>(
           "specpage_cpu::add_rms_norm");
+  c10::TypedOperatorHandle<Pair(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                double)>
+      normed_add_rms_norm = op<Pair(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                    double)>("specpage_cpu::normed_add_rms_norm");
   c10::TypedOperatorHandle<Tensor(const Tensor&)> silu_and_mul =
       op<Tensor(const Tensor&)>("specpage_cpu::silu_and_mul");
   c10::TypedOperatorHandle<Tensor(const Tensor&)> gelu_tanh_and_mul =
@@ -370,8 +374,11 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> decoder_stack(
     before(i, [&] {
       if (l == 0) {
         normed = k.rms_norm.call(x, norms[0], eps);
-      } else {
-        std::tie(x, normed) = k.add_rms_norm.call(branch, x, norms[per_layer * l], eps);
+      } else if (per_layer == 2) {
+        std::tie(x, normed) = k.add_rms_norm.call(branch, x, norms[2 * l], eps);
+      } else {  // the last layer's MLP branch normed, added, and the sum normed
+        std::tie(x, normed) = k.normed_add_rms_norm.call(branch, x, norms[4 * l - 1],
+                                                         norms[4 * l], eps);
       }
     });
     if (tap < taps.size() && taps[tap] == l) {
@@ -402,8 +409,8 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> decoder_stack(
       if (per_layer == 2) {
         std::tie(x, normed) = k.add_rms_norm.call(o, x, norms[2 * l + 1], eps);
       } else {  // the branch normed, added, and the sum normed for the MLP
-        const Tensor attn = k.rms_norm.call(o, norms[4 * l + 1], eps);
-        std::tie(x, normed) = k.add_rms_norm.call(attn, x, norms[4 * l + 2], eps);
+        std::tie(x, normed) = k.normed_add_rms_norm.call(o, x, norms[4 * l + 1],
+                                                         norms[4 * l + 2], eps);
       }
     });
     const Tensor gate_up = product(p[2], normed);
@@ -412,9 +419,9 @@ std::tuple<Tensor, Tensor, std::vector<Tensor>> decoder_stack(
       act = activation == kSilu ? k.silu_and_mul.call(gate_up)
                                 : k.gelu_tanh_and_mul.call(gate_up);
     });
-    branch = product(p[3], act);
-    if (per_layer == 4) branch = k.rms_norm.call(branch, norms[4 * l + 3], eps);
+    branch = product(p[3], act);  // (Gemma's normed as the next layer adds it)
   }
+  if (per_layer == 4) branch = k.rms_norm.call(branch, norms[4 * layers - 1], eps);
   return {x, branch, tapped};
 }
 

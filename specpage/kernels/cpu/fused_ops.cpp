@@ -119,14 +119,22 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 }
 
 // (x + residual, rms_norm(x + residual)): the sum rounded to the dtype, as
-// torch's add, and normed from the rounded sum.
-std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
-                                                const at::Tensor& weight, double eps) {
+// torch's add, and normed from the rounded sum; where branch_weight is
+// given, x is first normed by it (rounded to the dtype, as rms_norm's
+// output): Gemma 3's branch norm, its add and the next norm in one pass.
+std::tuple<at::Tensor, at::Tensor> add_norm_rows(const at::Tensor& x, const at::Tensor& residual,
+                                                 const at::Tensor* branch_weight,
+                                                 const at::Tensor& weight, double eps) {
   check_rows(x, "x");
   check_rows(residual, "residual");
   TORCH_CHECK(x.sizes() == residual.sizes() && x.scalar_type() == residual.scalar_type(),
               "x and residual must have one shape and dtype");
   check_weight(weight, x);
+  if (branch_weight != nullptr) {
+    check_weight(*branch_weight, x);
+    TORCH_CHECK(branch_weight->scalar_type() == weight.scalar_type(),
+                "branch_weight and weight must have one dtype");
+  }
   const int64_t rows = x.size(0), width = x.size(1);
   at::Tensor sum = at::empty({rows, width}, x.options());
   at::Tensor out = at::empty({rows, width}, x.options());
@@ -137,14 +145,20 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
       const scalar_t* a = x.data_ptr<scalar_t>();
       const scalar_t* b = residual.data_ptr<scalar_t>();
       const weight_t* w = weight.data_ptr<weight_t>();
+      const weight_t* bw = branch_weight == nullptr ? nullptr : branch_weight->data_ptr<weight_t>();
       scalar_t* s = sum.data_ptr<scalar_t>();
       scalar_t* dst = out.data_ptr<scalar_t>();
       const int64_t stride_a = x.stride(0), stride_b = residual.stride(0);
       at::parallel_for(0, rows, row_grain(width), [&](int64_t begin, int64_t end) {
         for (int64_t r = begin; r < end; ++r) {
           scalar_t* row = s + r * width;
+          const scalar_t* branch = a + r * stride_a;
+          if (bw != nullptr) {  // the branch normed into the sum's row, then added there
+            norm_row(branch, bw, row, width, static_cast<float>(eps));
+            branch = row;
+          }
           for (int64_t i = 0; i < width; i += kLanes) {
-            store(row + i, load(a + r * stride_a + i) + load(b + r * stride_b + i));
+            store(row + i, load(branch + i) + load(b + r * stride_b + i));
           }
           norm_row(row, w, dst + r * width, width, static_cast<float>(eps));
         }
@@ -152,6 +166,19 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
     });
   });
   return {sum, out};
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps) {
+  return add_norm_rows(x, residual, nullptr, weight, eps);
+}
+
+// add_rms_norm(rms_norm(x, branch_weight), residual, weight), value for value.
+std::tuple<at::Tensor, at::Tensor> normed_add_rms_norm(const at::Tensor& x,
+                                                       const at::Tensor& residual,
+                                                       const at::Tensor& branch_weight,
+                                                       const at::Tensor& weight, double eps) {
+  return add_norm_rows(x, residual, &branch_weight, weight, eps);
 }
 
 // gate_up [rows, 2 * width] (gate, then up) -> act(gate) * up [rows, width],
@@ -420,6 +447,8 @@ TORCH_LIBRARY_FRAGMENT(specpage_cpu, m) {
   m.def("grammar_mask_(Tensor(a!) logits, Tensor rows, Tensor masks) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("normed_add_rms_norm(Tensor x, Tensor residual, Tensor branch_weight, Tensor weight, "
+        "float eps) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
   m.def("gelu_tanh_and_mul(Tensor gate_up) -> Tensor");
   m.def("rope_qk(Tensor qkv, Tensor cos, Tensor sin, int heads, int kv_heads) -> (Tensor, Tensor)");
@@ -433,6 +462,7 @@ TORCH_LIBRARY_FRAGMENT(specpage_cpu, m) {
 TORCH_LIBRARY_IMPL(specpage_cpu, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("normed_add_rms_norm", &normed_add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("gelu_tanh_and_mul", &gelu_tanh_and_mul);
   m.impl("rope_qk", &rope_qk);
