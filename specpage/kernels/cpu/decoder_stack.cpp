@@ -19,9 +19,10 @@
 // Qwen3's layers take their q/k norms (each head of q and k through an
 // RMSNorm before the rotary embedding, in the same call as the rotation:
 // fused_ops.cpp's norm_rope_qk_into_cache) and any layer its sliding window.
-// Gemma 3's take four norms (before and after each branch), each scaling by
-// a float32 (1 + weight) in the norm kernels, a GeGLU MLP (tanh GELU:
-// fused_ops.cpp's gelu_tanh_and_mul, as models/gemma3.py) and, on their sliding layers, a
+// Gemma 3's take four norms (before and after each branch; a branch's norm,
+// its add and the next norm in one call), each scaling by a float32 (1 +
+// weight) in the norm kernels, a GeGLU MLP (tanh GELU: fused_ops.cpp's
+// gelu_tanh_and_mul, as models/gemma3.py) and, on their sliding layers, a
 // rotary table of their own.
 //
 // Registered as torch.ops.specpage_cpu.decoder_stack.
@@ -29,9 +30,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/mul.h>
 #include <torch/library.h>
 
 #include <omp.h>

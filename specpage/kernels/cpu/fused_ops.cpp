@@ -1,9 +1,10 @@
 // A decoder layer's elementwise work on CPU, one pass each instead of torch's
-// chain of ops: RMSNorm (alone, or after the residual add), SiLU- and
-// GELU-and-mul and
-// the rotary embedding of q and k; and a grammar's masks laid on logit rows. In a one-token step the chains' per-op
-// overhead is most of what is not a product; in a 32-row step their passes
-// over memory are.
+// chain of ops: RMSNorm (alone, after the residual add, or a branch's norm,
+// the add and the next norm), SiLU- and GELU-and-mul and the rotary
+// embedding of q and k (after their norms, where a model has them); and a
+// grammar's masks laid on logit rows. In a one-token step the chains'
+// per-op overhead is most of what is not a product; in a 32-row step their
+// passes over memory are.
 //
 // Each kernel rounds to the tensor's dtype where torch's chain rounds (bf16
 // after every op), so a bf16 model takes the tokens of its torch ops but for
@@ -348,10 +349,11 @@ at::Tensor norm_rope_qk_into_cache(const at::Tensor& qkv, const at::Tensor& q_no
                                    at::Tensor& cache, const at::Tensor& slot_mapping) {
   check_rope(qkv, cos, sin, heads, kv_heads);
   const int64_t tokens = qkv.size(0), head_dim = cos.size(1);
-  const at::Tensor heads_view = qkv.narrow(1, 0, head_dim);  // [tokens, head_dim]: the weights' width
-  check_weight(q_norm, heads_view);
-  check_weight(k_norm, heads_view);
-  TORCH_CHECK(q_norm.scalar_type() == k_norm.scalar_type(), "q_norm and k_norm must have one dtype");
+  const at::Tensor head = qkv.narrow(1, 0, head_dim);  // a head's width: the weights'
+  check_weight(q_norm, head);
+  check_weight(k_norm, head);
+  TORCH_CHECK(q_norm.scalar_type() == k_norm.scalar_type(),
+              "q_norm and k_norm must have one dtype");
   at::Tensor normed = at::empty({tokens, qkv.size(1)}, qkv.options());
   by_dtype(qkv.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
