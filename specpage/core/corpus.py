@@ -45,12 +45,12 @@ from typing import Any, BinaryIO
 from specpage.core.config_error import ConfigError
 from specpage.core.ngram import (
     BITS,
-    COUNT_CAP,
     MASKS,
-    SHRINK,
     Continuation,
     Evidence,
     NgramCounts,
+    entry_counts,
+    proposal,
     tail_key,
     walk,
 )
@@ -103,8 +103,7 @@ class CorpusTable:
         for n, table in enumerate(counts.tables, start=1):
             kept = {}
             for key, entry in table.items():
-                best, count, total = ((entry, 1, 1) if isinstance(entry, int)
-                                      else (entry.best, entry.counts[entry.best], entry.total))
+                best, count, total = entry_counts(entry)
                 if n == 1 or count >= least:
                     kept[key] = _pack(best, count, total)
             tables.append(kept)
@@ -121,11 +120,8 @@ class CorpusTable:
         key = tail_key(context, longest)
         for n in range(longest, 0, -1):
             value = self.tables[n - 1].get(key & MASKS[n])
-            if value is None:
-                continue
-            best, count, total = value & _FIELD, value >> BITS & _FIELD, value >> 2 * BITS
-            return best, count / (total + SHRINK), Evidence(
-                n, min(count, COUNT_CAP), count == total)
+            if value is not None:
+                return proposal(n, value & _FIELD, value >> BITS & _FIELD, value >> 2 * BITS)
         return None
 
     def continuation(self, context: Seq[int], length: int) -> Continuation:

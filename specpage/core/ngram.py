@@ -112,6 +112,19 @@ MAX_NGRAM = 32  # the longest n-gram matched (engine.spec_ngram_max at most)
 MASKS = [(1 << (BITS * n)) - 1 for n in range(MAX_NGRAM + 1)]  # an n-gram's key in a longer one's
 
 
+def entry_counts(entry: int | Followers) -> tuple[int, int, int]:
+    """(likeliest follower, its count, the n-gram's total) of a table's entry
+    (a token: an n-gram seen once)."""
+    if isinstance(entry, int):
+        return entry, 1, 1
+    return entry.best, entry.counts[entry.best], entry.total
+
+
+def proposal(n: int, best: int, count: int, total: int) -> tuple[int, float, Evidence]:
+    """What a lookup found after an n-gram: (follower, confidence, evidence)."""
+    return best, count / (total + SHRINK), Evidence(n, min(count, COUNT_CAP), count == total)
+
+
 def tail_key(context: Seq[int], n: int) -> int:
     """The key of context's last n tokens (the oldest highest): masked with
     MASKS[m], the key of its last m."""
@@ -188,13 +201,8 @@ class NgramCounts:
         key = tail_key(context, longest)
         for n in range(longest, self.n_min - 1, -1):
             entry = self.tables[n - self.n_min].get(key & MASKS[n])
-            if entry is None:
-                continue
-            if isinstance(entry, int):
-                return entry, 1 / (1 + SHRINK), Evidence(n, 1, True)
-            count = entry.counts[entry.best]
-            return entry.best, count / (entry.total + SHRINK), Evidence(
-                n, min(count, COUNT_CAP), count == entry.total)
+            if entry is not None:
+                return proposal(n, *entry_counts(entry))
         return None
 
     def continuation(self, context: Seq[int], length: int) -> Continuation:
