@@ -7,6 +7,7 @@ core's decision (core/proposer_rules.py).
 
 from __future__ import annotations
 
+import array
 import time
 from typing import Any, NamedTuple
 
@@ -301,29 +302,30 @@ def _one_hot(rows: list[int], works: list[SeqWork], ks: list[int], proposal: Pro
 def _one_hot_native(kernels: Any, rows: list[int], works: list[SeqWork], ks: list[int],
                     offsets: list[int], proposal: Proposal,
                     logits: torch.Tensor) -> list[tuple[int, int]]:
-    """_decide's acceptance with the proposed tokens' probabilities and the
-    draws taken from the logits by the native kernels
-    (kernels/cpu/sampling.cpp): each row read two or three times, never
-    turned into a tensor of probabilities."""
-    inverse = [1.0 / w.sampling.temperature for w in works]
-    at_rows, at_tokens, at_inverse = [], [], []
-    for r, (i, k) in enumerate(zip(rows, ks, strict=True)):
-        for j, t in enumerate(proposal.tokens[i][:k]):
-            at_rows.append(offsets[r] + j)
-            at_tokens.append(t)
-            at_inverse.append(inverse[r])
-    p_at = kernels.temperature_probabilities(
-        logits, torch.tensor(at_rows, dtype=torch.int64),
-        torch.tensor(at_tokens, dtype=torch.int64),
-        torch.tensor(at_inverse, dtype=torch.float32)).tolist() if at_rows else []
-    decided = _decide(rows, works, ks, proposal, p_at)
-    tokens = kernels.temperature_draws(
-        logits, torch.tensor([offsets[r] + a for r, a in enumerate(decided.accepted)],
-                             dtype=torch.int64),
-        torch.tensor(inverse, dtype=torch.float32),
-        torch.tensor(decided.draws, dtype=torch.float64),
-        torch.tensor(decided.removed, dtype=torch.int64)).tolist()
-    return list(zip(decided.accepted, tokens, strict=True))
+    """_decide's acceptance and its draw in one native call
+    (kernels/cpu/sampling.cpp one_hot_acceptance): each sequence's rows
+    weighed only as far as its tests reach, the seeded uniforms made there
+    as sampler.uniform makes them, no row turned into a tensor of
+    probabilities. Its arguments go as two buffers (torch.frombuffer over
+    arrays: a microsecond each, where torch.tensor of a list takes several)."""
+    meta = array.array("q", offsets)
+    meta.extend(ks)
+    meta.extend(_as_int64(w.sampling.seed) for w in works)
+    meta.extend(w.end for w in works)
+    for i, k in zip(rows, ks, strict=True):
+        meta.extend(proposal.tokens[i][:k])
+    inverse = array.array("f", [1.0 / w.sampling.temperature for w in works])
+    decided = kernels.one_hot_acceptance(
+        logits, torch.frombuffer(meta, dtype=torch.int64),
+        torch.frombuffer(inverse, dtype=torch.float32)).tolist()
+    return [(a, token) for a, token in decided]
+
+
+def _as_int64(seed: int) -> int:
+    """seed mod 2^64 as int64's two's complement: what sampler.uniform's
+    arithmetic makes of it, in a tensor."""
+    seed &= (1 << 64) - 1
+    return seed - (1 << 64) if seed >= 1 << 63 else seed
 
 
 def _prompt_logprobs(batch: list[SeqWork], spans: list[Span], logits: torch.Tensor,

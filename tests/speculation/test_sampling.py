@@ -325,6 +325,80 @@ def test_native_temperature_probabilities_and_a_certain_token():
         kernels.temperature_probabilities(logits, torch.tensor([4]), tokens[:1], inverse[:1])
 
 
+def _two_calls(kernels, works, ks, offsets, tokens, logits):
+    """one_hot_acceptance's reference: every proposal's probability
+    (temperature_probabilities), the verifier's _decide on them with
+    sampler.uniform, then the draw (temperature_draws)."""
+    from specpage.speculation.proposal import Proposal
+    from specpage.speculation.verifier import _decide
+
+    inverse = [1.0 / w.sampling.temperature for w in works]
+    at_rows = [offsets[r] + j for r, k in enumerate(ks) for j in range(k)]
+    at_inverse = [inverse[r] for r, k in enumerate(ks) for _ in range(k)]
+    flat = [t for r, k in enumerate(ks) for t in tokens[r][:k]]
+    p_at = kernels.temperature_probabilities(
+        logits, torch.tensor(at_rows, dtype=torch.int64), torch.tensor(flat, dtype=torch.int64),
+        torch.tensor(at_inverse, dtype=torch.float32)).tolist() if at_rows else []
+    proposal = Proposal(tokens, [None] * len(ks), [])
+    decided = _decide(list(range(len(ks))), works, ks, proposal, p_at)
+    drawn = kernels.temperature_draws(
+        logits, torch.tensor([offsets[r] + a for r, a in enumerate(decided.accepted)]),
+        torch.tensor(inverse, dtype=torch.float32),
+        torch.tensor(decided.draws, dtype=torch.float64),
+        torch.tensor(decided.removed, dtype=torch.int64)).tolist()
+    return list(zip(decided.accepted, drawn, strict=True))
+
+
+def test_native_one_hot_acceptance_is_the_two_calls_and_decide():
+    """kernels/cpu/sampling.cpp's one_hot_acceptance takes, bit for bit, the
+    tokens that the proposals' probabilities, the verifier's _decide (with
+    sampler.uniform's seeded draws) and temperature_draws take: sequences
+    with and without proposals, rejections at every position, rows certain
+    of a token, forbidden (-inf) tokens, and seeds negative or past 2^63."""
+    from specpage.core.step import Sampling, SeqWork
+    from specpage.speculation.proposal import Proposal
+    from specpage.speculation.verifier import _one_hot_native
+
+    kernels = _native()
+    generator = torch.Generator().manual_seed(21)
+    seeds = [0, 1, -1, -(1 << 70) + 5, (1 << 63) + 12345, (1 << 64) - 1, 1 << 80, 987654321]
+    for case in range(200):
+        vocab = int(torch.randint(2, 700, (), generator=generator))
+        ks = [int(k) for k in torch.randint(0, 6, (int(torch.randint(1, 5, ())),),
+                                            generator=generator)]
+        works = [SeqWork(r, 7 * case + r, [1], [0], True, k, 0, [],
+                         Sampling(float(torch.rand((), generator=generator)) * 1.5 + 0.2, 0,
+                                  1.0, seeds[(case + r) % len(seeds)], False))
+                 for r, k in enumerate(ks)]
+        gap = int(torch.randint(0, 3, (), generator=generator))  # rows that are not sampled
+        offsets, row = [], gap
+        for k in ks:
+            offsets.append(row)
+            row += k + 1 + gap
+        logits = torch.randn(row, vocab, generator=generator) * 4
+        if case % 7 == 0:
+            logits[:, ::2] = float("-inf")
+        tokens = []
+        for r, k in enumerate(ks):
+            rows = logits[offsets[r] : offsets[r] + k]
+            likeliest = rows.argmax(-1)
+            other = torch.randint(0, vocab, (k,), generator=generator)
+            pick = torch.rand(k, generator=generator) < 0.7
+            tokens.append(torch.where(pick, likeliest, other).tolist())
+        if case % 10 == 0 and ks[0]:  # a row certain of its proposed token
+            logits[offsets[0]] = float("-inf")
+            logits[offsets[0], tokens[0][0]] = 1.0
+        fused = _one_hot_native(kernels, list(range(len(ks))), works, ks, offsets,
+                                Proposal(tokens, [None] * len(ks), []), logits)
+        assert fused == _two_calls(kernels, works, ks, offsets, tokens, logits), case
+    with pytest.raises(RuntimeError, match="sequence 0's 3 rows from row 2 are outside"):
+        kernels.one_hot_acceptance(torch.zeros(4, 5), torch.tensor([2, 2, 0, 0, 1, 1]),
+                                   torch.tensor([1.0]))
+    with pytest.raises(RuntimeError, match="token 5 is outside the 5-token vocabulary"):
+        kernels.one_hot_acceptance(torch.zeros(4, 5), torch.tensor([0, 1, 0, 0, 5]),
+                                   torch.tensor([1.0]))
+
+
 def test_native_greedy_tokens_are_torch_argmax():
     """kernels/cpu/sampling.cpp's greedy_tokens: torch.argmax's token for
     every row: ties to the first, a row all -inf, NaN (the first), widths

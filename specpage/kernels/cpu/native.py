@@ -20,8 +20,9 @@ torch's cpp_extension into the specpage cache, loaded from there afterwards.
   the CPU has AVX-512 VNNI, a portable loop elsewhere), and their
   dequantization to bf16 (specpage/layers/kquant.py, which holds the
   reference);
-- sampling.cpp: a token's probability at a temperature, and draws from
-  the logits with a proposed token taken out
+- sampling.cpp: a token's probability at a temperature, draws from the
+  logits with a proposed token taken out, and the one-hot acceptance of a
+  step's proposals with its draw in one call
   (specpage/speculation/verifier.py; sampler.py is the reference);
 - decoder_stack.cpp: a decoder's layers in one call, the ops above called
   from C++ in the order DecoderLayer.forward calls them

@@ -13,14 +13,21 @@
 // chunks of 256 weights. Each row is one thread's from start to end, so a
 // row's result does not depend on the other rows of the call.
 //
+// A verify step's sampled sequences whose proposals have no distribution
+// take one_hot_acceptance: each proposal's probability, the acceptance test
+// and the draw after it in one call, a row weighed only when the test
+// reaches it (the verifier's _decide and the two calls above, bit for bit),
+// where the two calls weighed every proposal's row and then the drawn one
+// again.
+//
 // Greedy rows take greedy_tokens: each row's argmax as torch.argmax gives
 // it (the first index of the largest value; the first NaN where there is
 // one), in two vector passes where torch's reduction carries an index
 // through every comparison (262144 logits: ~20 against ~320 microseconds).
 //
 // Registered as torch.ops.specpage_cpu.temperature_probabilities,
-// temperature_draws and greedy_tokens; the Python side is
-// specpage/speculation/sampling_rows.py.
+// temperature_draws, one_hot_acceptance and greedy_tokens; the Python side is
+// specpage/speculation/sampling_rows.py and verifier.py.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -71,23 +78,29 @@ double weigh(const float* logits, int64_t vocab, float inverse_temperature, floa
     std::fill(w, w + padded, 0.0f);
     return 0.0;
   }
-  for (int64_t i = 0; i < padded; i += kLanes) {
-    vfloat x;
-    if (i + kLanes <= vocab) {
-      x = load(logits + i);
-    } else {
-      x = splat(-std::numeric_limits<float>::infinity());
-      for (int64_t j = i; j < vocab; ++j) x[j - i] = logits[j];
-    }
-    const vfloat e = (x - max) * inverse_temperature;
-    const vfloat weight = e < kLeast ? vfloat{} : vexp(e);
-    std::memcpy(w + i, &weight, sizeof(weight));
-  }
+  // Each chunk's weights summed as they are made, in chunk_sum's order.
   double total = 0.0;
   for (size_t c = 0; c < chunks.size(); ++c) {
     const int64_t first = static_cast<int64_t>(c) * kChunk;
-    chunks[c] = chunk_sum(w, first, std::min<int64_t>(padded, first + kChunk));
-    total += chunks[c];
+    const int64_t last = std::min<int64_t>(padded, first + kChunk);
+    vfloat sum = vfloat{};
+    for (int64_t i = first; i < last; i += kLanes) {
+      vfloat x;
+      if (i + kLanes <= vocab) {
+        x = load(logits + i);
+      } else {
+        x = splat(-std::numeric_limits<float>::infinity());
+        for (int64_t j = i; j < vocab; ++j) x[j - i] = logits[j];
+      }
+      const vfloat e = (x - max) * inverse_temperature;
+      const vfloat weight = e < kLeast ? vfloat{} : vexp(e);
+      std::memcpy(w + i, &weight, sizeof(weight));
+      sum += weight;
+    }
+    double s = 0.0;
+    for (int64_t j = 0; j < kLanes; ++j) s += sum[j];
+    chunks[c] = s;
+    total += s;
   }
   return total;
 }
@@ -107,6 +120,28 @@ int64_t walk(const float* w, int64_t vocab, const std::vector<double>& chunks, d
     if (w[i] > 0.0f) return i;
   }
   return 0;
+}
+
+// The draw at uniform u from a row's weights (weigh's), token x taken out
+// where x >= 0 and anything else has weight.
+int64_t draw(std::vector<float>& w, int64_t vocab, std::vector<double>& chunks, double total,
+             int64_t x, double u) {
+  if (x >= 0 && w[x] > 0.0f) {
+    const float kept = w[x];
+    const size_t c = static_cast<size_t>(x / kChunk);
+    w[x] = 0.0f;  // its chunk summed again without it, as weigh sums one
+    const int64_t first = static_cast<int64_t>(c) * kChunk;
+    const double s = chunk_sum(w.data(), first,
+                               std::min<int64_t>(static_cast<int64_t>(w.size()), first + kChunk));
+    const double rest = total - chunks[c] + s;
+    if (rest > 0.0) {
+      chunks[c] = s;
+      total = rest;
+    } else {
+      w[x] = kept;  // nothing else can be drawn: the token itself
+    }
+  }
+  return walk(w.data(), vocab, chunks, u * total);
 }
 
 void check_logits(const at::Tensor& logits, const at::Tensor& rows, const char* name) {
@@ -191,23 +226,93 @@ at::Tensor temperature_draws(const at::Tensor& logits, const at::Tensor& rows,
   for_weighed_rows(logits, rows, inverse_temperature,
                    [&](int64_t i, std::vector<float>& w, std::vector<double>& chunks,
                        double total) {
-    const int64_t x = out_of[i];
-    if (x >= 0 && w[x] > 0.0f) {
-      const float kept = w[x];
-      const size_t c = static_cast<size_t>(x / kChunk);
-      w[x] = 0.0f;  // its chunk summed again without it, as weigh sums one
-      const int64_t first = static_cast<int64_t>(c) * kChunk;
-      const double s = chunk_sum(w.data(), first,
-                                 std::min<int64_t>(static_cast<int64_t>(w.size()), first + kChunk));
-      const double rest = total - chunks[c] + s;
-      if (rest > 0.0) {
-        chunks[c] = s;
-        total = rest;
-      } else {
-        w[x] = kept;  // nothing else can be drawn: the token itself
+    drawn[i] = draw(w, vocab, chunks, total, out_of[i], u[i]);
+  });
+  return out;
+}
+
+// sampler.py's streams (Purpose) and uniform: splitmix64 over (seed,
+// position, purpose), the same 53 bits.
+constexpr uint64_t kSample = 1, kAccept = 3, kResidual = 4;
+
+double seeded_uniform(uint64_t seed, int64_t position, uint64_t purpose) {
+  uint64_t x = seed * 0x9E3779B97F4A7C15ull +
+               static_cast<uint64_t>(position) * 0xBF58476D1CE4E5B9ull + purpose;
+  for (int round = 0; round < 2; ++round) {
+    x += 0x9E3779B97F4A7C15ull;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    x ^= x >> 31;
+  }
+  return static_cast<double>(x >> 11) / 9007199254740992.0;  // 2^53
+}
+
+// One-hot acceptance of each sequence's proposals (verifier.py's _decide,
+// then its draw), a row weighed only when the test reaches it. meta, int64:
+// per sequence s of n its first row (offsets), proposals (ks), seed and end,
+// as four runs of n values, then the proposed tokens, sequence by sequence
+// (one tensor: a step's few values cost less so than as several). Sequence
+// s has ks[s] + 1 rows of logits from offsets[s]; proposal j is accepted
+// where the uniform of (seeds[s], ends[s] + j, ACCEPT) is below its
+// probability at row j (as temperature_probabilities gives it); at the
+// first rejection the next token is drawn from that row with the proposal
+// taken out (RESIDUAL), after the last acceptance from the row after it
+// (SAMPLE), as temperature_draws draws. Seeds are sampler.py's mod 2^64
+// (int64's two's complement). Returns [n, 2]: (accepted, next token).
+at::Tensor one_hot_acceptance(const at::Tensor& logits, const at::Tensor& meta,
+                              const at::Tensor& inverse_temperature) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1,
+              "one_hot_acceptance: logits must be float32 [rows, vocab] with unit column stride");
+  const int64_t n = inverse_temperature.size(0), vocab = logits.size(1);
+  const int64_t stride = logits.stride(0);
+  check_per_row(inverse_temperature, n, at::kFloat, "inverse_temperature");
+  TORCH_CHECK(meta.dim() == 1 && meta.scalar_type() == at::kLong && meta.is_contiguous() &&
+                  meta.size(0) >= 4 * n,
+              "one_hot_acceptance: meta must be contiguous int64 [4 x ", n, " + proposals]");
+  const int64_t* offsets = meta.data_ptr<int64_t>();
+  const int64_t *ks = offsets + n, *seeds = offsets + 2 * n, *ends = offsets + 3 * n;
+  const int64_t* tokens = offsets + 4 * n;
+  std::vector<int64_t> first_token(n + 1, 0);
+  for (int64_t s = 0; s < n; ++s) {
+    TORCH_CHECK(ks[s] >= 0 && offsets[s] >= 0 && offsets[s] + ks[s] < logits.size(0),
+                "one_hot_acceptance: sequence ", s, "'s ", ks[s] + 1, " rows from row ",
+                offsets[s], " are outside the logits' ", logits.size(0), " rows");
+    first_token[s + 1] = first_token[s] + ks[s];
+  }
+  TORCH_CHECK(meta.size(0) == 4 * n + first_token[n], "one_hot_acceptance: ", first_token[n],
+              " proposed tokens expected, got ", meta.size(0) - 4 * n);
+  for (int64_t i = 0; i < first_token[n]; ++i) {
+    TORCH_CHECK(tokens[i] >= 0 && tokens[i] < vocab, "token ", tokens[i], " is outside the ",
+                vocab, "-token vocabulary");
+  }
+  const float* inverse = inverse_temperature.data_ptr<float>();
+  const float* base = logits.data_ptr<float>();
+  at::Tensor out = at::empty({n, 2}, logits.options().dtype(at::kLong));
+  int64_t* decided = out.data_ptr<int64_t>();
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t stop) {
+    std::vector<float> w((vocab + kLanes - 1) / kLanes * kLanes);
+    std::vector<double> chunks;
+    for (int64_t s = begin; s < stop; ++s) {
+      const uint64_t key = static_cast<uint64_t>(seeds[s]);
+      const int64_t k = ks[s];
+      int64_t a = 0, next = 0;
+      for (;; ++a) {
+        const double total = weigh(base + (offsets[s] + a) * stride, vocab, inverse[s],
+                                   w.data(), chunks);
+        if (a == k) {
+          next = draw(w, vocab, chunks, total, -1, seeded_uniform(key, ends[s] + a, kSample));
+          break;
+        }
+        const int64_t x = tokens[first_token[s] + a];
+        const float p = total > 0.0 ? static_cast<float>(w[x] / total) : 0.0f;
+        if (!(seeded_uniform(key, ends[s] + a, kAccept) < static_cast<double>(p))) {
+          next = draw(w, vocab, chunks, total, x, seeded_uniform(key, ends[s] + a, kResidual));
+          break;
+        }
       }
+      decided[2 * s] = a;
+      decided[2 * s + 1] = next;
     }
-    drawn[i] = walk(w.data(), vocab, chunks, u[i] * total);
   });
   return out;
 }
@@ -267,10 +372,12 @@ TORCH_LIBRARY_FRAGMENT(specpage_cpu, m) {
   m.def("greedy_tokens(Tensor logits) -> Tensor");
   m.def("temperature_draws(Tensor logits, Tensor rows, Tensor inverse_temperature, "
         "Tensor uniforms, Tensor removed) -> Tensor");
+  m.def("one_hot_acceptance(Tensor logits, Tensor meta, Tensor inverse_temperature) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specpage_cpu, CPU, m) {
   m.impl("temperature_probabilities", &temperature_probabilities);
   m.impl("temperature_draws", &temperature_draws);
+  m.impl("one_hot_acceptance", &one_hot_acceptance);
   m.impl("greedy_tokens", &greedy_tokens);
 }
