@@ -68,12 +68,17 @@ def test_kernel_equals_its_reference(dtype, heads, kv_heads, head_dim, block_siz
 
 
 @pytest.mark.parametrize("spans", [[(300, 5)], [(40, 3), (290, 5)], [(7, 1)]])
-def test_where_the_rows_are_cut_between_threads_changes_no_bit(spans):
+@pytest.mark.parametrize("heads, kv_heads, head_dim, window",
+                         [(9, 3, 64, 0), (4, 1, 256, 0), (4, 1, 256, 100)])
+def test_where_the_rows_are_cut_between_threads_changes_no_bit(spans, heads, kv_heads,
+                                                               head_dim, window):
     """With fewer items than twice the threads, every item's rows laid end to
     end are cut into one share per thread, so an item's rows may be computed
-    by two threads: each row's output is the same bits at 1 to 5 threads."""
+    by two threads; with fewer items than threads, its positions are cut for
+    the scores instead (Gemma 3's one KV head): each row's output is the same
+    bits at 1 to 5 threads, with a window too."""
     torch.manual_seed(11)
-    heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
+    block_size = 16
     tables = [list(range(i * 20, i * 20 + -(-(c + n) // block_size))) for i, (c, n) in
               enumerate(spans)]
     cache = torch.randn(2, 20 * len(spans), block_size, kv_heads, head_dim).bfloat16()
@@ -88,7 +93,7 @@ def test_where_the_rows_are_cut_between_threads_changes_no_bit(spans):
         for count in range(1, 6):
             torch.set_num_threads(count)
             outputs.append(native_kernels().paged_attention(q, cache, table, query_start,
-                                                            context_lens, 0.125))
+                                                            context_lens, 0.125, window))
     finally:
         torch.set_num_threads(threads)
     for out in outputs[1:]:
