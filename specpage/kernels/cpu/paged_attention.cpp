@@ -418,6 +418,16 @@ void attend_rows_bf16(const c10::BFloat16* q, const c10::BFloat16* cache, c10::B
                        padded_context, out);
 }
 
+// f(i, lo, hi) for each i whose range [at[i], at[i + 1]) of things laid end
+// to end (rows, tiles) meets [from, to): the overlap, counted from at[i].
+template <typename F>
+void for_overlaps(const std::vector<int64_t>& at, int64_t from, int64_t to, F&& f) {
+  for (size_t i = 0; i + 1 < at.size(); ++i) {
+    const int64_t lo = std::max(from, at[i]), hi = std::min(to, at[i + 1]);
+    if (lo < hi) f(static_cast<int64_t>(i), lo - at[i], hi - at[i]);
+  }
+}
+
 // Fewer items than threads (Gemma 3's one KV head of 256, one stream's
 // decode or verify step): cutting rows among the threads, each would read
 // and transpose all of an item's K for its few rows (two of four a decode
@@ -435,48 +445,36 @@ void attend_few_bf16(const c10::BFloat16* q, const c10::BFloat16* cache, c10::BF
                      const std::vector<Item>& items, const Shape& shape, int64_t threads) {
   const int64_t count = static_cast<int64_t>(items.size());
   std::vector<std::vector<const c10::BFloat16*>> keys(count);
-  std::vector<int64_t> begins(count), padded(count), score_at(count + 1, 0), tile_at(count + 1, 0);
-  int64_t rows_total = 0;
+  std::vector<int64_t> begins(count), padded(count);
+  // where each item's scores, tiles and rows start, all items' laid end to end
+  std::vector<int64_t> score_at{0}, tile_at{0}, row_at{0};
   for (int64_t i = 0; i < count; ++i) {
     const Item& item = items[i];
     key_rows(cache, item, shape, kChunks * kLanes, keys[i]);
     begins[i] = first_tile(item, shape, 0);
     padded[i] = (item.context + kLanes - 1) / kLanes * kLanes;
-    score_at[i + 1] = score_at[i] + item.span * shape.groups * padded[i];
-    tile_at[i + 1] = tile_at[i] + (padded[i] - begins[i]) / kLanes;
-    rows_total += item.span * shape.groups;
+    row_at.push_back(row_at.back() + item.span * shape.groups);
+    score_at.push_back(score_at.back() + item.span * shape.groups * padded[i]);
+    tile_at.push_back(tile_at.back() + (padded[i] - begins[i]) / kLanes);
   }
-  std::vector<float> scores(score_at[count]);
-  const int64_t tiles = tile_at[count];
+  std::vector<float> scores(score_at.back());
 #pragma omp parallel num_threads(threads)
   {
     const int64_t tid = omp_get_thread_num(), n = omp_get_num_threads();
     std::vector<vuint> kt;
-    // this thread's tiles, all items' laid end to end
-    const int64_t tile_lo = tiles * tid / n, tile_hi = tiles * (tid + 1) / n;
-    for (int64_t i = 0; i < count; ++i) {
-      const int64_t lo = std::max(tile_lo, tile_at[i]), hi = std::min(tile_hi, tile_at[i + 1]);
-      if (lo >= hi) continue;
-      const Item& item = items[i];
-      score_tiles<kChunks>(q, item, shape, keys[i].data(), 0, item.span * shape.groups,
-                           begins[i] + (lo - tile_at[i]) * kLanes,
-                           begins[i] + (hi - tile_at[i]) * kLanes, scores.data() + score_at[i],
-                           padded[i], kt);
-    }
+    const int64_t tiles = tile_at.back(), rows = row_at.back();
+    for_overlaps(tile_at, tiles * tid / n, tiles * (tid + 1) / n,
+                 [&](int64_t i, int64_t lo, int64_t hi) {
+      score_tiles<kChunks>(q, items[i], shape, keys[i].data(), 0, row_at[i + 1] - row_at[i],
+                           begins[i] + lo * kLanes, begins[i] + hi * kLanes,
+                           scores.data() + score_at[i], padded[i], kt);
+    });
 #pragma omp barrier
-    // this thread's rows, all items' laid end to end
-    const int64_t row_lo = rows_total * tid / n, row_hi = rows_total * (tid + 1) / n;
-    for (int64_t i = 0, first = 0; i < count; ++i) {
-      const Item& item = items[i];
-      const int64_t rows = item.span * shape.groups;
-      const int64_t lo = std::max(row_lo, first), hi = std::min(row_hi, first + rows);
-      if (lo < hi) {
-        finish_rows<kChunks>(item, shape, keys[i].data(), lo - first, hi - lo, begins[i],
-                             scores.data() + score_at[i] + (lo - first) * padded[i], padded[i],
-                             out);
-      }
-      first += rows;
-    }
+    for_overlaps(row_at, rows * tid / n, rows * (tid + 1) / n,
+                 [&](int64_t i, int64_t lo, int64_t hi) {
+      finish_rows<kChunks>(items[i], shape, keys[i].data(), lo, hi - lo, begins[i],
+                           scores.data() + score_at[i] + lo * padded[i], padded[i], out);
+    });
   }
 }
 #endif
@@ -522,19 +520,16 @@ void attend_all(const at::Tensor& q, const at::Tensor& cache, at::Tensor& out,
         share_start.push_back(i + 1);
       }
     } else {
-      const int64_t total = q.size(0) * shape.heads;  // every item's rows
-      for (int64_t t = 0, item_first = 0, i = 0; t < threads; ++t) {
-        const int64_t begin = total * t / threads, end = total * (t + 1) / threads;
-        for (; i < num_items && item_first < end;) {
-          const Item item = item_of(i);
-          const int64_t rows = item.span * shape.groups;
-          const int64_t lo = std::max(begin, item_first) - item_first;
-          const int64_t hi = std::min(end, item_first + rows) - item_first;
-          if (lo < hi) parts.push_back({item, lo, hi});
-          if (item_first + rows > end) break;  // the rest of it is the next share's
-          item_first += rows;
-          ++i;
-        }
+      std::vector<int64_t> row_at{0};  // each item's first row, all items' laid end to end
+      for (int64_t i = 0; i < num_items; ++i) {
+        row_at.push_back(row_at.back() + item_of(i).span * shape.groups);
+      }
+      const int64_t total = row_at.back();
+      for (int64_t t = 0; t < threads; ++t) {
+        for_overlaps(row_at, total * t / threads, total * (t + 1) / threads,
+                     [&](int64_t i, int64_t lo, int64_t hi) {
+          parts.push_back({item_of(i), lo, hi});
+        });
         share_start.push_back(static_cast<int64_t>(parts.size()));
       }
     }

@@ -144,6 +144,11 @@ int64_t draw(std::vector<float>& w, int64_t vocab, std::vector<double>& chunks, 
   return walk(w.data(), vocab, chunks, u * total);
 }
 
+// The probability of token x in a row weighed to total (weigh's).
+inline float probability(const std::vector<float>& w, double total, int64_t x) {
+  return total > 0.0 ? static_cast<float>(w[x] / total) : 0.0f;
+}
+
 void check_logits(const at::Tensor& logits, const at::Tensor& rows, const char* name) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1,
               name, ": logits must be float32 [rows, vocab] with unit column stride");
@@ -199,7 +204,7 @@ at::Tensor temperature_probabilities(const at::Tensor& logits, const at::Tensor&
   for_weighed_rows(logits, rows, inverse_temperature,
                    [&](int64_t i, const std::vector<float>& w, const std::vector<double>&,
                        double total) {
-    p[i] = total > 0.0 ? static_cast<float>(w[token[i]] / total) : 0.0f;
+    p[i] = probability(w, total, token[i]);
   });
   return out;
 }
@@ -304,7 +309,7 @@ at::Tensor one_hot_acceptance(const at::Tensor& logits, const at::Tensor& meta,
           break;
         }
         const int64_t x = tokens[first_token[s] + a];
-        const float p = total > 0.0 ? static_cast<float>(w[x] / total) : 0.0f;
+        const float p = probability(w, total, x);
         if (!(seeded_uniform(key, ends[s] + a, kAccept) < static_cast<double>(p))) {
           next = draw(w, vocab, chunks, total, x, seeded_uniform(key, ends[s] + a, kResidual));
           break;
