@@ -21,12 +21,25 @@ hold final KV, followed by ``num_tentative`` reserved slots at the tail
   their entries become ``HOLE``, and they stay in the prefix cache as freed
   blocks do.
 
+Where a block goes matters to speed, not to results: the attention kernels
+read a sequence's K and V block by block, and blocks that follow each other
+in memory read faster than scattered ones (SmolLM2's shape, 30 layers'
+caches read cold: a layer of one sequence at 300 positions 34 us with its
+blocks in a row, 49 us scattered; docs/BENCHMARKS.md, "block_placement").
+So a sequence's next block is the one after its last where that one is
+free; a sequence that cannot go on so starts at the middle of the longest
+run of free blocks (at its start where no live sequence's block precedes
+it), so that sequences growing side by side keep room to grow; where no run
+is MIN_RUN long, the block freed longest ago. Once no block is free, cached
+blocks are evicted least recently freed first, as the prefix cache needs.
+
 This module is pure Python and must not import torch.
 """
 
 from __future__ import annotations
 
 import hashlib
+import re
 from collections import OrderedDict, deque
 from collections.abc import Hashable, Sequence
 from typing import NamedTuple
@@ -41,6 +54,11 @@ Copy = tuple[int, int]  # (src block, dst block)
 HOLE = -1  # a table entry whose block drop_behind released
 
 _encode = msgspec.msgpack.Encoder().encode
+
+# A run of free blocks shorter than this is not worth starting a sequence in
+# (where no longer one is, the block freed longest ago is taken instead).
+MIN_RUN = 8
+_RUN = re.compile(rb"\x01{%d,}" % MIN_RUN)
 
 
 class PoolError(Exception):
@@ -119,6 +137,11 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.model_identity = model_identity
+        # blocks neither in use nor cached: a flag per block, their count,
+        # and the order they were freed in (oldest first; an entry whose
+        # block was taken since, out of turn, is passed over)
+        self._is_free = bytearray(b"\x01") * num_blocks
+        self._num_free = num_blocks
         self._free: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # oldest first
         self._refcount = [0] * num_blocks
@@ -149,13 +172,13 @@ class BlockPool:
 
     @property
     def num_available_blocks(self) -> int:
-        return len(self._free) + len(self._evictable)
+        return self._num_free + len(self._evictable)
 
     def refcount(self, block: int) -> int:
         return self._refcount[block]
 
     def stats(self) -> PoolStats:
-        free, cached = len(self._free), len(self._evictable)
+        free, cached = self._num_free, len(self._evictable)
         tentative = sum(
             len(s.block_table) - cdiv(s.num_committed, self.block_size) for s in self._seqs.values()
         )
@@ -209,7 +232,10 @@ class BlockPool:
             if self._refcount[block] == 0:
                 del self._evictable[block]
             self._refcount[block] += 1
-        seq.block_table = hits + [self._allocate() for _ in range(num_new)]
+        table = list(hits)
+        for _ in range(num_new):
+            table.append(self._allocate(table[-1] if table else None))
+        seq.block_table = table
         num_cached = len(hits) * size
         seq.num_committed = num_cached
         seq.num_tentative = len(token_ids) - num_cached
@@ -224,7 +250,7 @@ class BlockPool:
         seq = self._get(seq_id)
         self._check_count("n", n)
         needed = self._blocks_needed(seq, n)
-        if needed > len(self._free) + len(self._evictable):
+        if needed > self.num_available_blocks:
             available = self.num_available_blocks
             raise OutOfBlocksError(needed - available, needed, available)
         copies: list[Copy] = []
@@ -235,12 +261,12 @@ class BlockPool:
         end = seq.num_committed + seq.num_tentative
         if end % size and self._refcount[table[-1]] > 1:
             src = table[-1]
-            dst = self._allocate()
+            dst = self._allocate(table[-2] if len(table) > 1 else None)
             self._refcount[src] -= 1  # still referenced by another table
             table[-1] = dst
             copies.append((src, dst))
         for _ in range(cdiv(end + n, size) - len(table)):
-            table.append(self._allocate())
+            table.append(self._allocate(table[-1] if table else None))
         seq.num_tentative += n
         return copies
 
@@ -336,8 +362,9 @@ class BlockPool:
             for block in seq.block_table:
                 if block != HOLE:
                     holders[block] += 1
-        free = set(self._free)
-        assert len(free) == len(self._free), "a block is twice in the free list"
+        free = {b for b in range(self.num_blocks) if self._is_free[b]}
+        assert len(free) == self._num_free, "the free count is wrong"
+        assert free <= set(self._free), "a free block is missing from the free order"
         assert not free & self._evictable.keys(), "a block is both free and cached"
         for block in range(self.num_blocks):
             assert self._refcount[block] == holders[block], (block, self._refcount[block])
@@ -377,9 +404,16 @@ class BlockPool:
             needed += 1  # copy-on-write of the shared tail block
         return needed
 
-    def _allocate(self) -> int:
-        if self._free:
-            block = self._free.popleft()
+    def _allocate(self, after: int | None) -> int:
+        """A block for a table whose last block is `after` (None: none):
+        the one after it where that is free, else a free block placed as
+        the module says, else the cached block freed longest ago."""
+        if self._num_free:
+            block = after + 1 if after is not None and after != HOLE else -1
+            if not 0 <= block < self.num_blocks or not self._is_free[block]:
+                block = self._placed()
+            self._is_free[block] = 0
+            self._num_free -= 1
         else:
             block, _ = self._evictable.popitem(last=False)
             key = self._block_key[block]
@@ -389,10 +423,31 @@ class BlockPool:
         self._refcount[block] = 1
         return block
 
+    def _placed(self) -> int:
+        """A free block for a sequence to start (or go on) from: the middle
+        of the longest run of free blocks, or its start where no live
+        sequence's block comes right before it; the block freed longest ago
+        where no run is MIN_RUN long."""
+        longest = max(_RUN.finditer(self._is_free), key=lambda m: m.end() - m.start(),
+                      default=None)
+        if longest is not None:
+            start, end = longest.span()
+            if start > 0 and self._refcount[start - 1] > 0:
+                return start + (end - start) // 2
+            return start
+        free = self._free
+        while not self._is_free[free[0]]:  # taken out of turn since
+            free.popleft()
+        return free.popleft()
+
     def _release(self, block: int) -> None:
         self._refcount[block] -= 1
         if self._refcount[block] == 0:
             if self._block_key[block] is None:
+                self._is_free[block] = 1
+                self._num_free += 1
+                if len(self._free) >= 2 * self.num_blocks:  # mostly passed-over entries
+                    self._free = deque(b for b in dict.fromkeys(self._free) if self._is_free[b])
                 self._free.append(block)
             else:
                 self._evictable[block] = None

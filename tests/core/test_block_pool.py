@@ -35,7 +35,7 @@ def test_core_does_not_import_torch():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_prompt_allocation_takes_blocks_in_free_list_order():
+def test_prompt_allocation_takes_blocks_one_after_another():
     pool = BlockPool(num_blocks=8, block_size=4)
     assert pool.allocate_prompt("a", [1, 2, 3, 4, 5, 6]) == 0
     assert pool.block_table("a") == (0, 1)
@@ -65,9 +65,12 @@ def test_reserve_commit_rollback_on_block_boundaries():
     assert pool.stats().tentative == 1
     pool.rollback("a")
     assert pool.block_table("a") == (0, 1)
-    # block 2 went back to the tail of the free list
+    # block 2 is free again, and the block after a's last: a goes on into it
+    pool.reserve("a", 4)
+    assert pool.block_table("a") == (0, 1, 2)
+    pool.rollback("a")
     pool.allocate_prompt("b", [5] * 16)
-    assert pool.block_table("b") == (3, 4, 5, 6)
+    assert pool.block_table("b") == (2, 3, 4, 5)
     pool.check_integrity()
 
 
@@ -148,7 +151,53 @@ def test_cache_hit_on_an_evictable_block_revives_it():
     pool.free("a")
     assert pool.stats() == PoolStats(total=3, free=2, cached=1, in_use=0, tentative=0)
     assert pool.allocate_prompt("b", prompt + [6, 7, 8, 9, 10, 11, 12]) == 4
-    assert pool.block_table("b") == (0, 2, 1)
+    assert pool.block_table("b") == (0, 1, 2)
+    pool.check_integrity()
+
+
+def contiguous(table: tuple[int, ...]) -> bool:
+    return all(b == a + 1 for a, b in zip(table, table[1:], strict=False))
+
+
+def test_sequences_growing_side_by_side_keep_their_blocks_one_after_another():
+    # As at 32 streams: prompts placed one after another, then every
+    # sequence growing a token a step. Each starts in the middle of the
+    # longest free run, so each grows into blocks of its own.
+    pool = BlockPool(num_blocks=256, block_size=4)
+    names = [f"s{i}" for i in range(8)]
+    for i, name in enumerate(names):
+        pool.allocate_prompt(name, [i] * 10)
+        pool.commit(name, [i] * 10)
+    for step in range(40):
+        for name in names:
+            pool.reserve(name, 1)
+            pool.commit(name, [step])
+    tables = [pool.block_table(name) for name in names]
+    assert all(len(table) == 13 and contiguous(table) for table in tables), tables
+    pool.check_integrity()
+
+
+def test_a_sequence_that_cannot_go_on_in_place_starts_a_new_run():
+    pool = BlockPool(num_blocks=64, block_size=4)
+    pool.allocate_prompt("a", [1] * 8)
+    pool.allocate_prompt("b", [2] * 8)  # from the middle of blocks 2..63
+    assert pool.block_table("a") == (0, 1) and pool.block_table("b") == (33, 34)
+    # 30 blocks: from the middle of 2..32 up to b's, then from the middle of 35..63
+    pool.allocate_prompt("c", [3] * 4 * 30)
+    assert pool.block_table("c") == tuple(range(17, 33)) + tuple(range(49, 63))
+    pool.check_integrity()
+
+
+def test_where_no_run_is_long_the_block_freed_longest_ago_is_taken():
+    pool = BlockPool(num_blocks=6, block_size=1)
+    for name in "abcdef":
+        pool.allocate_prompt(name, [1])
+    for name in "ecb":  # frees 4, 2, 1, in that order
+        pool.free(name)
+    pool.allocate_prompt("g", [1])
+    assert pool.block_table("g") == (4,)
+    pool.reserve("g", 1)  # 5 is taken: the next freed, 2
+    assert pool.block_table("g") == (4, 2)
     pool.check_integrity()
 
 
