@@ -111,7 +111,7 @@ def tokenizer_pair(folder: Path) -> None:
 def greedy_through_pool(runner, prompts, max_new, chunk, block_size):
     """Continuous-batching-style greedy decode: chunked prefill, then one
     token per sequence per forward, all through one BlockPool."""
-    pool = BlockPool(64, block_size)
+    pool = BlockPool(runner.kv.tensor.shape[2], block_size)  # the runner's blocks
     outputs = {i: [] for i in range(len(prompts))}
     pending = {}  # seq -> next token to feed (its KV is not written yet)
     for i, prompt in enumerate(prompts):
