@@ -39,7 +39,6 @@ This module is pure Python and must not import torch.
 from __future__ import annotations
 
 import hashlib
-import re
 from collections import OrderedDict, deque
 from collections.abc import Hashable, Sequence
 from typing import NamedTuple
@@ -58,7 +57,8 @@ _encode = msgspec.msgpack.Encoder().encode
 # A run of free blocks shorter than this is not worth starting a sequence in
 # (where no longer one is, the block freed longest ago is taken instead).
 MIN_RUN = 8
-_RUN = re.compile(rb"\x01{%d,}" % MIN_RUN)
+_RUN = b"\x01" * MIN_RUN  # a run's first MIN_RUN free flags
+MAX_RUNS = 64  # runs compared at most for a sequence's start (BlockPool._placed)
 
 
 class PoolError(Exception):
@@ -143,6 +143,8 @@ class BlockPool:
         self._is_free = bytearray(b"\x01") * num_blocks
         self._num_free = num_blocks
         self._free: deque[int] = deque(range(num_blocks))
+        self._freed = 0  # blocks made free so far (BlockPool._placed)
+        self._look_again = 0  # the count from which _placed looks for runs again
         self._evictable: OrderedDict[int, None] = OrderedDict()  # oldest first
         self._refcount = [0] * num_blocks
         self._block_key: list[BlockKey | None] = [None] * num_blocks
@@ -425,16 +427,28 @@ class BlockPool:
 
     def _placed(self) -> int:
         """A free block for a sequence to start (or go on) from: the middle
-        of the longest run of free blocks, or its start where no live
-        sequence's block comes right before it; the block freed longest ago
-        where no run is MIN_RUN long."""
-        longest = max(_RUN.finditer(self._is_free), key=lambda m: m.end() - m.start(),
-                      default=None)
-        if longest is not None:
-            start, end = longest.span()
-            if start > 0 and self._refcount[start - 1] > 0:
-                return start + (end - start) // 2
-            return start
+        of the longest run of free blocks (of the first MAX_RUNS at least
+        MIN_RUN long), or its start where no live sequence's block comes
+        right before it; the block freed longest ago where no run is MIN_RUN
+        long (then no run is looked for again until MIN_RUN more blocks have
+        been freed: a pool whose free blocks lie scattered costs no scan of
+        its flags at every block it gives)."""
+        flags, best, longest, position = self._is_free, -1, 0, 0
+        if self._freed >= self._look_again:
+            for _ in range(MAX_RUNS):
+                start = flags.find(_RUN, position)
+                if start < 0:
+                    break
+                end = flags.find(0, start)
+                position = end if end >= 0 else self.num_blocks
+                if position - start > longest:
+                    best, longest = start, position - start
+            if best < 0:
+                self._look_again = self._freed + MIN_RUN
+        if best >= 0:
+            if best > 0 and self._refcount[best - 1] > 0:
+                return best + longest // 2
+            return best
         free = self._free
         while not self._is_free[free[0]]:  # taken out of turn since
             free.popleft()
@@ -446,6 +460,7 @@ class BlockPool:
             if self._block_key[block] is None:
                 self._is_free[block] = 1
                 self._num_free += 1
+                self._freed += 1
                 if len(self._free) >= 2 * self.num_blocks:  # mostly passed-over entries
                     self._free = deque(b for b in dict.fromkeys(self._free) if self._is_free[b])
                 self._free.append(block)

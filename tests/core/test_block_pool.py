@@ -201,6 +201,23 @@ def test_where_no_run_is_long_the_block_freed_longest_ago_is_taken():
     pool.check_integrity()
 
 
+def test_a_run_freed_after_scattered_blocks_is_found_again():
+    pool = BlockPool(num_blocks=24, block_size=1)
+    for i in range(24):
+        pool.allocate_prompt(i, [1])
+    holder = {pool.block_table(i)[0]: i for i in range(24)}
+    for block in (3, 9, 15):  # scattered: no run to start in
+        pool.free(holder[block])
+    pool.allocate_prompt("x", [1])
+    assert pool.block_table("x") == (3,)  # the block freed longest ago
+    for block in range(12, 20):  # now 12..19 with 15 among them: a run of 8
+        if block != 15:
+            pool.free(holder[block])
+    pool.allocate_prompt("y", [1])  # the run follows a live block: its middle
+    assert pool.block_table("y") == (16,)
+    pool.check_integrity()
+
+
 def test_cache_salt_and_model_identity_separate_cache_entries():
     pool = BlockPool(num_blocks=8, block_size=4, model_identity=b"pair-1")
     prompt = list(range(9))
