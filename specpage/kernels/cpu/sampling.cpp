@@ -78,12 +78,11 @@ double weigh(const float* logits, int64_t vocab, float inverse_temperature, floa
     std::fill(w, w + padded, 0.0f);
     return 0.0;
   }
-  // Each chunk's weights summed as they are made, in chunk_sum's order.
+  // Each chunk summed just after its weights are made, while they are in cache.
   double total = 0.0;
   for (size_t c = 0; c < chunks.size(); ++c) {
     const int64_t first = static_cast<int64_t>(c) * kChunk;
     const int64_t last = std::min<int64_t>(padded, first + kChunk);
-    vfloat sum = vfloat{};
     for (int64_t i = first; i < last; i += kLanes) {
       vfloat x;
       if (i + kLanes <= vocab) {
@@ -95,12 +94,9 @@ double weigh(const float* logits, int64_t vocab, float inverse_temperature, floa
       const vfloat e = (x - max) * inverse_temperature;
       const vfloat weight = e < kLeast ? vfloat{} : vexp(e);
       std::memcpy(w + i, &weight, sizeof(weight));
-      sum += weight;
     }
-    double s = 0.0;
-    for (int64_t j = 0; j < kLanes; ++j) s += sum[j];
-    chunks[c] = s;
-    total += s;
+    chunks[c] = chunk_sum(w, first, last);
+    total += chunks[c];
   }
   return total;
 }
