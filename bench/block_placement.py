@@ -41,10 +41,7 @@ def freed_order(pool: BlockPool, after: int | None) -> int:
     wherever the table's last block is."""
     if not pool._num_free:
         return PLACED(pool, None)  # a cached block, evicted as by the pool
-    free = pool._free
-    while not pool._is_free[free[0]]:
-        free.popleft()
-    block = free.popleft()
+    block = pool._oldest_free()
     pool._is_free[block] = 0
     pool._num_free -= 1
     pool._refcount[block] = 1

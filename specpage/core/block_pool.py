@@ -449,6 +449,10 @@ class BlockPool:
             if best > 0 and self._refcount[best - 1] > 0:
                 return best + longest // 2
             return best
+        return self._oldest_free()
+
+    def _oldest_free(self) -> int:
+        """The free block freed longest ago (there is one), out of the free order."""
         free = self._free
         while not self._is_free[free[0]]:  # taken out of turn since
             free.popleft()
