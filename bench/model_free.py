@@ -3,7 +3,7 @@ against spec OFF on the same daemon, as `make serve` starts it.
 
     python bench/model_free.py [--quick] [--systems A,B,...] [--rounds N]
                                [--temperature T] [--sets grounded,chat] [--no-streams]
-                               [--no-single] [--out NAME]
+                               [--no-single] [--control] [--out NAME]
 
 The requests: bench/workloads/grounded.jsonl (input-grounded: summaries of
 a given paragraph, rewrites, extraction into JSON, tables, code edits, answers
@@ -26,12 +26,16 @@ same daemon with spec OFF per request.
   clock (tokens after the first over the time from the first chunk to the
   last), by kind;
 - 32 streams: every grounded request at once (then every chat request), in
-  AUTO and in OFF (alternating which goes first), tokens per second of wall
-  time.
+  AUTO and in OFF, each twice a round in the order AUTO OFF OFF AUTO (OFF
+  AUTO AUTO OFF in odd rounds), tokens per second of wall time. A run takes
+  seconds, and this machine's speed drifts by 5-10% over such spans; with
+  --control, OFF is also measured against OFF in the same order, so that
+  the spread that noise alone gives stands beside AUTO's.
 
-Every (round, mode) pair sends its own cache_salt, so neither the prefix
-cache nor the suffix cache ever holds a previous run of the same request:
-AUTO's suffix cache holds only the other requests of its own round. The
+Every (round, mode) pair of single-stream runs, and every 32-stream run,
+sends its own cache_salt, so neither the prefix cache nor the suffix cache
+ever holds a previous run of the same request: AUTO's suffix cache holds
+only the other requests of its own round (of its own run, at 32 streams). The
 greedy answers of AUTO and OFF are compared request by request (sampled ones
 differ by chance). Medians over the rounds of per-round ratios, with min-max
 spreads (bench/common.py).
@@ -166,6 +170,30 @@ async def concurrent(client: Client, requests: list[dict[str, Any]], mode: str,
     return tokens / (time.perf_counter() - start), list(outcomes)
 
 
+async def paired_streams(client: Client, requests: list[dict[str, Any]], measured: str,
+                         against: str, salt: str, r: int, temperature: float,
+                         counts: list[int]) -> float:
+    """Tokens per second of wall time in mode `measured` over mode `against`,
+    every request at once, run twice each in the order ABBA (BAAB in odd
+    rounds), so that a machine that drifts steadily through the round weighs
+    on both alike; the drafted and accepted counts of AUTO runs added to
+    counts."""
+    first, second = (measured, against) if r % 2 == 0 else (against, measured)
+    tokens, seconds = [0, 0], [0.0, 0.0]  # measured, against
+    for i, mode in enumerate((first, second, second, first)):
+        side = int(mode != measured or (measured == against and i in (1, 2)))
+        start = time.perf_counter()
+        # a salt of its own for every run: no run finds another's prompts cached
+        _, outs = await concurrent(client, requests, mode, f"{salt}-{measured}-{against}-{i}",
+                                   temperature)
+        seconds[side] += time.perf_counter() - start
+        tokens[side] += sum(len(o.tokens) for o in outs)
+        if mode == "auto":
+            counts[0] += sum(o.drafted for o in outs)
+            counts[1] += sum(o.accepted for o in outs)
+    return (tokens[0] / seconds[0]) / (tokens[1] / seconds[1])
+
+
 def speed(outcomes: list[Outcome]) -> float:
     """Decode tokens per second over the requests together."""
     seconds = sum(o.decode_seconds for o in outcomes)
@@ -173,7 +201,8 @@ def speed(outcomes: list[Outcome]) -> float:
 
 
 async def measure(port: int, sets: dict[str, list[dict[str, Any]]], count: int,
-                  streams: bool, temperature: float, single: bool = True) -> dict[str, Any]:
+                  streams: bool, temperature: float, single: bool = True,
+                  control: bool = False) -> dict[str, Any]:
     ratios: dict[str, list[float]] = defaultdict(list)
     counts: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     by_method: dict[str, dict[str, list[int]]] = defaultdict(dict)  # kind -> method -> sums
@@ -210,12 +239,13 @@ async def measure(port: int, sets: dict[str, list[dict[str, Any]]], count: int,
                     auto = speed([runs["auto"][i] for i in ids])
                     ratios[f"single/{kind}"].append(auto / speed([runs["off"][i] for i in ids]))
                 if streams:
-                    modes = ("auto", "off") if r % 2 == 0 else ("off", "auto")
-                    rate = {}
-                    for mode in modes:
-                        rate[mode], _ = await concurrent(client, (requests * 2)[:STREAMS], mode,
-                                                         f"c{r}-{mode}", temperature)
-                    ratios[f"streams/{name}"].append(rate["auto"] / rate["off"])
+                    pairs = [("auto", "off")] + ([("off", "off")] if control else [])
+                    for measured, against in pairs:
+                        ratio = await paired_streams(client, (requests * 2)[:STREAMS],
+                                                     measured, against, f"c{r}", r, temperature,
+                                                     counts[f"streams/{name}"])
+                        key = "streams" if measured == "auto" else "control_off_vs_off"
+                        ratios[f"{key}/{name}"].append(ratio)
                 print(f"round {r} {name}: " + ", ".join(
                     f"{k} {v[-1]:.2f}" for k, v in ratios.items() if k.endswith(name)),
                     file=sys.stderr, flush=True)
@@ -239,6 +269,8 @@ def main() -> None:
         p.add_argument("--rounds", type=int, default=3),
         p.add_argument("--no-streams", action="store_true", help="single stream only"),
         p.add_argument("--no-single", action="store_true", help="32 streams only"),
+        p.add_argument("--control", action="store_true",
+                       help="32 streams: OFF against OFF too, in the same order (the noise)"),
         p.add_argument("--out", help="the results' name under bench/results (default "
                        "model_free, or model_free_t<T> when sampled)"),
         p.add_argument("--temperature", type=float, default=0.0,
@@ -257,7 +289,8 @@ def main() -> None:
         try:
             results[name] = asyncio.run(measure(port, sets, count,
                                                 not (args.quick or args.no_streams),
-                                                args.temperature, not args.no_single))
+                                                args.temperature, not args.no_single,
+                                                args.control))
         finally:
             server.stop()
         print(json.dumps({name: results[name]["auto_vs_off"]}), file=sys.stderr, flush=True)
