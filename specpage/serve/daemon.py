@@ -94,11 +94,11 @@ def server_info(config: Config, engine: AsyncEngine) -> pb.ServerInfo:
 
 
 class MetricsObserver:
-    """Feeds each step's outputs and stats into the Prometheus metrics."""
+    """Feeds each step's outputs into the Prometheus metrics, and notes its
+    stats for them (set when the metrics are scraped)."""
 
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
-        self.positions: tuple[int, ...] = ()
         self.last_token: dict[tuple[str, int], float] = {}  # (request, sample) -> when
 
     def __call__(self, outputs: list[RequestOutput], stats: EngineStats) -> None:
@@ -113,12 +113,7 @@ class MetricsObserver:
                 queue_s = None if t.first_scheduled is None else t.first_scheduled - t.arrival
                 self.metrics.observe_request_end(
                     out.usage.prompt_tokens, queue_s, (t.finished or now) - t.arrival)
-        previous = self.positions or (0,) * len(stats.accepted_by_position)
-        self.metrics.observe_accepted_positions(
-            [now_count - before for now_count, before in zip(
-                stats.accepted_by_position, previous, strict=True)])
-        self.positions = stats.accepted_by_position
-        self.metrics.update_engine(stats)
+        self.metrics.note_engine(stats)
 
     def _observe_tokens(self, out: RequestOutput, now: float) -> None:
         """One inter-token latency per token after a sample's first.

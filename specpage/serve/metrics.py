@@ -15,13 +15,15 @@ speculation, preemptions) have names of their own.
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import start_http_server
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import RestrictedRegistry
 
 from specpage.core.request import FinishReason
 
@@ -53,6 +55,7 @@ class EngineStatsLike(Protocol):
     total_blocks: int
     aborts: int
     sequences_without_draft: int
+    accepted_by_position: tuple[int, ...]  # acceptances at proposal 1, 2, ..., cumulative
     # method -> (drafted, accepted, accepted_by_position), cumulative
     by_method: Mapping[str, tuple[int, int, tuple[int, ...]]]
     suffix_cache_tokens: int  # earlier requests' tokens the suffix cache holds (bounded)
@@ -69,6 +72,28 @@ class _CumulativeCounter:
         # A smaller total means a new engine counting from zero; counters never go down.
         self.counter.inc(total - self.last if total >= self.last else total)
         self.last = total
+
+
+class _Registry(CollectorRegistry):
+    """A registry that first runs `before_collect` (where set) whenever it is
+    collected: a scrape of /metrics on its own thread, or `Metrics.render`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.before_collect: Callable[[], None] | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        self._before()
+        yield from super().collect()
+
+    def restricted_registry(self, names: Iterable[str]) -> RestrictedRegistry:
+        # a scrape that names its metrics (/metrics?name[]=...) collects through this
+        self._before()
+        return super().restricted_registry(names)
+
+    def _before(self) -> None:
+        if self.before_collect is not None:
+            self.before_collect()
 
 
 @dataclass
@@ -89,8 +114,17 @@ class MetricsServer:
 
 
 class Metrics:
+    """The daemon's metrics. Per-request figures are observed as they happen;
+    the engine's counts and gauges (`EngineStatsLike`) are noted each step
+    by reference (`note_engine`) and set when the registry is collected: a
+    step streaming a token then pays for no metric updates beside it on the
+    event loop, which shares the cores (and the interpreter) with the step."""
+
     def __init__(self, model_name: str = "") -> None:
-        self.registry = CollectorRegistry()
+        self.registry = _Registry()
+        self.registry.before_collect = self._apply_noted
+        self._noted: EngineStatsLike | None = None  # the latest step's, until applied
+        self._applying = threading.Lock()  # scrapes come on more than one thread
         self.model_name = model_name
         r, ns, model = self.registry, NAMESPACE, {"model_name": model_name}
         self.finished = Counter(
@@ -167,6 +201,7 @@ class Metrics:
             "accepted_tokens_by_position", "Accepted draft tokens by proposal position (1..k)",
             ["position"], namespace=ns, registry=r,
         )  # fmt: skip
+        self._position_counts: list[_CumulativeCounter] = []  # by position 1, 2, ...
         self.drafted_by_method = Counter(
             "drafted_tokens_by_method",
             "Tokens proposed, by method (draft, ngram, suffix, grammar)",
@@ -224,12 +259,24 @@ class Metrics:
             self.queue_time.observe(queue_s)
         self.e2e.observe(e2e_s)
 
-    def observe_accepted_positions(self, accepted_per_position: Sequence[int]) -> None:
-        """Add accepted_per_position[i] acceptances at proposal position i + 1."""
-        for position, count in enumerate(accepted_per_position, start=1):
-            self.accepted_by_position.labels(position=str(position)).inc(count)
+    def note_engine(self, stats: EngineStatsLike) -> None:
+        """The engine's latest figures, applied at the next collection (a
+        reference kept: stats is a snapshot that nothing changes after)."""
+        self._noted = stats
+
+    def _apply_noted(self) -> None:
+        with self._applying:
+            stats, self._noted = self._noted, None
+            if stats is not None:
+                self._update_engine(stats)
 
     def update_engine(self, stats: EngineStatsLike) -> None:
+        """Set the engine's figures now (any noted earlier are dropped)."""
+        with self._applying:
+            self._noted = None
+            self._update_engine(stats)
+
+    def _update_engine(self, stats: EngineStatsLike) -> None:
         self.waiting.set(stats.waiting)
         self.running.set(stats.running)
         states = {
@@ -253,6 +300,12 @@ class Metrics:
         self.per_token_acceptance.set(stats.per_token_acceptance)
         self.spec_k.set(stats.current_k)
         self.suffix_cache_tokens.set(stats.suffix_cache_tokens)
+        counts = self._position_counts
+        for position, count in enumerate(stats.accepted_by_position, start=1):
+            if position > len(counts):
+                counts.append(_CumulativeCounter(
+                    self.accepted_by_position.labels(position=str(position))))
+            counts[position - 1].set(count)
         for method, (drafted, accepted, by_position) in stats.by_method.items():
             self._method_count(method, "", True).set(drafted)
             self._method_count(method, "", False).set(accepted)

@@ -74,8 +74,8 @@ def test_http_endpoint_serves_exact_values(metrics: Metrics) -> None:
         metrics.observe_ttft(0.003)
         metrics.observe_ttft(0.2)
         metrics.observe_itl(0.02)
-        metrics.observe_accepted_positions([5, 3, 1])
-        metrics.observe_accepted_positions([2, 2])
+        metrics.update_engine(Stats(accepted_by_position=(5, 3, 1)))  # cumulative counts
+        metrics.update_engine(Stats(accepted_by_position=(7, 5, 1)))
         got = scrape(server.port)
     finally:
         server.close()
@@ -191,6 +191,36 @@ def test_observer_records_one_inter_token_latency_per_token(metrics: Metrics) ->
     assert got["specpage_e2e_request_latency_seconds_count", (MODEL,)] == 2
     assert got["specpage_e2e_request_latency_seconds_sum", (MODEL,)] == 4.0
     assert got["specpage_requests_finished_total", (MODEL, ("reason", "length"))] == 2
+
+
+def test_noted_engine_figures_are_set_when_scraped(metrics: Metrics) -> None:
+    """A step notes its stats; a scrape over HTTP (on the server's thread),
+    one that names its metrics and a render each set the latest noted."""
+    server = metrics.start_http("127.0.0.1", 0)
+    try:
+        for step in range(1, 4):
+            metrics.note_engine(Stats(running=step, drafted_tokens=10 * step,  # type: ignore[arg-type]
+                                      accepted_by_position=(step, 1)))
+        got = scrape(server.port)
+        assert got["specpage_requests_running", ()] == 3
+        assert got["specpage_drafted_tokens_total", ()] == 30
+        assert got["specpage_accepted_tokens_by_position_total", (("position", "1"),)] == 3
+        assert got["specpage_accepted_tokens_by_position_total", (("position", "2"),)] == 1
+        metrics.note_engine(Stats(running=1, drafted_tokens=45,  # type: ignore[arg-type]
+                                  accepted_by_position=(5, 2, 1)))
+        url = f"http://127.0.0.1:{server.port}/metrics?name[]=specpage_requests_running"
+        with urllib.request.urlopen(url, timeout=5) as response:
+            named = samples(response.read().decode())
+        assert named == {("specpage_requests_running", ()): 1}
+    finally:
+        server.close()
+    got = samples(metrics.render().decode())
+    assert got["specpage_drafted_tokens_total", ()] == 45  # a counter grows by the difference
+    assert got["specpage_accepted_tokens_by_position_total", (("position", "3"),)] == 1
+    metrics.update_engine(Stats(running=7))  # type: ignore[arg-type]
+    metrics.note_engine(Stats(running=2))  # type: ignore[arg-type]  # dropped by the next
+    metrics.update_engine(Stats(running=4))  # type: ignore[arg-type]
+    assert samples(metrics.render().decode())["specpage_requests_running", ()] == 4
 
 
 def test_counter_restarts_with_a_new_engine(metrics: Metrics) -> None:
