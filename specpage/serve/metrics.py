@@ -123,7 +123,8 @@ class Metrics:
     def __init__(self, model_name: str = "") -> None:
         self.registry = _Registry()
         self.registry.before_collect = self._apply_noted
-        self._noted: EngineStatsLike | None = None  # the latest step's, until applied
+        self._noted: EngineStatsLike | None = None  # the latest step's
+        self._applied: EngineStatsLike | None = None  # the last set into the metrics
         self._applying = threading.Lock()  # scrapes come on more than one thread
         self.model_name = model_name
         r, ns, model = self.registry, NAMESPACE, {"model_name": model_name}
@@ -265,15 +266,18 @@ class Metrics:
         self._noted = stats
 
     def _apply_noted(self) -> None:
+        # The step's thread only ever replaces _noted: one noted while this
+        # runs is applied by the next collection, never lost.
         with self._applying:
-            stats, self._noted = self._noted, None
-            if stats is not None:
+            stats = self._noted
+            if stats is not None and stats is not self._applied:
                 self._update_engine(stats)
+                self._applied = stats
 
     def update_engine(self, stats: EngineStatsLike) -> None:
-        """Set the engine's figures now (any noted earlier are dropped)."""
+        """Set the engine's figures now (as if noted and collected)."""
         with self._applying:
-            self._noted = None
+            self._noted = self._applied = stats
             self._update_engine(stats)
 
     def _update_engine(self, stats: EngineStatsLike) -> None:
