@@ -75,25 +75,21 @@ class _CumulativeCounter:
 
 
 class _Registry(CollectorRegistry):
-    """A registry that first runs `before_collect` (where set) whenever it is
-    collected: a scrape of /metrics on its own thread, or `Metrics.render`."""
+    """A registry that first runs `before_collect` whenever it is collected:
+    a scrape of /metrics on its own thread, or `Metrics.render`."""
 
-    def __init__(self) -> None:
+    def __init__(self, before_collect: Callable[[], None]) -> None:
         super().__init__()
-        self.before_collect: Callable[[], None] | None = None
+        self.before_collect = before_collect
 
     def collect(self) -> Iterator[Metric]:
-        self._before()
+        self.before_collect()
         yield from super().collect()
 
     def restricted_registry(self, names: Iterable[str]) -> RestrictedRegistry:
         # a scrape that names its metrics (/metrics?name[]=...) collects through this
-        self._before()
+        self.before_collect()
         return super().restricted_registry(names)
-
-    def _before(self) -> None:
-        if self.before_collect is not None:
-            self.before_collect()
 
 
 @dataclass
@@ -121,8 +117,7 @@ class Metrics:
     event loop, which shares the cores (and the interpreter) with the step."""
 
     def __init__(self, model_name: str = "") -> None:
-        self.registry = _Registry()
-        self.registry.before_collect = self._apply_noted
+        self.registry = _Registry(self._apply_noted)
         self._noted: EngineStatsLike | None = None  # the latest step's
         self._applied: EngineStatsLike | None = None  # the last set into the metrics
         self._applying = threading.Lock()  # scrapes come on more than one thread
