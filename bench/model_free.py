@@ -36,9 +36,9 @@ Every (round, mode) pair of single-stream runs, and every 32-stream run,
 sends its own cache_salt, so neither the prefix cache nor the suffix cache
 ever holds a previous run of the same request: AUTO's suffix cache holds
 only the other requests of its own round (of its own run, at 32 streams). The
-greedy answers of AUTO and OFF are compared request by request (sampled ones
-differ by chance). Medians over the rounds of per-round ratios, with min-max
-spreads (bench/common.py).
+greedy answers of AUTO and OFF are compared request by request, at 32 streams
+too (`streams_same`; sampled ones differ by chance). Medians over the
+rounds of per-round ratios, with min-max spreads (bench/common.py).
 """
 
 from __future__ import annotations
@@ -163,34 +163,40 @@ async def method_counts(client: Client) -> dict[str, list[int]]:
 
 async def concurrent(client: Client, requests: list[dict[str, Any]], mode: str,
                      salt: str, temperature: float) -> tuple[float, list[Outcome]]:
+    """Every request at once: the seconds until the last ends, and each one's outcome."""
     start = time.perf_counter()
     outcomes = await asyncio.gather(*(run_one(client, q, mode, salt, temperature)
                                       for q in requests))
-    tokens = sum(len(o.tokens) for o in outcomes)
-    return tokens / (time.perf_counter() - start), list(outcomes)
+    return time.perf_counter() - start, list(outcomes)
 
 
 async def paired_streams(client: Client, requests: list[dict[str, Any]], measured: str,
                          against: str, salt: str, r: int, temperature: float,
-                         counts: list[int]) -> float:
+                         counts: list[int], same: list[int]) -> float:
     """Tokens per second of wall time in mode `measured` over mode `against`,
     every request at once, run twice each in the order ABBA (BAAB in odd
     rounds), so that a machine that drifts steadily through the round weighs
-    on both alike; the drafted and accepted counts of AUTO runs added to
-    counts."""
-    first, second = (measured, against) if r % 2 == 0 else (against, measured)
-    tokens, seconds = [0, 0], [0.0, 0.0]  # measured, against
-    for i, mode in enumerate((first, second, second, first)):
-        side = int(mode != measured or (measured == against and i in (1, 2)))
-        start = time.perf_counter()
+    on both alike. Adds the drafted and accepted counts of AUTO runs to
+    counts, and to same [equal, compared] how many of the measured runs'
+    answers equal the first `against` run's, request by request."""
+    a, b = (measured, 0), (against, 1)  # (mode, side)
+    if r % 2:
+        a, b = b, a
+    tokens, seconds = [0, 0], [0.0, 0.0]  # by side
+    answers: list[list[list[int]]] = [[], []]  # by side, each run's answers
+    for i, (mode, side) in enumerate((a, b, b, a)):
         # a salt of its own for every run: no run finds another's prompts cached
-        _, outs = await concurrent(client, requests, mode, f"{salt}-{measured}-{against}-{i}",
-                                   temperature)
-        seconds[side] += time.perf_counter() - start
+        spent, outs = await concurrent(client, requests, mode,
+                                       f"{salt}-{measured}-{against}-{i}", temperature)
+        seconds[side] += spent
         tokens[side] += sum(len(o.tokens) for o in outs)
+        answers[side].append([o.tokens for o in outs])
         if mode == "auto":
             counts[0] += sum(o.drafted for o in outs)
             counts[1] += sum(o.accepted for o in outs)
+    for run in answers[0]:  # (sampled answers differ by chance)
+        same[0] += sum(x == y for x, y in zip(run, answers[1][0], strict=True))
+        same[1] += len(run)
     return (tokens[0] / seconds[0]) / (tokens[1] / seconds[1])
 
 
@@ -207,6 +213,7 @@ async def measure(port: int, sets: dict[str, list[dict[str, Any]]], count: int,
     counts: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     by_method: dict[str, dict[str, list[int]]] = defaultdict(dict)  # kind -> method -> sums
     same = total = 0
+    streams_same: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # [equal, compared]
     detail: list[dict[str, Any]] = []  # every single-stream pair, for a second look
     async with Client(f"127.0.0.1:{port}") as client:
         for requests in sets.values():  # warm-up: every step shape, untimed
@@ -241,10 +248,11 @@ async def measure(port: int, sets: dict[str, list[dict[str, Any]]], count: int,
                 if streams:
                     pairs = [("auto", "off")] + ([("off", "off")] if control else [])
                     for measured, against in pairs:
+                        key = ("streams" if measured == "auto" else "control_off_vs_off")
                         ratio = await paired_streams(client, (requests * 2)[:STREAMS],
                                                      measured, against, f"c{r}", r, temperature,
-                                                     counts[f"streams/{name}"])
-                        key = "streams" if measured == "auto" else "control_off_vs_off"
+                                                     counts[f"streams/{name}"],
+                                                     streams_same[f"{key}/{name}"])
                         ratios[f"{key}/{name}"].append(ratio)
                 print(f"round {r} {name}: " + ", ".join(
                     f"{k} {v[-1]:.2f}" for k, v in ratios.items() if k.endswith(name)),
@@ -260,7 +268,10 @@ async def measure(port: int, sets: dict[str, list[dict[str, Any]]], count: int,
                                 "accepted_by_position": f[2:]}
                        for method, f in sorted(methods.items())}
                 for kind, methods in sorted(by_method.items())},
-            "greedy_same_as_off": f"{same}/{total}", "requests": detail}
+            "greedy_same_as_off": f"{same}/{total}",
+            # 32 streams: each measured run's answers against the first other run's
+            "streams_same": {k: f"{e}/{n}" for k, (e, n) in sorted(streams_same.items())},
+            "requests": detail}
 
 
 def main() -> None:
