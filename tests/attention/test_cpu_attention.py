@@ -212,3 +212,40 @@ def test_backends_with_a_window_equal_the_kernel_reference(longest, window):
             assert float((ours - ref).abs().max()) < 1e-5, type(backend).__name__
         full = paged_attention_ref(q, layer, *kernel_operands(spans), 0.2)
         assert float((backend.attend(q, layer, meta, 0.2) - full).abs().max()) < 1e-5
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim, window",
+                         [(9, 3, 64, 0), (16, 8, 64, 0), (4, 1, 256, 0), (9, 3, 64, 40)])
+def test_a_sequence_s_rows_are_the_same_bits_alone_and_in_a_batch(heads, kv_heads, head_dim,
+                                                                  window):
+    """A batch's sequences are read a sequence (or a share of its KV heads) at
+    a time, all its heads' rows of a position together; one sequence alone
+    is cut by rows or positions among the threads. Each sequence's output
+    is the same bits either way, at 1 to 4 threads."""
+    torch.manual_seed(5)
+    block_size = 16
+    spans = [(120, 1), (300, 1), (17, 1), (64, 2), (200, 1), (5, 5), (0, 3), (90, 1)]
+    rng = random.Random(3)
+    free = rng.sample(range(200), 200)
+    tables = [[free.pop() for _ in range(-(-(c + n) // block_size))] for c, n in spans]
+    cache = torch.randn(2, 200, block_size, kv_heads, head_dim).bfloat16()
+    q = torch.randn(sum(n for _, n in spans), heads, head_dim).bfloat16()
+    width = max(len(t) for t in tables)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    query_start = torch.tensor([0] + [n for _, n in spans]).cumsum(0)
+    context_lens = torch.tensor([c + n for c, n in spans])
+    kernel = native_kernels().paged_attention
+    threads = torch.get_num_threads()
+    try:
+        for count in range(1, 5):
+            torch.set_num_threads(count)
+            batch = kernel(q, cache, table, query_start, context_lens, 0.125, window)
+            for s, (first, end) in enumerate(zip(query_start[:-1], query_start[1:], strict=True)):
+                alone = kernel(q[first:end], cache, table[s:s + 1],
+                               torch.tensor([0, int(end - first)]), context_lens[s:s + 1],
+                               0.125, window)
+                assert torch.equal(alone.view(torch.int16), batch[first:end].view(torch.int16))
+    finally:
+        torch.set_num_threads(threads)
+    ref = paged_attention_ref(q, cache, table, query_start, context_lens, 0.125, window)
+    assert float((batch.float() - ref.float()).abs().max()) < TOLERANCE[torch.bfloat16]
