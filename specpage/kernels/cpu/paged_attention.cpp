@@ -4,13 +4,14 @@
 //
 // One work item is one (sequence, KV head): the query heads sharing that KV
 // head and the span's tokens form its rows, so each K/V row is loaded (and
-// widened to fp32) once for all of them. On the bf16 path a batch's items are
-// taken a sequence (or a share of its KV heads) at a time, every head's part
-// of a position read together (attend_heads_bf16, below). Scores are held for the whole
-// context (a few thousand floats per row at most), softmaxed, then V is
-// accumulated. Vectors are vec.h's 16 floats. bf16 caches on a CPU with
-// AVX-512 BF16 take a path of their own (attend_rows_bf16, below): a verify
-// span's many rows cost about half as much there.
+// widened to fp32) once for all of them. On the bf16 path a batch's items
+// are taken a sequence (or a share of its KV heads) at a time, every head's
+// part of a position read together (attend_heads_bf16, below). Scores are
+// held for the whole context (a few thousand floats per row at most),
+// softmaxed, then V is accumulated. Vectors are vec.h's 16 floats. bf16
+// caches on a CPU with AVX-512 BF16 take a path of their own
+// (attend_rows_bf16, below): a verify span's many rows cost about half as
+// much there.
 //
 // A sliding window (a layer of Gemma 3, say) leaves each row the window's
 // last positions: those before them score -inf, and the tiles of sixteen
