@@ -197,7 +197,6 @@ class Metrics:
             "accepted_tokens_by_position", "Accepted draft tokens by proposal position (1..k)",
             ["position"], namespace=ns, registry=r,
         )  # fmt: skip
-        self._position_counts: list[_CumulativeCounter] = []  # by position 1, 2, ...
         self.drafted_by_method = Counter(
             "drafted_tokens_by_method",
             "Tokens proposed, by method (draft, ngram, suffix, grammar)",
@@ -212,8 +211,8 @@ class Metrics:
             "Accepted proposed tokens by method and proposal position (1..)",
             ["method", "position"], namespace=ns, registry=r,
         )  # fmt: skip
-        # (method, position or "", drafted?) -> the cumulative count last seen
-        self._method_counts: dict[tuple[str, str, bool], _CumulativeCounter] = {}
+        # (family, its labels) -> the engine-fed series, made when first seen
+        self._series: dict[tuple[object, ...], _CumulativeCounter] = {}
         self.spec_k = Gauge("spec_k", "Current proposal length k", namespace=ns, registry=r)
         self.suffix_cache_tokens = Gauge(
             "suffix_cache_tokens", "Earlier requests' tokens the suffix cache holds "
@@ -299,30 +298,22 @@ class Metrics:
         self.per_token_acceptance.set(stats.per_token_acceptance)
         self.spec_k.set(stats.current_k)
         self.suffix_cache_tokens.set(stats.suffix_cache_tokens)
-        counts = self._position_counts
         for position, count in enumerate(stats.accepted_by_position, start=1):
-            if position > len(counts):
-                counts.append(_CumulativeCounter(
-                    self.accepted_by_position.labels(position=str(position))))
-            counts[position - 1].set(count)
+            self._series_of(self.accepted_by_position, position=str(position)).set(count)
         for method, (drafted, accepted, by_position) in stats.by_method.items():
-            self._method_count(method, "", True).set(drafted)
-            self._method_count(method, "", False).set(accepted)
+            self._series_of(self.drafted_by_method, method=method).set(drafted)
+            self._series_of(self.accepted_by_method, method=method).set(accepted)
             for position, count in enumerate(by_position, start=1):
-                self._method_count(method, str(position), False).set(count)
+                self._series_of(self.accepted_by_method_position, method=method,
+                                position=str(position)).set(count)
 
-    def _method_count(self, method: str, position: str, drafted: bool) -> _CumulativeCounter:
-        key = (method, position, drafted)
-        counter = self._method_counts.get(key)
-        if counter is None:
-            if position:
-                family = self.accepted_by_method_position.labels(method=method,
-                                                                  position=position)
-            else:
-                family = (self.drafted_by_method if drafted
-                          else self.accepted_by_method).labels(method=method)
-            counter = self._method_counts[key] = _CumulativeCounter(family)
-        return counter
+    def _series_of(self, family: Counter, **labels: str) -> _CumulativeCounter:
+        """The engine-fed series of a labelled counter family."""
+        key = (family, *labels.items())
+        series = self._series.get(key)
+        if series is None:
+            series = self._series[key] = _CumulativeCounter(family.labels(**labels))
+        return series
 
     def start_http(self, host: str, port: int) -> MetricsServer:
         """Serve /metrics for this registry on host:port (0: a free port)."""
