@@ -88,11 +88,26 @@ constexpr int64_t kAhead = 16;
 // ahead the same way; it was not measured apart.)
 constexpr int64_t kFarAhead = 64;
 
+// Asks for `bytes` from `at` into L1 (kLocality 3) or L2 (1).
+template <int kLocality>
+inline void prefetch_bytes(const void* at, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) {
+    __builtin_prefetch(static_cast<const char*>(at) + b, 0, kLocality);
+  }
+}
+
 template <typename scalar_t, int64_t kChunks, int kLocality = 3>
 inline void prefetch_row(const scalar_t* row) {
-  constexpr int64_t bytes = kChunks * kLanes * sizeof(scalar_t);
-  for (int64_t b = 0; b < bytes; b += 64) {
-    __builtin_prefetch(reinterpret_cast<const char*>(row) + b, 0, kLocality);
+  prefetch_bytes<kLocality>(row, kChunks * kLanes * sizeof(scalar_t));
+}
+
+// Asks for the rows of positions [from, to), `width` elements from rows[p]
+// + offset each.
+template <int kLocality, typename scalar_t>
+inline void prefetch_rows(const scalar_t* const* rows, int64_t offset, int64_t width,
+                          int64_t from, int64_t to) {
+  for (int64_t p = from; p < to; ++p) {
+    prefetch_bytes<kLocality>(rows[p] + offset, width * sizeof(scalar_t));
   }
 }
 
@@ -446,17 +461,6 @@ void attend_rows_bf16(const c10::BFloat16* q, const c10::BFloat16* cache, c10::B
                        scores.data(), padded_context, kt);
   finish_rows<kChunks>(item, shape, keys.data(), first, rows, begin, scores.data(),
                        padded_context, out);
-}
-
-// Asks for the rows of positions [from, to) (`width` elements from rows[p]
-// + offset) into L1 (kLocality 3) or L2 (1).
-template <int kLocality>
-inline void prefetch_rows(const c10::BFloat16* const* rows, int64_t offset, int64_t width,
-                          int64_t from, int64_t to) {
-  for (int64_t p = from; p < to; ++p) {
-    const char* row = reinterpret_cast<const char*>(rows[p] + offset);
-    for (int64_t b = 0; b < width * 2; b += 64) __builtin_prefetch(row + b, 0, kLocality);
-  }
 }
 
 struct HeadsItem {
