@@ -4,14 +4,13 @@
 //
 // One work item is one (sequence, KV head): the query heads sharing that KV
 // head and the span's tokens form its rows, so each K/V row is loaded (and
-// widened to fp32) once for all of them. On the bf16 path a batch's items
-// are taken a sequence (or a share of its KV heads) at a time, every head's
-// part of a position read together (attend_heads_bf16, below). Scores are
-// held for the whole context (a few thousand floats per row at most),
-// softmaxed, then V is accumulated. Vectors are vec.h's 16 floats. bf16
-// caches on a CPU with AVX-512 BF16 take a path of their own
-// (attend_rows_bf16, below): a verify span's many rows cost about half as
-// much there.
+// widened to fp32) once for all of them. Scores are held for the whole
+// context (a few thousand floats per row at most), softmaxed, then V is
+// accumulated. Vectors are vec.h's 16 floats. bf16 caches on a CPU with
+// AVX-512 BF16 take paths of their own: a verify span's many rows cost about
+// half as much there (attend_rows_bf16, below), and a batch's items are
+// taken a sequence (or a share of its KV heads) at a time, every head's part
+// of a position read together (attend_heads_bf16).
 //
 // A sliding window (a layer of Gemma 3, say) leaves each row the window's
 // last positions: those before them score -inf, and the tiles of sixteen
@@ -502,12 +501,17 @@ void attend_heads_bf16(const c10::BFloat16* q, const c10::BFloat16* cache, c10::
     item.kv_head += h;
     return item;
   };
+  // With the tile at p0 read: the next tile's rows (from `offset`, all the
+  // heads') asked for into L1, those kFarAhead positions on into L2.
+  auto ask_after = [&](int64_t offset, int64_t p0) {
+    prefetch_rows<3>(keys.data(), offset, width, std::min(context, p0 + kLanes),
+                     std::min(context, p0 + 2 * kLanes));
+    prefetch_rows<1>(keys.data(), offset, width, std::min(context, p0 + kFarAhead),
+                     std::min(context, p0 + kFarAhead + kLanes));
+  };
   prefetch_rows<3>(keys.data(), 0, width, begin, std::min(context, begin + kLanes));
   for (int64_t p0 = begin; p0 < context; p0 += kLanes) {
-    prefetch_rows<3>(keys.data(), 0, width, std::min(context, p0 + kLanes),
-                     std::min(context, p0 + 2 * kLanes));
-    prefetch_rows<1>(keys.data(), 0, width, std::min(context, p0 + kFarAhead),
-                     std::min(context, p0 + kFarAhead + kLanes));
+    ask_after(0, p0);
     for (int64_t h = 0; h < heads; ++h) {
       score_tiles<kChunks>(q, head_item(h), shape, keys.data(), 0, rows, p0, p0 + kLanes,
                            scores.data() + h * rows * padded_context, padded_context, kt,
@@ -527,9 +531,7 @@ void attend_heads_bf16(const c10::BFloat16* q, const c10::BFloat16* cache, c10::
   float* sum_rows[kValueRows];
   for (int64_t p0 = begin; p0 < context; p0 += kLanes) {
     const int64_t end = std::min(context, p0 + kLanes);
-    prefetch_rows<3>(keys.data(), v_offset, width, end, std::min(context, p0 + 2 * kLanes));
-    prefetch_rows<1>(keys.data(), v_offset, width, std::min(context, p0 + kFarAhead),
-                     std::min(context, p0 + kFarAhead + kLanes));
+    ask_after(v_offset, p0);
     for (int64_t h = 0; h < heads; ++h) {
       for (int64_t r0 = 0; r0 < rows; r0 += kValueRows) {
         const int64_t n = std::min(kValueRows, rows - r0);
