@@ -361,13 +361,22 @@ def _per_tile(values: torch.Tensor, tiles: int, groups: int) -> torch.Tensor:
 
 
 Q8_GROUP = 32  # inputs per scale of GGML's Q8_0
-Q8_HEAD_MAX_ROWS = 8  # rows up to which the vocabulary projection takes Q8Head
+# Rows up to which the vocabulary projection takes Q8Head on the bf16 int4
+# kernel (no AVX-512 VNNI) ...
+Q8_HEAD_MAX_ROWS = 8
 # ... and where int8x_gemv runs on AMX tiles (from 5 rows). SmolLM2-135M's
 # head (49,152 x 576, 2 threads, Intel Xeon with AMX), median us:
 #   rows                          8     12     16     24     32
 #   Q8Head, AMX                 916  1,015  1,404  2,549  2,810
 #   dense bf16 (cpu_linear)   1,435  1,547  1,618  2,003  2,139
 Q8_HEAD_AMX_MAX_ROWS = 16
+# On vpdpbusd (AVX-512 VNNI, no AMX) it takes every row count: its int8
+# products do twice the multiplies an instruction that the dense head's
+# bf16 ones do, and read half the bytes. The same head, AMD EPYC, 2
+# threads, median ms (docs/BENCHMARKS.md, "The q8 head at every row count"):
+#   rows                          8     16     32     96    288
+#   Q8Head, vpdpbusd          1.136  1.747  3.347  9.517 28.498
+#   dense bf16 (cpu_linear)   1.682  2.518  4.674 14.007 41.286
 
 
 def amx_int8() -> bool:
@@ -416,10 +425,13 @@ class Q8Head(nn.Module):
                 and in_features % Q8_GROUP == 0)
 
     def takes(self, x: torch.Tensor) -> bool:
-        """Whether it computes these rows; any number where products are
-        row-invariant (its kernels sum each row alone), so that the dense head
-        never takes some of a sequence's rows."""
+        """Whether it computes these rows: any number on vpdpbusd without
+        AMX (there it is faster than the dense head at every count), or
+        where products are row-invariant (its kernels sum each row alone,
+        so that the dense head never takes some of a sequence's rows)."""
         rows = x.shape[0]
+        if self.int8x and not self.amx:
+            return x.dtype == KERNEL_DTYPE and rows >= 1
         limit = max(Q8_HEAD_MAX_ROWS, Q8_HEAD_AMX_MAX_ROWS) if self.amx else Q8_HEAD_MAX_ROWS
         return x.dtype == KERNEL_DTYPE and rows >= 1 and (rows <= limit or row_invariant_on())
 

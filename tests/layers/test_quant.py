@@ -157,6 +157,31 @@ def test_q8_products_on_amx_tiles_are_the_vpdpbusd_kernels_bits(inputs: int) -> 
 
 
 @native
+@pytest.mark.skipif(not quant.int8x_kernels(), reason="no AVX-512 VNNI on this CPU")
+@pytest.mark.parametrize("inputs", [64, 576])
+def test_q8_tiles_on_vpdpbusd_give_each_row_the_same_bits_alone_and_in_a_batch(inputs: int) -> None:
+    """q8 tiles (a GGUF's Q8_0 blocks, the q4 models' head) on the vpdpbusd
+    kernel give int8(x) @ (d·q).T at every row count, through the counts
+    where a row's sums go from two chains to one and past a pass of 8 rows,
+    each row the same bits alone as in the batch."""
+    kernels = bf16_kernels()
+    torch.manual_seed(8)
+    q = torch.randint(-127, 128, (48, inputs), dtype=torch.int8)
+    q[0, :32], q[1, :32] = -127, 127  # the levels' extremes: the int32 sums' largest
+    d = (torch.rand(48, inputs // 32) * 0.01).half().float()
+    tiles = quant.q8_stream(q, d)
+    weights = (q.float().view(48, -1, 32) * d[..., None]).view(48, inputs)
+    x = torch.randn(33, inputs).bfloat16()
+    for rows in (*range(1, 19), 24, 32, 33):
+        batch = kernels.int8x_gemv_on(x[:rows], tiles, "vnni")  # type: ignore[union-attr]
+        expected = int8_x(x[:rows]) @ weights.T
+        assert float((batch.float() - expected).abs().max() / expected.abs().max()) < 2**-7, rows
+        alone = torch.cat([kernels.int8x_gemv_on(x[r : r + 1], tiles, "vnni")  # type: ignore[union-attr]
+                           for r in range(rows)])
+        assert torch.equal(alone.view(torch.int16), batch.view(torch.int16)), rows
+
+
+@native
 @amx
 def test_the_amx_kernel_refuses_q4_tiles_by_name() -> None:
     blocks = Int4Blocks(torch.randint(0, 16, (16, 64), dtype=torch.uint8),

@@ -181,8 +181,9 @@ def test_the_q8_head_computes_the_vocabulary_projection_on_its_exact_weights(
     """A q4 load of a GGUF whose tied embedding is Q8_0 (and whose vocabulary
     is in blocks of 16) projects a few rows on those blocks: within bf16 of
     the fp32 weights' product (of x as int8x takes it, where it does) for 1-8
-    rows, a row's logits the same bits alone or among others; past 8 rows
-    (16 where its products run on AMX tiles), or in fp32, the dense head."""
+    rows, a row's logits the same bits alone or among others; on int8x
+    products without AMX the same for every row count, else past 8 rows (16
+    where its products run on AMX tiles) the dense head, and in fp32."""
     monkeypatch.setattr(quant, "INT8X_PRODUCTS", int8x)
     path = ggufs["Q4_1 vocab 272"]
     weight = loaded(path).model.embed_tokens.weight.detach()
@@ -194,17 +195,19 @@ def test_the_q8_head_computes_the_vocabulary_projection_on_its_exact_weights(
     assert isinstance(head, quant.Q8Head) and head.int8x == int8x
     assert head.tiles.shape[2] == (544 if int8x else 320)
     torch.manual_seed(0)
-    x = torch.randn(8, HIDDEN).bfloat16()
+    every_count = head.int8x and not head.amx
+    x = torch.randn(40, HIDDEN).bfloat16()
     expected = (int8_x(x) if int8x else x).double() @ weight.double().T
-    for rows in range(1, 9):
+    for rows in (*range(1, 9), *((12, 40) if every_count else ())):
         assert head.takes(x[:rows])
         actual = head(x[:rows]).double()
         error = (actual - expected[:rows]).abs().max() / expected[:rows].abs().max()
         assert error < 2**-7, (rows, float(error))
         assert torch.equal(head(x[rows - 1 : rows]), head(x[:rows])[rows - 1 :])
-    limit = quant.Q8_HEAD_AMX_MAX_ROWS if head.amx else quant.Q8_HEAD_MAX_ROWS
-    assert head.takes(torch.zeros(limit, HIDDEN, dtype=torch.bfloat16))
-    assert not head.takes(torch.zeros(limit + 1, HIDDEN, dtype=torch.bfloat16))
+    if not every_count:
+        limit = quant.Q8_HEAD_AMX_MAX_ROWS if head.amx else quant.Q8_HEAD_MAX_ROWS
+        assert head.takes(torch.zeros(limit, HIDDEN, dtype=torch.bfloat16))
+        assert not head.takes(torch.zeros(limit + 1, HIDDEN, dtype=torch.bfloat16))
     assert not head.takes(x.float())
     assert loaded(path, "q4", "fp32").model.q8_head is None  # fp32 activations: dense
     assert loaded(path).model.q8_head is None  # no quantization: the exact dense head
