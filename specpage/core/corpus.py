@@ -48,6 +48,7 @@ from specpage.core.ngram import (
     MASKS,
     Continuation,
     Evidence,
+    KeepFirst,
     NgramCounts,
     entry_counts,
     proposal,
@@ -124,8 +125,9 @@ class CorpusTable:
                 return proposal(n, value & _FIELD, value >> BITS & _FIELD, value >> 2 * BITS)
         return None
 
-    def continuation(self, context: Seq[int], length: int) -> Continuation:
-        return walk(self.next_token, self.n_max, context, length)
+    def continuation(self, context: Seq[int], length: int,
+                     keep_first: KeepFirst | None = None) -> Continuation:
+        return walk(self.next_token, self.n_max, context, length, keep_first)
 
     def save(self, path: Path) -> None:
         header = {"vocabulary": self.fingerprint, "n_max": self.n_max, "tokens": self.tokens,

@@ -21,7 +21,13 @@ from specpage.core.corpus import CorpusTable
 from specpage.core.engine_config import EngineConfig
 from specpage.core.grammar import SequenceGrammar
 from specpage.core.layer_groups import GroupedPool, Pool
-from specpage.core.model_free import NO_SPECULATION, Method, ModelFreeProposer, Speculation
+from specpage.core.model_free import (
+    NO_SPECULATION,
+    Candidate,
+    Method,
+    ModelFreeProposer,
+    Speculation,
+)
 from specpage.core.outputs import OutputProcessor, RequestOutput
 from specpage.core.policy import SpecPolicy
 from specpage.core.proposer_rules import ProposerRules
@@ -122,9 +128,17 @@ class EngineCore:
         """The scheduler's question: what seq proposes this step."""
         if seq.grammar is not None:
             return self._constrained(seq, batch)
-        length = self.policy.model_free_length(seq, batch) if self.policy.model_free_k else 0
-        candidate = self.model_free.propose(seq, length) if length else None
-        return self.policy.speculate(seq, batch, candidate)
+        return self.policy.speculate(seq, batch, self._model_free_candidate(seq, batch))
+
+    def _model_free_candidate(self, seq: Sequence, batch: int) -> Candidate | None:
+        """What the proposers that need no model find for seq, as far as
+        the policy says it could pay at this batch."""
+        policy = self.policy
+        length = policy.model_free_length(seq, batch) if policy.model_free_k else 0
+        if not length:
+            return None
+        return self.model_free.propose(seq, length,
+                                       floor=policy.model_free_floor(seq, batch, length))
 
     def _constrained(self, seq: Sequence, batch: int) -> Speculation:
         """A constrained sequence's proposals: the run of tokens its grammar
@@ -143,9 +157,7 @@ class EngineCore:
             return Speculation(len(forced), tuple(forced), Method.GRAMMAR, float(len(forced)))
         if grammar.stopped:
             return NO_SPECULATION
-        length = self.policy.model_free_length(seq, batch) if self.policy.model_free_k else 0
-        candidate = self.model_free.propose(seq, length) if length else None
-        spec = self.policy.speculate(seq, batch, candidate)
+        spec = self.policy.speculate(seq, batch, self._model_free_candidate(seq, batch))
         if spec.method is Method.DRAFT:
             return spec
         return spec.cut(grammar.admitted(spec.tokens))

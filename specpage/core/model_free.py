@@ -28,7 +28,7 @@ from typing import NamedTuple
 from specpage.core.chance import ChanceTable
 from specpage.core.corpus import CorpusTable
 from specpage.core.engine_config import EngineConfig
-from specpage.core.ngram import Continuation, Evidence, NgramCounts
+from specpage.core.ngram import Continuation, Evidence, KeepFirst, NgramCounts
 from specpage.core.request import FinishReason, Sequence
 from specpage.core.suffix_cache import SuffixCache
 
@@ -95,12 +95,16 @@ class ModelFreeProposer:
         self.chances = ChanceTable()
 
     def propose(self, seq: Sequence, length: int | None = None,
-                methods: frozenset[Method] | None = None) -> Candidate | None:
+                methods: frozenset[Method] | None = None, floor: float = 0.0) -> Candidate | None:
         """The likelier of seq's continuations, up to length (max_tokens)
         tokens, by the methods on (or those of them given). A seeded
         sample's comes from its own context only, with its confidences as
         chances: its tokens depend on what it proposes, which must not
-        depend on other requests (the corpus table is no request's)."""
+        depend on other requests (the corpus table is no request's).
+        floor: the chance of acceptance below which a continuation's first
+        token is not worth the rest of its walk (the policy's
+        model_free_floor: no proposal starting with it could pay); such a
+        continuation is none."""
         methods = self.methods if methods is None else self.methods & methods
         length = min(self.max_tokens if length is None else length,
                      seq.request.params.max_tokens - seq.num_output)
@@ -110,18 +114,20 @@ class ModelFreeProposer:
         across = params.seed is None or params.greedy
         table = self.chances if across else None
         sampled = not params.greedy
+        tokens = seq.token_ids
         best = None
-        if Method.NGRAM in methods:
-            best = _candidate(Method.NGRAM, self._context(seq).continuation(seq.token_ids, length),
-                              table, sampled)
-        if across and Method.SUFFIX in methods:
-            found = _candidate(Method.SUFFIX, self.suffix.continuation(
-                seq.request.cache_salt, seq.token_ids, length), table, sampled)
-            best = _likelier(best, found)
-        if Method.CORPUS in methods:
-            assert self.corpus is not None
-            best = _likelier(best, _candidate(
-                Method.CORPUS, self.corpus.continuation(seq.token_ids, length), table, sampled))
+        for method in MODEL_FREE:
+            if method not in methods or (method is Method.SUFFIX and not across):
+                continue
+            keep = None if floor <= 0 else _at_least(floor, method, table, sampled)
+            if method is Method.NGRAM:
+                found = self._context(seq).continuation(tokens, length, keep)
+            elif method is Method.SUFFIX:
+                found = self.suffix.continuation(seq.request.cache_salt, tokens, length, keep)
+            else:
+                assert self.corpus is not None
+                found = self.corpus.continuation(tokens, length, keep)
+            best = _likelier(best, _candidate(method, found, table, sampled))
         return best
 
     def observe(self, seq: Sequence, speculation: Speculation, accepted: int) -> None:
@@ -169,6 +175,16 @@ class ModelFreeProposer:
             self.num_counted += counts.add(seq.token_ids, indexed, end)
             self.contexts[seq.seq_id] = (counts, end)
         return counts
+
+
+def _at_least(floor: float, method: Method, table: ChanceTable | None,
+              sampled: bool) -> KeepFirst:
+    """Whether a first token found on this evidence, with this confidence,
+    has at least floor's chance of acceptance (as _candidate prices it)."""
+    if table is None:
+        return lambda confidence, evidence: confidence >= floor
+    chance = table.chance
+    return lambda confidence, evidence: chance((method, sampled, evidence), confidence) >= floor
 
 
 def _likelier(best: Candidate | None, found: Candidate | None) -> Candidate | None:

@@ -54,6 +54,10 @@ class Continuation(NamedTuple):
 
 NO_CONTINUATION = Continuation([], [], [])
 
+# Whether a continuation whose first token was found with this confidence
+# and evidence is worth the rest of the walk (the proposer's floor).
+KeepFirst = Callable[[float, Evidence], bool]
+
 
 class Followers:
     """What followed one n-gram: each token's count, their total, and the
@@ -205,15 +209,16 @@ class NgramCounts:
                 return proposal(n, *entry_counts(entry))
         return None
 
-    def continuation(self, context: Seq[int], length: int) -> Continuation:
-        return walk(self.next_token, self.n_max, context, length)
+    def continuation(self, context: Seq[int], length: int,
+                     keep_first: KeepFirst | None = None) -> Continuation:
+        return walk(self.next_token, self.n_max, context, length, keep_first)
 
 
 def walk(next_token: Callable[[Seq[int]], tuple[int, float, Evidence] | None], n_max: int,
-         context: Seq[int], length: int) -> Continuation:
+         context: Seq[int], length: int, keep_first: KeepFirst | None = None) -> Continuation:
     """Up to `length` tokens likely to follow context, by asking next_token
     (of a table of n-grams up to n_max) while the chain's confidence stays
-    above MIN_CHAIN."""
+    above MIN_CHAIN; none where keep_first turns the first token down."""
     tail = list(context[max(0, len(context) - n_max) :])
     found_after = Continuation([], [], [])
     chain = 1.0
@@ -222,6 +227,8 @@ def walk(next_token: Callable[[Seq[int]], tuple[int, float, Evidence] | None], n
         if found is None:
             break
         token, p, evidence = found
+        if keep_first is not None and not found_after.tokens and not keep_first(p, evidence):
+            break
         chain *= p
         if chain < MIN_CHAIN:
             break

@@ -67,18 +67,25 @@ class Outcomes:
 class Payoff:
     def __init__(self) -> None:
         self.classes: dict[int, Outcomes] = {}
+        # per batch, until the next step is observed: every sequence of a
+        # step asks
+        self._allowed: dict[int, bool] = {}
 
     def allows(self, batch: int) -> bool:
         """Whether this step may verify model-free proposals at this batch."""
-        outcomes = self._class(batch)
-        every = outcomes.probe_every
-        probing = outcomes.steps % every == every - 1
-        return outcomes.pays != probing
+        allowed = self._allowed.get(batch)
+        if allowed is None:
+            outcomes = self._class(batch)
+            every = outcomes.probe_every
+            probing = outcomes.steps % every == every - 1
+            allowed = self._allowed[batch] = outcomes.pays != probing
+        return allowed
 
     def observe(self, batch: int, model_free: bool, tokens: int, seconds: float,
                 plain_seconds: float) -> None:
         """A decoding step of `batch` sequences that made `tokens` tokens in
         `seconds`, where a plain step at that batch is priced plain_seconds."""
+        self._allowed.clear()
         outcomes = self._class(batch)
         outcomes.steps += 1
         if batch > 0 and seconds > 0 and plain_seconds > 0:

@@ -134,6 +134,7 @@ SEEDED_CHANCE = 0.5
 # Keys of SpecPolicy._cached_seconds beside a draft's lag (>= 0).
 MODEL_FREE = -1
 LONGEST_PAYING = -2
+LEAST_CHANCE = -3
 
 
 class MethodCounts:
@@ -430,6 +431,29 @@ class SpecPolicy:
             return 0
         return int(self._cached_seconds(max(batch, 1), LONGEST_PAYING)[0])
 
+    def model_free_floor(self, seq: Sequence, batch: int, length: int) -> float:
+        """The least chance of acceptance a model-free proposal's first token
+        can have, as the proposer finds it (before seq's own scale,
+        `_chance`), for any of its first `length` tokens to be worth
+        verifying at this batch: with a first chance c, length L promises at
+        most 1 + L c tokens for its seconds, and below the floor no L
+        promises what `_best_length` takes over none, even were every later
+        token sure. The proposer walks no further after such a token: at a
+        large batch on a CPU, most of what it finds. 0 where proposals are
+        not priced (a forced k, a fixed policy, a seeded sample)."""
+        if seq.request.spec_k is not None or not self.adaptive or length <= 0:
+            return 0.0
+        params = seq.request.params
+        if params.seed is not None and not params.greedy:
+            return 0.0
+        floors = self._cached_seconds(max(batch, 1), LEAST_CHANCE)
+        scale = shrunk(seq.model_free_accepted, seq.model_free_expected, 1.0, SEQ_WEIGHT)
+        floor = floors[min(length, len(floors)) - 1]
+        if floor <= 0:
+            return 0.0
+        # (a hair below, so that rounding never turns down a token that pays)
+        return floor * (1 - 1e-9) / scale if scale > 0 else math.inf
+
     @staticmethod
     def _model_free(candidate: Candidate, length: int) -> Speculation:
         length = min(length, len(candidate.tokens))
@@ -456,10 +480,17 @@ class SpecPolicy:
     def _cached_seconds(self, batch: int, lag: int) -> list[float]:
         """_step_seconds, kept until the costs or the last step change; lag
         MODEL_FREE: _model_free_seconds; LONGEST_PAYING: [the length
-        model_free_length gives]."""
+        model_free_length gives]; LEAST_CHANCE: model_free_floor's floor
+        for each length 1..model_free_k."""
         seconds = self._seconds.get((batch, lag))
         if seconds is None:
-            if lag == LONGEST_PAYING:
+            if lag == LEAST_CHANCE:
+                priced = self._cached_seconds(batch, MODEL_FREE)
+                seconds, least = [], math.inf
+                for length in range(1, len(priced)):
+                    least = min(least, (GAIN_TO_START * priced[length] / priced[0] - 1) / length)
+                    seconds.append(least)
+            elif lag == LONGEST_PAYING:
                 sure = [1.0] * self.model_free_k
                 seconds = [float(_best_length(sure, self._cached_seconds(batch, MODEL_FREE))[0])]
             elif lag == MODEL_FREE:

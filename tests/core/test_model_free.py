@@ -13,8 +13,14 @@ from hypothesis import strategies as st
 from specpage.core.block_pool import BlockPool
 from specpage.core.engine_config import EngineConfig
 from specpage.core.engine_core import EngineCore
-from specpage.core.model_free import NO_SPECULATION, Method, ModelFreeProposer, Speculation
-from specpage.core.ngram import COUNT_CAP, SHRINK, Evidence, NgramCounts
+from specpage.core.model_free import (
+    NO_SPECULATION,
+    Candidate,
+    Method,
+    ModelFreeProposer,
+    Speculation,
+)
+from specpage.core.ngram import COUNT_CAP, SHRINK, Evidence, NgramCounts, walk
 from specpage.core.policy import SpecPolicy
 from specpage.core.proposer_rules import NO_MODEL
 from specpage.core.request import FinishReason, Request, SamplingParams, Sequence
@@ -235,3 +241,69 @@ def test_a_prompt_is_counted_in_by_the_steps_that_compute_it():
     while core.has_unfinished():
         core.apply(executor.execute(core.schedule()))
     assert proposer.contexts == {}
+
+
+chances = st.lists(st.floats(0.0, 1.0), min_size=1, max_size=8).map(
+    lambda steps: [c for c in _chain(steps)])
+
+
+def _chain(steps):
+    """Per token the chance that it and every one before it are accepted."""
+    chain = 1.0
+    for p in steps:
+        chain *= p
+        yield chain
+
+
+@settings(max_examples=200, deadline=None)
+@given(costs=st.lists(st.floats(0.001, 0.05), min_size=3, max_size=6),
+       batch=st.integers(1, 64), found=chances, scale=st.floats(0.25, 2.0))
+def test_below_the_floor_no_model_free_proposal_pays_and_just_above_one_can(
+        costs, batch, found, scale):
+    """The policy's floor bounds the first token's chance: a candidate whose
+    first token (scaled by the sequence's own record) falls below it gets no
+    proposals at this batch whatever follows it, so the proposer may stop
+    looking there; one just above it, with every later token sure, gets
+    some. For any measured cost curve."""
+    policy = SpecPolicy(0, NO_MODEL, model_free_k=8)
+    sizes = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+    policy.calibrate(list(zip(sizes, sorted(costs) + [costs[-1]] * 10, strict=False)), [])
+    seq = sequence([1, 2, 3])
+    seq.model_free_accepted, seq.model_free_expected = 10.0 * scale, 10.0  # scale, shrunk
+    length = policy.model_free_length(seq, batch)
+    floor = policy.model_free_floor(seq, batch, length)
+    evidence = [Evidence(2, 1, True)] * 8
+    below = [c * min(1.0, floor * 0.999 / found[0]) if found[0] > 0 else 0.0 for c in found]
+    if floor > 0 and below[0] < floor:
+        candidate = Candidate(Method.NGRAM, list(range(len(below))), below, evidence[:len(below)])
+        assert policy.speculate(seq, batch, candidate) == NO_SPECULATION
+    if 0 < floor < 0.999 and length:
+        sure = [floor * 1.001] * length
+        candidate = Candidate(Method.NGRAM, list(range(length)), sure, evidence[:length])
+        assert policy.speculate(seq, batch, candidate).k > 0
+
+
+def test_the_floor_stops_each_walk_at_its_first_token():
+    """A continuation whose first token is turned down is none, found with
+    one lookup (counted, not timed); a floor no token falls below changes
+    nothing."""
+    counts = NgramCounts(1, 4)
+    text = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]
+    counts.add(text, 0)
+    asked = []
+
+    def next_token(context):
+        asked.append(1)
+        return counts.next_token(context)
+
+    whole = walk(next_token, 4, text, 4)
+    assert len(whole.tokens) == 4 and len(asked) == 4 and whole == counts.continuation(text, 4)
+    asked.clear()
+    assert walk(next_token, 4, text, 4, lambda confidence, evidence: False).tokens == []
+    assert len(asked) == 1
+    assert counts.continuation(text, 4, lambda confidence, evidence: True) == whole
+    proposer = ModelFreeProposer(EngineConfig(spec_methods="ngram", spec_model_free_k=4))
+    seq = sequence(text)
+    found = proposer.propose(seq, 4)
+    assert found is not None and proposer.propose(seq, 4, floor=found.chance[0] / 2) == found
+    assert proposer.propose(seq, 4, floor=found.chance[0] * 1.01) is None
