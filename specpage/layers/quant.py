@@ -373,7 +373,8 @@ Q8_HEAD_AMX_MAX_ROWS = 16
 # On vpdpbusd (AVX-512 VNNI, no AMX) it takes every row count: its int8
 # products do twice the multiplies an instruction that the dense head's
 # bf16 ones do, and read half the bytes. The same head, AMD EPYC, 2
-# threads, median ms (docs/BENCHMARKS.md, "The q8 head at every row count"):
+# threads, median ms (docs/BENCHMARKS.md, "q8 tiles at many rows, and the q4
+# models' head at every row count"):
 #   rows                          8     16     32     96    288
 #   Q8Head, vpdpbusd          1.136  1.747  3.347  9.517 28.498
 #   dense bf16 (cpu_linear)   1.682  2.518  4.674 14.007 41.286
