@@ -133,12 +133,10 @@ class EngineCore:
     def _model_free_candidate(self, seq: Sequence, batch: int) -> Candidate | None:
         """What the proposers that need no model find for seq, as far as
         the policy says it could pay at this batch."""
-        policy = self.policy
-        length = policy.model_free_length(seq, batch) if policy.model_free_k else 0
-        if not length:
+        if not self.policy.model_free_k:
             return None
-        return self.model_free.propose(seq, length,
-                                       floor=policy.model_free_floor(seq, batch, length))
+        length, floor = self.policy.model_free_lookup(seq, batch)
+        return self.model_free.propose(seq, length, floor=floor) if length else None
 
     def _constrained(self, seq: Sequence, batch: int) -> Speculation:
         """A constrained sequence's proposals: the run of tokens its grammar

@@ -103,7 +103,7 @@ class ModelFreeProposer:
         depend on other requests (the corpus table is no request's).
         floor: the chance of acceptance below which a continuation's first
         token is not worth the rest of its walk (the policy's
-        model_free_floor: no proposal starting with it could pay); such a
+        model_free_lookup: no proposal starting with it could pay); such a
         continuation is none."""
         methods = self.methods if methods is None else self.methods & methods
         length = min(self.max_tokens if length is None else length,

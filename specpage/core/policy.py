@@ -418,41 +418,35 @@ class SpecPolicy:
                 return Speculation(k)
         return self._model_free(candidate, length)
 
-    def model_free_length(self, seq: Sequence, batch: int) -> int:
-        """The longest model-free proposal that could pay for seq in a batch
-        of this size, were every token sure to be accepted: none need be
-        looked up beyond it (at a large batch on a CPU, a few)."""
+    def model_free_lookup(self, seq: Sequence, batch: int) -> tuple[int, float]:
+        """How far the proposers need look for seq in a batch of this size:
+        the longest model-free proposal that could pay, were every token
+        sure to be accepted (none need be looked up beyond it: at a large
+        batch on a CPU, a few), and the least chance of acceptance its first
+        token can have, as the proposer finds it (before seq's own scale,
+        `_chance`), for any of those lengths to be worth verifying. With a
+        first chance c, length L promises at most 1 + L c tokens for its
+        seconds, and below the floor no L promises what `_best_length` takes
+        over none: the proposer walks no further after such a token (at a
+        large batch on a CPU, most of what it finds). The floor is 0 where
+        proposals are not priced (a forced k, a fixed policy, a seeded
+        sample)."""
         if seq.request.spec_k is not None or not self.adaptive:
-            return self.model_free_k if seq.request.spec_k != 0 else 0
+            return (self.model_free_k if seq.request.spec_k != 0 else 0), 0.0
         params = seq.request.params
         if params.seed is not None and not params.greedy:
-            return self.model_free_k  # chosen by confidences alone
+            return self.model_free_k, 0.0  # chosen by confidences alone
         if not self.payoff.allows(batch):
-            return 0
-        return int(self._cached_seconds(max(batch, 1), LONGEST_PAYING)[0])
-
-    def model_free_floor(self, seq: Sequence, batch: int, length: int) -> float:
-        """The least chance of acceptance a model-free proposal's first token
-        can have, as the proposer finds it (before seq's own scale,
-        `_chance`), for any of its first `length` tokens to be worth
-        verifying at this batch: with a first chance c, length L promises at
-        most 1 + L c tokens for its seconds, and below the floor no L
-        promises what `_best_length` takes over none, even were every later
-        token sure. The proposer walks no further after such a token: at a
-        large batch on a CPU, most of what it finds. 0 where proposals are
-        not priced (a forced k, a fixed policy, a seeded sample)."""
-        if seq.request.spec_k is not None or not self.adaptive or length <= 0:
-            return 0.0
-        params = seq.request.params
-        if params.seed is not None and not params.greedy:
-            return 0.0
-        floors = self._cached_seconds(max(batch, 1), LEAST_CHANCE)
-        scale = shrunk(seq.model_free_accepted, seq.model_free_expected, 1.0, SEQ_WEIGHT)
-        floor = floors[min(length, len(floors)) - 1]
+            return 0, 0.0
+        length = int(self._cached_seconds(max(batch, 1), LONGEST_PAYING)[0])
+        if not length:
+            return 0, 0.0
+        floor = self._cached_seconds(max(batch, 1), LEAST_CHANCE)[length - 1]
         if floor <= 0:
-            return 0.0
+            return length, 0.0
+        scale = shrunk(seq.model_free_accepted, seq.model_free_expected, 1.0, SEQ_WEIGHT)
         # (a hair below, so that rounding never turns down a token that pays)
-        return floor * (1 - 1e-9) / scale if scale > 0 else math.inf
+        return length, floor * (1 - 1e-9) / scale if scale > 0 else math.inf
 
     @staticmethod
     def _model_free(candidate: Candidate, length: int) -> Speculation:
@@ -480,7 +474,7 @@ class SpecPolicy:
     def _cached_seconds(self, batch: int, lag: int) -> list[float]:
         """_step_seconds, kept until the costs or the last step change; lag
         MODEL_FREE: _model_free_seconds; LONGEST_PAYING: [the length
-        model_free_length gives]; LEAST_CHANCE: model_free_floor's floor
+        model_free_lookup gives]; LEAST_CHANCE: model_free_lookup's floor
         for each length 1..model_free_k."""
         seconds = self._seconds.get((batch, lag))
         if seconds is None:

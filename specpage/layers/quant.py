@@ -431,9 +431,10 @@ class Q8Head(nn.Module):
         where products are row-invariant (its kernels sum each row alone,
         so that the dense head never takes some of a sequence's rows)."""
         rows = x.shape[0]
-        if self.int8x and not self.amx:
-            return x.dtype == KERNEL_DTYPE and rows >= 1
-        limit = max(Q8_HEAD_MAX_ROWS, Q8_HEAD_AMX_MAX_ROWS) if self.amx else Q8_HEAD_MAX_ROWS
+        if self.amx:
+            limit = max(Q8_HEAD_MAX_ROWS, Q8_HEAD_AMX_MAX_ROWS)
+        else:
+            limit = rows if self.int8x else Q8_HEAD_MAX_ROWS
         return x.dtype == KERNEL_DTYPE and rows >= 1 and (rows <= limit or row_invariant_on())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

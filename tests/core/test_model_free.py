@@ -244,7 +244,7 @@ def test_a_prompt_is_counted_in_by_the_steps_that_compute_it():
 
 
 chances = st.lists(st.floats(0.0, 1.0), min_size=1, max_size=8).map(
-    lambda steps: [c for c in _chain(steps)])
+    lambda steps: list(_chain(steps)))
 
 
 def _chain(steps):
@@ -270,8 +270,7 @@ def test_below_the_floor_no_model_free_proposal_pays_and_just_above_one_can(
     policy.calibrate(list(zip(sizes, sorted(costs) + [costs[-1]] * 10, strict=False)), [])
     seq = sequence([1, 2, 3])
     seq.model_free_accepted, seq.model_free_expected = 10.0 * scale, 10.0  # scale, shrunk
-    length = policy.model_free_length(seq, batch)
-    floor = policy.model_free_floor(seq, batch, length)
+    length, floor = policy.model_free_lookup(seq, batch)
     evidence = [Evidence(2, 1, True)] * 8
     below = [c * min(1.0, floor * 0.999 / found[0]) if found[0] > 0 else 0.0 for c in found]
     if floor > 0 and below[0] < floor:

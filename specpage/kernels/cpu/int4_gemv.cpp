@@ -490,7 +490,8 @@ void block_rows_int8x(const Int8xOperands& p, int64_t b, int64_t row0, const Ahe
     }
     for (int64_t r = 0; r < kRows; ++r) {
       const int64_t at = (row0 + r) * p.groups + g;
-      const __m512i dots = kDots == 1 ? dot[r][0] : _mm512_add_epi32(dot[r][0], dot[r][kDots - 1]);
+      __m512i dots = dot[r][0];
+      for (int64_t c = 1; c < kDots; ++c) dots = _mm512_add_epi32(dots, dot[r][c]);
       const __m512 sum = _mm512_cvtepi32_ps(dots);
       total[r] = _mm512_fmadd_ps(_mm512_mul_ps(sum, _mm512_set1_ps(p.x->d[at])), scale, total[r]);
       total[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(p.x->sum[at]), total[r]);
