@@ -3,7 +3,7 @@ against spec OFF on the same daemon, as `make serve` starts it.
 
     python bench/model_free.py [--quick] [--systems A,B,...] [--rounds N]
                                [--temperature T] [--sets grounded,chat] [--no-streams]
-                               [--no-single] [--control] [--out NAME]
+                               [--no-single] [--streams N] [--control] [--out NAME]
 
 The requests: bench/workloads/grounded.jsonl (input-grounded: summaries of
 a given paragraph, rewrites, extraction into JSON, tables, code edits, answers
@@ -25,7 +25,8 @@ same daemon with spec OFF per request.
   order alternating by request and round), decode speed from the client's
   clock (tokens after the first over the time from the first chunk to the
   last), by kind;
-- 32 streams: every grounded request at once (then every chat request), in
+- 32 streams (--streams N: N): the set's requests at once, repeated to 32
+  (every grounded request, then every chat request; the first N), in
   AUTO and in OFF, each twice a round in the order AUTO OFF OFF AUTO (OFF
   AUTO AUTO OFF in odd rounds), tokens per second of wall time. A run takes
   seconds, and this machine's speed drifts by 5-10% over such spans; with
@@ -208,7 +209,7 @@ def speed(outcomes: list[Outcome]) -> float:
 
 async def measure(port: int, sets: dict[str, list[dict[str, Any]]], count: int,
                   streams: bool, temperature: float, single: bool = True,
-                  control: bool = False) -> dict[str, Any]:
+                  control: bool = False, width: int = STREAMS) -> dict[str, Any]:
     ratios: dict[str, list[float]] = defaultdict(list)
     counts: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     by_method: dict[str, dict[str, list[int]]] = defaultdict(dict)  # kind -> method -> sums
@@ -249,7 +250,7 @@ async def measure(port: int, sets: dict[str, list[dict[str, Any]]], count: int,
                     pairs = [("auto", "off")] + ([("off", "off")] if control else [])
                     for measured, against in pairs:
                         key = ("streams" if measured == "auto" else "control_off_vs_off")
-                        ratio = await paired_streams(client, (requests * 2)[:STREAMS],
+                        ratio = await paired_streams(client, (requests * 2)[:width],
                                                      measured, against, f"c{r}", r, temperature,
                                                      counts[f"streams/{name}"],
                                                      streams_same[f"{key}/{name}"])
@@ -280,6 +281,8 @@ def main() -> None:
         p.add_argument("--rounds", type=int, default=3),
         p.add_argument("--no-streams", action="store_true", help="single stream only"),
         p.add_argument("--no-single", action="store_true", help="32 streams only"),
+        p.add_argument("--streams", type=int, default=STREAMS,
+                       help="requests at once in the streams runs (the set's first N)"),
         p.add_argument("--control", action="store_true",
                        help="32 streams: OFF against OFF too, in the same order (the noise)"),
         p.add_argument("--out", help="the results' name under bench/results (default "
@@ -301,7 +304,7 @@ def main() -> None:
             results[name] = asyncio.run(measure(port, sets, count,
                                                 not (args.quick or args.no_streams),
                                                 args.temperature, not args.no_single,
-                                                args.control))
+                                                args.control, args.streams))
         finally:
             server.stop()
         print(json.dumps({name: results[name]["auto_vs_off"]}), file=sys.stderr, flush=True)
