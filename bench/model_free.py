@@ -25,8 +25,8 @@ same daemon with spec OFF per request.
   order alternating by request and round), decode speed from the client's
   clock (tokens after the first over the time from the first chunk to the
   last), by kind;
-- 32 streams (--streams N: N): the set's requests at once, repeated to 32
-  (every grounded request, then every chat request; the first N), in
+- 32 streams (--streams N: N): that many of the set's requests at once,
+  taken in order and repeated as needed (the grounded set, then chat), in
   AUTO and in OFF, each twice a round in the order AUTO OFF OFF AUTO (OFF
   AUTO AUTO OFF in odd rounds), tokens per second of wall time. A run takes
   seconds, and this machine's speed drifts by 5-10% over such spans; with
@@ -50,7 +50,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
-from itertools import zip_longest
+from itertools import cycle, islice, zip_longest
 from pathlib import Path
 from typing import Any
 
@@ -250,7 +250,7 @@ async def measure(port: int, sets: dict[str, list[dict[str, Any]]], count: int,
                     pairs = [("auto", "off")] + ([("off", "off")] if control else [])
                     for measured, against in pairs:
                         key = ("streams" if measured == "auto" else "control_off_vs_off")
-                        ratio = await paired_streams(client, (requests * 2)[:width],
+                        ratio = await paired_streams(client, list(islice(cycle(requests), width)),
                                                      measured, against, f"c{r}", r, temperature,
                                                      counts[f"streams/{name}"],
                                                      streams_same[f"{key}/{name}"])
@@ -282,7 +282,8 @@ def main() -> None:
         p.add_argument("--no-streams", action="store_true", help="single stream only"),
         p.add_argument("--no-single", action="store_true", help="32 streams only"),
         p.add_argument("--streams", type=int, default=STREAMS,
-                       help="requests at once in the streams runs (the set's first N)"),
+                       help="requests at once in the streams runs (the set's, in order, "
+                            "repeated as needed)"),
         p.add_argument("--control", action="store_true",
                        help="32 streams: OFF against OFF too, in the same order (the noise)"),
         p.add_argument("--out", help="the results' name under bench/results (default "
@@ -291,6 +292,8 @@ def main() -> None:
                        help="sampled (unseeded) above 0: AUTO's and OFF's texts then differ, "
                             "and the results go to model_free_t<T>.json"),
         p.add_argument("--sets", default="grounded,chat")))
+    if args.streams < 1:
+        raise SystemExit(f"--streams must be at least 1, got {args.streams}")
     cap = QUICK_TOKENS if args.quick else None
     sets = {name: render(load(name), cap) for name in args.sets.split(",")}
     if args.quick:
@@ -313,7 +316,7 @@ def main() -> None:
     name = args.out or ("model_free" if args.temperature == 0
                         else f"model_free_t{args.temperature:g}")
     finish(name, {"machine": machine(), "rounds": count, "temperature": args.temperature,
-                  "systems": results, "headline_auto_vs_off": headline})
+                  "streams": args.streams, "systems": results, "headline_auto_vs_off": headline})
 
 
 if __name__ == "__main__":
