@@ -21,10 +21,21 @@ from tests.support.step_gate import StepGate
 REPO = Path(__file__).resolve().parents[2]
 
 
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port free now and not handed out before in this process:
+    the OS may give a port just released to the next bind, so two ports
+    asked for one after the other (a daemon's gRPC and metrics ports) could
+    otherwise be the same."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 def tiny_pair(folder: Path) -> tuple[Path, Path]:
