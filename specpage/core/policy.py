@@ -57,6 +57,7 @@ import bisect
 import math
 import statistics
 from collections import deque
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
 from specpage.core.model_free import (
@@ -131,6 +132,8 @@ PROBE_ACCEPTANCE = 0.9
 # likely by their confidences alone: its tokens depend on what it proposes,
 # so the choice may not depend on measured costs or on other requests.
 SEEDED_CHANCE = 0.5
+# SpecPolicy._cached_seconds' entries kept at most.
+CACHED_MOST = 256
 # Keys of SpecPolicy._cached_seconds beside a draft's lag (>= 0).
 MODEL_FREE = -1
 LONGEST_PAYING = -2
@@ -203,27 +206,43 @@ class CostCurve:
         """The online correction at this size: corrected over measured."""
         return self(items) / max(self.base(items), 1e-12)
 
-    def observe(self, items: int, seconds: float) -> None:
+    def observe(self, items: int, seconds: float) -> bool:
+        """A forward of this size took these seconds; whether the corrected
+        curve changed. It depends only on each point's least ratio and on
+        which points ran in the last STALE forwards, so where neither moved
+        (most forwards: a window's least stays until a cheaper one comes or
+        it leaves) nothing is recomputed."""
         self.observations += 1
         nearest = self._nearest(items)
-        self._ratios[nearest].append(seconds / max(self.base(items), 1e-12))
-        self._least[nearest] = min(self._ratios[nearest])  # the one window that changed
+        ratios = self._ratios[nearest]
+        ratios.append(seconds / max(self.base(items), 1e-12))
+        lowest = min(ratios)  # the one window that changed
+        moved = (lowest != self._least[nearest]  # its least, or it joins the recent points
+                 or self._last_run[nearest] < self.observations - STALE)
+        self._least[nearest] = lowest
         self._last_run[nearest] = self.observations
+        if not moved and self.observations - STALE not in self._last_run:
+            return False  # (nor did a point leave the recent ones)
+        before = list(self._corrected)
         # each point's least ratio where it ran in the last STALE forwards
         recent = [least if last > self.observations - STALE else None
                   for least, last in zip(self._least, self._last_run, strict=True)]
         fresh = [(log, least) for log, least in zip(self._logs, recent, strict=True)
                  if least is not None]
-        floor = 0.0
+        floor, j = 0.0, 0  # j: the fresh point nearest to the point at hand
         for i, (log, measured) in enumerate(zip(self._logs, self._ys, strict=True)):
             least, own = self._least[i], recent[i]
             if own is not None:
                 scale = own
             else:
-                near = min(fresh, key=lambda point: abs(point[0] - log))[1]
-                scale = min(1.0 if least is None else least, near)
+                # (points ascend, so the nearest fresh one only moves on; of two
+                # as near, the first)
+                while j + 1 < len(fresh) and abs(fresh[j + 1][0] - log) < abs(fresh[j][0] - log):
+                    j += 1
+                scale = min(1.0 if least is None else least, fresh[j][1])
             floor = max(floor, measured * scale)
             self._corrected[i] = floor
+        return self._corrected != before
 
     def _nearest(self, items: float) -> int:
         """The point nearest to items, on a log scale (1 and 2 are as far
@@ -283,7 +302,7 @@ class SpecPolicy:
         self.last_k = 0.0  # mean k of the last step's decoding sequences
         self.last_drafting = 0.0  # the share of them that speculated
         self.accepted_by_position = [0] * k_max  # acceptances at proposal 1..k_max
-        # (batch, lag) -> _step_seconds, until the costs or the last step change
+        # (batch, lag) -> _step_seconds, until what they are priced on changes
         self._seconds: dict[tuple[int, int], list[float]] = {}
         self._prior_seconds = step_seconds(k_max, 1, CostCurve.line(*PRIOR_TARGET),
                                            CostCurve.line(*PRIOR_DRAFT), 1, 0)
@@ -472,7 +491,7 @@ class SpecPolicy:
         return probe_period(acceptance, seconds, best_k, batch)
 
     def _cached_seconds(self, batch: int, lag: int) -> list[float]:
-        """_step_seconds, kept until the costs or the last step change; lag
+        """_step_seconds, kept until what it is priced on changes; lag
         MODEL_FREE: _model_free_seconds; LONGEST_PAYING: [the length
         model_free_lookup gives]; LEAST_CHANCE: model_free_lookup's floor
         for each length 1..model_free_k."""
@@ -491,6 +510,8 @@ class SpecPolicy:
                 seconds = self._model_free_seconds(batch)
             else:
                 seconds = self._step_seconds(batch, lag)
+            if len(self._seconds) >= CACHED_MOST:  # (a draft's lag grows while it idles)
+                self._seconds.clear()
             self._seconds[batch, lag] = seconds
         return seconds
 
@@ -538,12 +559,14 @@ class SpecPolicy:
     ) -> None:
         """(positions, seconds) of this step's target forward, None when it
         carried prefill, and of each draft forward."""
+        changed = False
         if target is not None and target[0] > 0:
-            self.target_cost.observe(*target)
+            changed = self.target_cost.observe(*target)
         for draft in drafts:
             if draft[0] > 0:
-                self.draft_cost.observe(*draft)
-        self._seconds.clear()
+                changed = self.draft_cost.observe(*draft) or changed
+        if changed:
+            self._seconds.clear()
 
     def observe_step_seconds(self, speculated: bool, target: tuple[int, float] | None,
                              drafts: list[tuple[int, float]], seconds: float) -> None:
@@ -556,8 +579,10 @@ class SpecPolicy:
         self._excess[speculated].append(seconds - priced)
         plain, speculating = self._excess[False], self._excess[True]
         if min(len(plain), len(speculating)) >= UNPRICED_LEAST:
-            self.unpriced = max(0.0, statistics.median(speculating) - statistics.median(plain))
-            self._seconds.clear()
+            unpriced = max(0.0, statistics.median(speculating) - statistics.median(plain))
+            if unpriced != self.unpriced:
+                self.unpriced = unpriced
+                self._forget(lambda batch, lag: lag >= 0)  # (only a draft's steps price it)
 
     def observe_payoff(self, batch: int, model_free: bool, tokens: int, seconds: float) -> None:
         """A decoding step's outcome (core/payoff.py): its batch, whether a
@@ -569,10 +594,19 @@ class SpecPolicy:
         """The k of each decoding sequence of the step just run, and how many
         of them the draft proposed for (all that proposed, if not given)."""
         if ks:
+            last = self.last_k, self.last_drafting
             self.last_k = sum(ks) / len(ks)
             self.last_drafting = (sum(k > 0 for k in ks) if drafting is None
                                   else drafting) / len(ks)
-            self._seconds.clear()
+            if (self.last_k, self.last_drafting) != last:
+                # what the other sequences propose: nothing to one alone in its batch
+                self._forget(lambda batch, lag: batch > 1)
+
+    def _forget(self, priced_by: Callable[[int, int], bool]) -> None:
+        """Drop the cached seconds of the (batch, lag) keys priced_by says
+        depend on what just changed."""
+        for key in [key for key in self._seconds if priced_by(*key)]:
+            del self._seconds[key]
 
     def observe_acceptance(self, seq: Sequence, proposed: int, accepted: int,
                            speculation: Speculation | None = None) -> None:

@@ -2,6 +2,8 @@
 fits and the choice of k."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from specpage.core.policy import (
     HEAD_PROBE_EVERY,
@@ -492,3 +494,68 @@ def test_a_head_that_pays_keeps_every_new_sequence():
     policy.rules = HEAD
     assert all(policy.admits_draft(request(), batch=1) for _ in range(2 * HEAD_PROBE_EVERY))
     assert policy.num_without_draft == 0
+
+
+def recomputed(curve: CostCurve) -> list[float]:
+    """curve's corrected points as its docstring defines them, from its
+    windows and the forwards that last ran each point, computed whole."""
+    now = curve.observations
+    least = [min(r) if r else None for r in curve._ratios]
+    recent = [(log, low) for log, low, last in zip(curve._logs, least, curve._last_run, strict=True)
+              if low is not None and last > now - STALE]
+    points, floor = [], 0.0
+    for log, measured, low, last in zip(curve._logs, curve._ys, least, curve._last_run,
+                                        strict=True):
+        if low is not None and last > now - STALE:
+            scale = low
+        elif recent:
+            near = min(recent, key=lambda point: abs(point[0] - log))[1]
+            scale = min(1.0 if low is None else low, near)
+        else:
+            scale = 1.0
+        floor = max(floor, measured * scale)
+        points.append(floor)
+    return points
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([1, 2, 3, 5, 8, 12, 30, 64]),
+                          st.sampled_from([0.5, 0.8, 0.9, 1.0, 1.1, 1.5, 2.0])),
+                min_size=1, max_size=3 * STALE))
+def test_a_cost_curve_recomputes_only_what_a_forward_can_change(forwards):
+    curve = CostCurve([(1, 0.010), (2, 0.011), (4, 0.013), (8, 0.018), (16, 0.030),
+                       (64, 0.100)])
+    for items, ratio in forwards:
+        before = [curve(n) for n in (1, 2, 4, 8, 16, 64)]
+        changed = curve.observe(items, ratio * curve.base(items))
+        assert curve._corrected == pytest.approx(recomputed(curve), rel=1e-12)
+        assert changed == ([curve(n) for n in (1, 2, 4, 8, 16, 64)] != before)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.one_of(
+    st.tuples(st.just("costs"), st.sampled_from([1, 2, 4, 9, 33]),
+              st.sampled_from([0.7, 1.0, 1.3])),
+    st.tuples(st.just("step"), st.lists(st.integers(0, 4), min_size=1, max_size=4),
+              st.integers(0, 4)),
+    st.tuples(st.just("seconds"), st.booleans(), st.sampled_from([0.0, 0.002, 0.004]))),
+    min_size=1, max_size=40))
+def test_cached_step_prices_are_those_priced_afresh(events):
+    """However forwards, batches and whole steps come, what the policy
+    keeps priced is what it would price from nothing."""
+    policy = SpecPolicy(k_max=4, rules=DRAFT_MODEL, model_free_k=6)
+    policy.calibrate([(1, 0.010), (2, 0.0105), (4, 0.012), (16, 0.030), (64, 0.100)],
+                     [(1, 0.001), (4, 0.0012), (64, 0.004)])
+    keys = [(batch, lag) for batch in (1, 3) for lag in (0, 5, -1, -2, -3)]
+    for kind, a, b in events:
+        if kind == "costs":
+            policy.observe_costs((a, b * policy.target_cost.base(a)),
+                                 [(a, b * policy.draft_cost.base(a))])
+        elif kind == "step":
+            policy.observe_step(a, min(b, len(a)))
+        else:
+            target = (2, policy.target_cost(2))
+            policy.observe_step_seconds(a, target, [], target[1] + b)
+        kept = {key: policy._cached_seconds(*key) for key in keys}
+        policy._seconds.clear()
+        assert kept == {key: policy._cached_seconds(*key) for key in keys}
