@@ -59,6 +59,7 @@ import statistics
 from collections import deque
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
+from typing import NamedTuple
 
 from specpage.core.model_free import (
     NO_SPECULATION,
@@ -304,6 +305,7 @@ class SpecPolicy:
         self.accepted_by_position = [0] * k_max  # acceptances at proposal 1..k_max
         # (batch, lag) -> _step_seconds, until what they are priced on changes
         self._seconds: dict[tuple[int, int], list[float]] = {}
+        self._bases: dict[int, StepBases] = {}  # by batch: what _step_seconds prices by lag
         self._prior_seconds = step_seconds(k_max, 1, CostCurve.line(*PRIOR_TARGET),
                                            CostCurve.line(*PRIOR_DRAFT), 1, 0)
         # seconds beyond their forwards' prices, of plain and speculating steps
@@ -327,6 +329,7 @@ class SpecPolicy:
             self.draft_cost = CostCurve(draft)
         self.calibrated = True
         self._seconds.clear()
+        self._bases.clear()
 
     @property
     def acceptance(self) -> float:
@@ -544,15 +547,20 @@ class SpecPolicy:
           none runs yet.
         Alone in the batch both are the step's seconds.
         """
-        target, draft = self.target_cost, self.draft_cost
-        if not (self.calibrated or draft.observations):
-            step = target(1) / sum(PRIOR_TARGET)  # a target step, in seconds
-            draft = CostCurve.line(*(step * part for part in PRIOR_DRAFT))
-        others = batch - 1
-        positions = batch + others * self.last_k  # before this sequence's proposals
-        m = others * self.last_drafting  # other sequences that run through the draft
-        return step_seconds(self.k_max, batch, target, draft, positions, m, lag,
-                            self.unpriced)
+        bases = self._bases.get(batch)
+        if bases is None:
+            target, draft = self.target_cost, self.draft_cost
+            if not (self.calibrated or draft.observations):
+                step = target(1) / sum(PRIOR_TARGET)  # a target step, in seconds
+                draft = CostCurve.line(*(step * part for part in PRIOR_DRAFT))
+            others = batch - 1
+            positions = batch + others * self.last_k  # before this sequence's proposals
+            m = others * self.last_drafting  # other sequences that run through the draft
+            bases = self._bases[batch] = step_bases(self.k_max, batch, target, draft,
+                                                    positions, m)
+        # (a draft that idles lags a position more each step: its prices follow
+        # from the same bases)
+        return lagged_seconds(bases, lag, self.unpriced)
 
     def observe_costs(
         self, target: tuple[int, float] | None, drafts: list[tuple[int, float]]
@@ -567,6 +575,7 @@ class SpecPolicy:
                 changed = self.draft_cost.observe(*draft) or changed
         if changed:
             self._seconds.clear()
+            self._bases.clear()
 
     def observe_step_seconds(self, speculated: bool, target: tuple[int, float] | None,
                              drafts: list[tuple[int, float]], seconds: float) -> None:
@@ -582,7 +591,8 @@ class SpecPolicy:
             unpriced = max(0.0, statistics.median(speculating) - statistics.median(plain))
             if unpriced != self.unpriced:
                 self.unpriced = unpriced
-                self._forget(lambda batch, lag: lag >= 0)  # (only a draft's steps price it)
+                # (only a draft's steps price it, and after their bases)
+                self._forget(lambda batch, lag: lag >= 0, bases=False)
 
     def observe_payoff(self, batch: int, model_free: bool, tokens: int, seconds: float) -> None:
         """A decoding step's outcome (core/payoff.py): its batch, whether a
@@ -602,11 +612,15 @@ class SpecPolicy:
                 # what the other sequences propose: nothing to one alone in its batch
                 self._forget(lambda batch, lag: batch > 1)
 
-    def _forget(self, priced_by: Callable[[int, int], bool]) -> None:
+    def _forget(self, priced_by: Callable[[int, int], bool], bases: bool = True) -> None:
         """Drop the cached seconds of the (batch, lag) keys priced_by says
-        depend on what just changed."""
+        depend on what just changed, and with bases the step bases of
+        those batches."""
         for key in [key for key in self._seconds if priced_by(*key)]:
             del self._seconds[key]
+        if bases:
+            for batch in [batch for batch in self._bases if priced_by(batch, 0)]:
+                del self._bases[batch]
 
     def observe_acceptance(self, seq: Sequence, proposed: int, accepted: int,
                            speculation: Speculation | None = None) -> None:
@@ -644,25 +658,51 @@ class SpecPolicy:
             self.accepted_by_position[position] += 1
 
 
+class StepBases(NamedTuple):
+    """What step_seconds prices that does not depend on a sequence's lag:
+    its share of the step without proposals, and for each k in 1..k_max
+    its proposals alone and together, before the lag's catch-up and the
+    unpriced cost; with what pricing the lag takes."""
+
+    share: float
+    alone: list[float]
+    together: list[float]
+    draft: CostCurve
+    batch: int
+    drafting: float
+
+
+def step_bases(k_max: int, batch: int, target: CostCurve, draft: CostCurve,
+               positions: float, drafting: float) -> StepBases:
+    share = target(batch) / batch
+    draft_row = draft(drafting + 1) - (draft(drafting) if drafting >= 1
+                                        else drafting * draft(1))
+    alone, together = [], []
+    for k in range(1, k_max + 1):
+        alone.append(share + target(positions + k) - target(positions) + k * draft_row)
+        together.append(target(batch * (k + 1)) + k * draft(batch))
+    return StepBases(share, alone, together, draft, batch, drafting)
+
+
+def lagged_seconds(bases: StepBases, lag: int, unpriced: float) -> list[float]:
+    """step_seconds from its bases (the same sums, in the same order)."""
+    draft, batch, drafting = bases.draft, bases.batch, bases.drafting
+    catch_up = draft(drafting + 1 + lag) - draft(drafting + 1)  # the lag's rows, first forward
+    caught_up = draft(batch * (1 + lag)) - draft(batch)  # every sequence's, together
+    alone_unpriced = max(0.0, 1.0 - drafting) * unpriced
+    return [bases.share] + [min(alone + catch_up + alone_unpriced,
+                                (together + caught_up + unpriced) / batch)
+                            for alone, together in zip(bases.alone, bases.together, strict=True)]
+
+
 def step_seconds(k_max: int, batch: int, target: CostCurve, draft: CostCurve,
                  positions: float, drafting: float, lag: int = 0,
                  unpriced: float = 0.0) -> list[float]:
     """See SpecPolicy._step_seconds; unpriced: what a step costs for
     speculating beyond its forwards, paid alone by a sequence that
     speculates where no other does."""
-    share = target(batch) / batch
-    draft_row = draft(drafting + 1) - (draft(drafting) if drafting >= 1
-                                        else drafting * draft(1))
-    catch_up = draft(drafting + 1 + lag) - draft(drafting + 1)  # the lag's rows, first forward
-    caught_up = draft(batch * (1 + lag)) - draft(batch)  # every sequence's, together
-    seconds = [share]
-    for k in range(1, k_max + 1):
-        alone = (share + target(positions + k) - target(positions) + k * draft_row
-                 + catch_up + max(0.0, 1.0 - drafting) * unpriced)
-        together = (target(batch * (k + 1)) + k * draft(batch) + caught_up
-                    + unpriced) / batch
-        seconds.append(min(alone, together))
-    return seconds
+    return lagged_seconds(step_bases(k_max, batch, target, draft, positions, drafting), lag,
+                          unpriced)
 
 
 def probe_period(acceptance: float, seconds: list[float], best_k: int, batch: int) -> int:

@@ -7,6 +7,8 @@ from hypothesis import strategies as st
 
 from specpage.core.policy import (
     HEAD_PROBE_EVERY,
+    PRIOR_DRAFT,
+    PRIOR_TARGET,
     PROBE_ACCEPTANCE,
     PROBE_BUDGET,
     PROBE_EVERY,
@@ -19,6 +21,7 @@ from specpage.core.policy import (
     _best_k,
     expected_tokens,
     probe_period,
+    step_seconds,
 )
 from specpage.core.proposer_rules import DRAFT_MODEL, HEAD, ProposerRules
 from specpage.core.request import Request, SamplingParams, Sequence
@@ -546,7 +549,7 @@ def test_cached_step_prices_are_those_priced_afresh(events):
     policy = SpecPolicy(k_max=4, rules=DRAFT_MODEL, model_free_k=6)
     policy.calibrate([(1, 0.010), (2, 0.0105), (4, 0.012), (16, 0.030), (64, 0.100)],
                      [(1, 0.001), (4, 0.0012), (64, 0.004)])
-    keys = [(batch, lag) for batch in (1, 3) for lag in (0, 5, -1, -2, -3)]
+    keys = [(batch, lag) for batch in (1, 3) for lag in (0, 1, 5, 40, -1, -2, -3)]
     for kind, a, b in events:
         if kind == "costs":
             policy.observe_costs((a, b * policy.target_cost.base(a)),
@@ -558,4 +561,15 @@ def test_cached_step_prices_are_those_priced_afresh(events):
             policy.observe_step_seconds(a, target, [], target[1] + b)
         kept = {key: policy._cached_seconds(*key) for key in keys}
         policy._seconds.clear()
+        policy._bases.clear()
         assert kept == {key: policy._cached_seconds(*key) for key in keys}
+        for batch, lag in keys:
+            if lag >= 0:  # from the bases, the sums step_seconds makes whole
+                others = batch - 1
+                draft = policy.draft_cost
+                if not (policy.calibrated or draft.observations):
+                    step = policy.target_cost(1) / sum(PRIOR_TARGET)
+                    draft = CostCurve.line(*(step * part for part in PRIOR_DRAFT))
+                assert kept[batch, lag] == step_seconds(
+                    4, batch, policy.target_cost, draft, batch + others * policy.last_k,
+                    others * policy.last_drafting, lag, policy.unpriced)
