@@ -662,7 +662,8 @@ class StepBases(NamedTuple):
     """What step_seconds prices that does not depend on a sequence's lag:
     its share of the step without proposals, and for each k in 1..k_max
     its proposals alone and together, before the lag's catch-up and the
-    unpriced cost; with what pricing the lag takes."""
+    unpriced cost; and what pricing the lag needs (the draft's curve, the
+    batch, the sequences drafting)."""
 
     share: float
     alone: list[float]
