@@ -266,7 +266,8 @@ inline __m512i byte_of(__m512i u) {
   return _mm512_and_si512(_mm512_srli_epi32(u, 8 * kByte), _mm512_set1_epi32(0xff));
 }
 
-inline void prefetch_ahead(const uint8_t* p, int64_t bytes) {
+// Always inlined, as every helper of prefetches alone (int4_gemv.cpp's prefetch_tile).
+__attribute__((always_inline)) inline void prefetch_ahead(const uint8_t* p, int64_t bytes) {
   for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(p + kPrefetchAhead + line, 0, 2);
 }
 

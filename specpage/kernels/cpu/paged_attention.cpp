@@ -88,22 +88,25 @@ constexpr int64_t kAhead = 16;
 constexpr int64_t kFarAhead = 64;
 
 // Asks for `bytes` from `at` into L1 (kLocality 3) or L2 (1).
+// These helpers are always inlined: compiled apart, a function of prefetches
+// alone looks to GCC's interprocedural analysis like one without effects, and
+// every call to it is deleted (int4_gemv.cpp's prefetch_tile).
 template <int kLocality>
-inline void prefetch_bytes(const void* at, int64_t bytes) {
+__attribute__((always_inline)) inline void prefetch_bytes(const void* at, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) {
     __builtin_prefetch(static_cast<const char*>(at) + b, 0, kLocality);
   }
 }
 
 template <typename scalar_t, int64_t kChunks, int kLocality = 3>
-inline void prefetch_row(const scalar_t* row) {
+__attribute__((always_inline)) inline void prefetch_row(const scalar_t* row) {
   prefetch_bytes<kLocality>(row, kChunks * kLanes * sizeof(scalar_t));
 }
 
 // Asks for the rows of positions [from, to), `width` elements from rows[p]
 // + offset each.
 template <int kLocality, typename scalar_t>
-inline void prefetch_rows(const scalar_t* const* rows, int64_t offset, int64_t width,
+__attribute__((always_inline)) inline void prefetch_rows(const scalar_t* const* rows, int64_t offset, int64_t width,
                           int64_t from, int64_t to) {
   for (int64_t p = from; p < to; ++p) {
     prefetch_bytes<kLocality>(rows[p] + offset, width * sizeof(scalar_t));
@@ -113,8 +116,9 @@ inline void prefetch_rows(const scalar_t* const* rows, int64_t offset, int64_t w
 // Asks for the rows (plus offset: the V rows) of position p + kAhead of a
 // context of `context` into L1 and, where `far`, of p + kFarAhead into L2.
 template <typename scalar_t, int64_t kChunks>
-inline void prefetch_ahead(const scalar_t* const* rows, int64_t offset, int64_t p,
-                           int64_t context, bool far = true) {
+__attribute__((always_inline)) inline void prefetch_ahead(const scalar_t* const* rows,
+                                                          int64_t offset, int64_t p,
+                                                          int64_t context, bool far = true) {
   if (p + kAhead < context) prefetch_row<scalar_t, kChunks>(rows[p + kAhead] + offset);
   if (far && p + kFarAhead < context) {
     prefetch_row<scalar_t, kChunks, 1>(rows[p + kFarAhead] + offset);
