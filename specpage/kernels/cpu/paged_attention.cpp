@@ -106,8 +106,9 @@ __attribute__((always_inline)) inline void prefetch_row(const scalar_t* row) {
 // Asks for the rows of positions [from, to), `width` elements from rows[p]
 // + offset each.
 template <int kLocality, typename scalar_t>
-__attribute__((always_inline)) inline void prefetch_rows(const scalar_t* const* rows, int64_t offset, int64_t width,
-                          int64_t from, int64_t to) {
+__attribute__((always_inline)) inline void prefetch_rows(const scalar_t* const* rows,
+                                                         int64_t offset, int64_t width,
+                                                         int64_t from, int64_t to) {
   for (int64_t p = from; p < to; ++p) {
     prefetch_bytes<kLocality>(rows[p] + offset, width * sizeof(scalar_t));
   }
