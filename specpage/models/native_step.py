@@ -49,7 +49,7 @@ class NativeStep:
         self.group_count = max(layer_groups, default=0) + 1
         self.final_eps = model.norm.eps
         self.add_rms_norm = kernels.add_rms_norm.default
-        self.int8x_gemv = kernels.int8x_gemv.default
+        self.int8x_gemv_widened = kernels.int8x_gemv_widened.default
         self._plans: dict[int, StackPlan | None] | None = None  # the model's, when bound
         self._bound: tuple[torch.Tensor, torch.Tensor]
         # the embedding where it is not a plain lookup (Gemma's scaled one)
@@ -122,4 +122,5 @@ class NativeStep:
                 or not head.takes(x)):  # (x: the normed rows' shape)
             return model.logits(x, branch)  # type: ignore[no-any-return]
         _, normed = self.add_rms_norm(branch, x, norm, self.final_eps)
-        return self.int8x_gemv(normed, head.tiles).float()
+        # (the values int8x_gemv(...).float() holds, written as fp32 at once)
+        return self.int8x_gemv_widened(normed, head.tiles)

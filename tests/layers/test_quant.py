@@ -282,3 +282,34 @@ def test_q8_linear_is_its_levels_times_d_on_int8_inputs() -> None:
     assert torch.equal(linear.dequantize(), weights)
     assert linear.direct_product(1) is None
     assert quant.Q8Linear(q, d).direct_product(1) is not None
+
+
+@native
+@pytest.mark.skipif(not quant.int8x_kernels(), reason="no AVX-512 VNNI on this CPU")
+@pytest.mark.parametrize("tiles_of", ["q4 half", "q4 float", "q8", "q5"])
+def test_widened_products_are_the_bf16_products_as_fp32(tiles_of: str) -> None:
+    """int8x_gemv_widened (a quantized head's logits, as sampling reads
+    them) holds exactly int8x_gemv(...).float() at every row count, on the
+    AMX tiles too where the CPU has them, a group that is not finite
+    included."""
+    kernels = bf16_kernels()
+    torch.manual_seed(13)
+    inputs = 96
+    if tiles_of.startswith("q4"):
+        blocks = Int4Blocks(torch.randint(0, 16, (48, inputs), dtype=torch.uint8),
+                            (torch.rand(48, 3) * 0.01).half().float(),
+                            (torch.rand(48, 3) * -0.08).half().float(), 32)
+        tiles = quant.int8x_stream(blocks, half=tiles_of == "q4 half")
+    else:
+        levels = (-127, 128) if tiles_of == "q8" else (-16, 16)
+        q = torch.randint(*levels, (48, inputs), dtype=torch.int8)
+        d = (torch.rand(48, inputs // 32) * 0.01).half().float()
+        tiles = quant.q8_stream(q, d) if tiles_of == "q8" else quant.q5_stream(q, d)
+    for rows in (1, 2, 3, 5, 8, 9, 17):
+        x = torch.randn(rows, inputs).bfloat16()
+        if rows == 5:
+            x[1, 3] = float("inf")
+        widened = kernels.int8x_gemv_widened(x, tiles)  # type: ignore[union-attr]
+        assert widened.dtype == torch.float32 and widened.shape == (rows, 48)
+        expected = kernels.int8x_gemv(x, tiles).float()  # type: ignore[union-attr]
+        assert torch.equal(widened.view(torch.int32), expected.view(torch.int32)), rows

@@ -121,13 +121,26 @@ __attribute__((always_inline)) inline void prefetch_tile(const uint8_t* fetch,
 }
 
 #if defined(__AVX512BF16__) || defined(__AVX512VNNI__)
+// Sixteen outputs v at y + at, rounded to bf16; where widened is given, at
+// widened + at instead, as the fp32 values of those bf16 (what y.float()
+// would hold, with no bf16 tensor made and converted).
+inline void store_out(c10::BFloat16* y, float* widened, int64_t at, vfloat v) {
+  if (widened == nullptr) {
+    store(y + at, v);
+    return;
+  }
+  c10::BFloat16 narrow[kLanes];
+  store(narrow, v);
+  store(widened + at, load(narrow));
+}
+
 // Output block b of y [rows, out] for kRows rows from row0, the rows a
 // compile-time count so that every accumulator stays in a register:
 // group(g, tile, total) adds group g's products, read from its tile, into
 // total[r], tile after tile (the reads running ahead as they go).
 template <int64_t kRows, int64_t kTileBytes, typename Group>
-void over_groups(const uint8_t* tiles, int64_t groups, c10::BFloat16* y, int64_t out, int64_t b,
-                 int64_t row0, const Ahead& ahead, Group&& group) {
+void over_groups(const uint8_t* tiles, int64_t groups, c10::BFloat16* y, float* widened,
+                 int64_t out, int64_t b, int64_t row0, const Ahead& ahead, Group&& group) {
   const uint8_t* block = tiles + b * groups * kTileBytes;
   __m512 total[kRows];
   for (int64_t r = 0; r < kRows; ++r) total[r] = _mm512_setzero_ps();
@@ -137,7 +150,7 @@ void over_groups(const uint8_t* tiles, int64_t groups, c10::BFloat16* y, int64_t
     group(g, tile, total);
   }
   for (int64_t r = 0; r < kRows; ++r) {
-    store(y + (row0 + r) * out + b * kBlock, (vfloat)total[r]);
+    store_out(y, widened, (row0 + r) * out + b * kBlock, (vfloat)total[r]);
   }
 }
 #endif
@@ -164,7 +177,7 @@ void block_rows(const Operands& p, int64_t b, int64_t row0, const Ahead& ahead) 
   constexpr int kOrOfAnd = 0xEA;  // ternary logic: (a & b) | c
   const __m512i nibble = _mm512_set1_epi16(0x000f);
   const __m512i bf16_128 = _mm512_set1_epi16(0x4300);
-  over_groups<kRows, kTileBytes>(p.tiles, p.groups, p.y, p.out, b, row0, ahead,
+  over_groups<kRows, kTileBytes>(p.tiles, p.groups, p.y, nullptr, p.out, b, row0, ahead,
                                  [&](int64_t g, const uint8_t* tile, __m512* total) {
     __m512 dot[kRows][kChains];
     for (int64_t r = 0; r < kRows; ++r) {
@@ -412,7 +425,8 @@ QuantizedX quantize_x(const c10::BFloat16* x, int64_t rows, int64_t in, int64_t 
 struct Int8xOperands {
   const QuantizedX* x;
   const uint8_t* tiles;  // [out / 16, groups, tile bytes]
-  c10::BFloat16* y;      // [rows, out]
+  c10::BFloat16* y;      // [rows, out], or null where widened is given
+  float* widened;        // [rows, out] (store_out), or null
   int64_t in, groups, out;
 };
 
@@ -433,7 +447,7 @@ void block_rows_int8x(const Int8xOperands& p, int64_t b, int64_t row0, const Ahe
                                  : kFormat == Format::kQ5      ? kQ5TileBytes
                                                                : kQ8TileBytes;
   const __m512i low_nibbles = _mm512_set1_epi8(0x0f);
-  over_groups<kRows, kTileBytes>(p.tiles, p.groups, p.y, p.out, b, row0, ahead,
+  over_groups<kRows, kTileBytes>(p.tiles, p.groups, p.y, p.widened, p.out, b, row0, ahead,
                                  [&](int64_t g, const uint8_t* tile, __m512* total) {
     // two chains a row where there are few rows (kOneChainFrom)
     constexpr int64_t kDots = kRows >= kOneChainFrom ? 1 : 2;
@@ -623,7 +637,7 @@ void block_rows_amx(const Int8xOperands& p, int64_t b, int64_t row0, const Ahead
     }
   }
   for (int64_t r = 0; r < kRows; ++r) {
-    store(p.y + (row0 + r) * p.out + b * kBlock, (vfloat)total[r]);
+    store_out(p.y, p.widened, (row0 + r) * p.out + b * kBlock, (vfloat)total[r]);
   }
 }
 #endif
@@ -648,7 +662,8 @@ bool has_amx_int8() {
 enum class Kernel { kAuto, kVnni, kAmx };
 
 at::Tensor int8x_product(const at::Tensor& x, const at::Tensor& tiles,
-                         const std::optional<at::Tensor>& next, Kernel kernel) {
+                         const std::optional<at::Tensor>& next, Kernel kernel,
+                         bool widened = false) {
   check_x(x, "int8x_gemv");
   const int64_t rows = x.size(0), in = x.size(1), groups = in / kGroup;
   const auto sizes = {kHalfTileBytes, kFloatTileBytes, kQ8TileBytes, kQ5TileBytes};
@@ -667,7 +682,9 @@ at::Tensor int8x_product(const at::Tensor& x, const at::Tensor& tiles,
               "int8x_gemv: the AMX kernel takes q8 tiles (", kQ8TileBytes, " bytes), got ",
               tiles.size(2));
   const int64_t out = tiles.size(0) * kBlock;
-  at::Tensor y = at::empty({rows, out}, x.options());
+  at::Tensor y = at::empty({rows, out}, x.options().dtype(widened ? at::kFloat : at::kBFloat16));
+  [[maybe_unused]] c10::BFloat16* narrow = widened ? nullptr : y.data_ptr<c10::BFloat16>();
+  [[maybe_unused]] float* wide = widened ? y.data_ptr<float>() : nullptr;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   const int64_t tile_bytes = tiles.size(2);
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__)
@@ -678,8 +695,7 @@ at::Tensor int8x_product(const at::Tensor& x, const at::Tensor& tiles,
     const int64_t tile_rows = std::min(rows, kAmxRows);
     const int64_t padded = (rows + tile_rows - 1) / tile_rows * tile_rows;
     const QuantizedX quantized = quantize_x(x.data_ptr<c10::BFloat16>(), rows, in, padded);
-    const Int8xOperands ops{&quantized, tiles.data_ptr<uint8_t>(), y.data_ptr<c10::BFloat16>(),
-                            in, groups, out};
+    const Int8xOperands ops{&quantized, tiles.data_ptr<uint8_t>(), narrow, wide, in, groups, out};
     auto block = [&](int64_t b, int64_t row0, int64_t count, const Ahead& ahead) {
       with_count<kAmxRows>(count, [&](auto n) {
         block_rows_amx<decltype(n)::value>(ops, b, row0, ahead);
@@ -690,8 +706,7 @@ at::Tensor int8x_product(const at::Tensor& x, const at::Tensor& tiles,
   }
 #endif
   const QuantizedX quantized = quantize_x(x.data_ptr<c10::BFloat16>(), rows, in, rows);
-  const Int8xOperands ops{&quantized, tiles.data_ptr<uint8_t>(), y.data_ptr<c10::BFloat16>(), in,
-                          groups, out};
+  const Int8xOperands ops{&quantized, tiles.data_ptr<uint8_t>(), narrow, wide, in, groups, out};
   for_blocks(rows, tiles, next, [&](int64_t b, int64_t row0, int64_t count, const Ahead& ahead) {
     with_rows(count, [&](auto n) {
       constexpr int64_t kRows = decltype(n)::value;
@@ -717,6 +732,17 @@ at::Tensor int8x_gemv(const at::Tensor& x, const at::Tensor& tiles,
   return int8x_product(x, tiles, next, Kernel::kAuto);
 }
 
+// int8x_gemv(x, tiles).float() without the bf16 tensor: the same values,
+// written as fp32 by the product's threads (the logits of a quantized head,
+// which sampling reads as fp32: converting a step's 49,152 of them took
+// 25-45 us of a SmolLM2 step on 2 cores, the conversion's threads reading
+// what the product's had written). SmolLM2-135M q4, one stream at T 0.7,
+// the two alternated every other step in one process: steps 46-68 us
+// shorter (medians of four runs, speculation off and on, ~4.5-5.4 ms).
+at::Tensor int8x_gemv_widened(const at::Tensor& x, const at::Tensor& tiles) {
+  return int8x_product(x, tiles, std::nullopt, Kernel::kAuto, true);
+}
+
 // int8x_gemv on the kernel named ("vnni": vpdpbusd, "amx": the tiles), for
 // tests and benches that compare the two.
 at::Tensor int8x_gemv_on(const at::Tensor& x, const at::Tensor& tiles, c10::string_view kernel) {
@@ -730,6 +756,7 @@ at::Tensor int8x_gemv_on(const at::Tensor& x, const at::Tensor& tiles, c10::stri
 TORCH_LIBRARY_FRAGMENT(specpage_cpu, m) {
   m.def("int4_gemv(Tensor x, Tensor tiles, Tensor? next=None) -> Tensor");
   m.def("int8x_gemv(Tensor x, Tensor tiles, Tensor? next=None) -> Tensor");
+  m.def("int8x_gemv_widened(Tensor x, Tensor tiles) -> Tensor");
   m.def("has_int8x_gemv() -> bool");
   m.def("int8x_gemv_on(Tensor x, Tensor tiles, str kernel) -> Tensor");
   m.def("has_amx_int8() -> bool");
@@ -738,6 +765,7 @@ TORCH_LIBRARY_FRAGMENT(specpage_cpu, m) {
 TORCH_LIBRARY_IMPL(specpage_cpu, CPU, m) {
   m.impl("int4_gemv", &int4_gemv);
   m.impl("int8x_gemv", &int8x_gemv);
+  m.impl("int8x_gemv_widened", &int8x_gemv_widened);
   m.impl("int8x_gemv_on", &int8x_gemv_on);
 }
 
