@@ -48,7 +48,7 @@ from specpage.core.ngram import (
     MASKS,
     Continuation,
     Evidence,
-    KeepFirst,
+    Keep,
     NgramCounts,
     entry_counts,
     proposal,
@@ -126,8 +126,8 @@ class CorpusTable:
         return None
 
     def continuation(self, context: Seq[int], length: int,
-                     keep_first: KeepFirst | None = None) -> Continuation:
-        return walk(self.next_token, self.n_max, context, length, keep_first)
+                     keep: Keep | None = None) -> Continuation:
+        return walk(self.next_token, self.n_max, context, length, keep)
 
     def save(self, path: Path) -> None:
         header = {"vocabulary": self.fingerprint, "n_max": self.n_max, "tokens": self.tokens,

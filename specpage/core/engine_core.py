@@ -135,8 +135,9 @@ class EngineCore:
         the policy says it could pay at this batch."""
         if not self.policy.model_free_k:
             return None
-        length, floor = self.policy.model_free_lookup(seq, batch)
-        return self.model_free.propose(seq, length, floor=floor) if length else None
+        length, floor, scale = self.policy.model_free_lookup(seq, batch)
+        return (self.model_free.propose(seq, length, floor=floor, scale=scale) if length
+                else None)
 
     def _constrained(self, seq: Sequence, batch: int) -> Speculation:
         """A constrained sequence's proposals: the run of tokens its grammar

@@ -28,7 +28,7 @@ from typing import NamedTuple
 from specpage.core.chance import ChanceTable
 from specpage.core.corpus import CorpusTable
 from specpage.core.engine_config import EngineConfig
-from specpage.core.ngram import Continuation, Evidence, KeepFirst, NgramCounts
+from specpage.core.ngram import Continuation, Evidence, NgramCounts
 from specpage.core.request import FinishReason, Sequence
 from specpage.core.suffix_cache import SuffixCache
 
@@ -46,6 +46,14 @@ class Method(enum.StrEnum):
 
 
 MODEL_FREE = (Method.NGRAM, Method.SUFFIX, Method.CORPUS)
+# A proposal's token after the first whose chance of acceptance (given the
+# ones before it, all accepted too) is below this share of the tokens the
+# step already promises (1 + the chances of those before it) is not
+# proposed, nor any after it (policy.py's _best_length): it could add at
+# most 1% to the step's tokens. A proposer's walk ends there: at T 0.7 the
+# chances fall by about a third a token, and walks of ~7 tokens fed
+# proposals of 1 or 2.
+LEAST_SHARE = 0.01
 
 
 class Candidate(NamedTuple):
@@ -95,7 +103,8 @@ class ModelFreeProposer:
         self.chances = ChanceTable()
 
     def propose(self, seq: Sequence, length: int | None = None,
-                methods: frozenset[Method] | None = None, floor: float = 0.0) -> Candidate | None:
+                methods: frozenset[Method] | None = None, floor: float = 0.0,
+                scale: float = 1.0) -> Candidate | None:
         """The likelier of seq's continuations, up to length (max_tokens)
         tokens, by the methods on (or those of them given). A seeded
         sample's comes from its own context only, with its confidences as
@@ -104,7 +113,9 @@ class ModelFreeProposer:
         floor: the chance of acceptance below which a continuation's first
         token is not worth the rest of its walk (the policy's
         model_free_lookup: no proposal starting with it could pay); such a
-        continuation is none."""
+        continuation is none. Where there is a floor, a walk also ends at
+        a later token that LEAST_SHARE turns down, its chance taken times
+        scale (the policy's of this sequence)."""
         methods = self.methods if methods is None else self.methods & methods
         length = min(self.max_tokens if length is None else length,
                      seq.request.params.max_tokens - seq.num_output)
@@ -119,7 +130,7 @@ class ModelFreeProposer:
         for method in MODEL_FREE:
             if method not in methods or (method is Method.SUFFIX and not across):
                 continue
-            keep = None if floor <= 0 else _at_least(floor, method, table, sampled)
+            keep = None if floor <= 0 else _Worth(floor, scale, method, table, sampled)
             if method is Method.NGRAM:
                 found = self._context(seq).continuation(tokens, length, keep)
             elif method is Method.SUFFIX:
@@ -177,14 +188,33 @@ class ModelFreeProposer:
         return counts
 
 
-def _at_least(floor: float, method: Method, table: ChanceTable | None,
-              sampled: bool) -> KeepFirst:
-    """Whether a first token found on this evidence, with this confidence,
-    has at least floor's chance of acceptance (as _candidate prices it)."""
-    if table is None:
-        return lambda confidence, evidence: confidence >= floor
-    chance = table.chance
-    return lambda confidence, evidence: chance((method, sampled, evidence), confidence) >= floor
+class _Worth:
+    """A walk's Keep where proposals are priced: its first token's chance of
+    acceptance (as _candidate prices it) at least floor, each later one's
+    (times scale, at most 1, as the policy takes it) at least LEAST_SHARE
+    of the tokens those before it promise (summed as _best_length sums them)."""
+
+    __slots__ = ("floor", "scale", "kind", "table", "chain", "tokens")
+
+    def __init__(self, floor: float, scale: float, method: Method, table: ChanceTable | None,
+                 sampled: bool) -> None:
+        self.floor, self.scale, self.table = floor, scale, table
+        self.kind = (method, sampled)
+        self.chain = 1.0  # the chance that every token so far is accepted
+        self.tokens = 0.0  # 1 + the scaled chains of the tokens so far; 0 before the first
+
+    def __call__(self, confidence: float, evidence: Evidence) -> bool:
+        chance = (confidence if self.table is None
+                  else self.table.chance((*self.kind, evidence), confidence))
+        self.chain *= chance
+        scaled = min(1.0, self.chain * self.scale)
+        if not self.tokens:
+            self.tokens = 1.0 + scaled
+            return self.chain >= self.floor
+        if scaled < LEAST_SHARE * self.tokens:
+            return False
+        self.tokens += scaled
+        return True
 
 
 def _likelier(best: Candidate | None, found: Candidate | None) -> Candidate | None:

@@ -54,9 +54,11 @@ class Continuation(NamedTuple):
 
 NO_CONTINUATION = Continuation([], [], [])
 
-# Whether a continuation whose first token was found with this confidence
-# and evidence is worth the rest of the walk (the proposer's floor).
-KeepFirst = Callable[[float, Evidence], bool]
+# Whether the next token a walk finds, with this confidence and evidence, is
+# worth proposing (asked of each in turn: the proposer's floor for the first,
+# its share of what the ones before promise for the rest); False ends the
+# walk before it.
+Keep = Callable[[float, Evidence], bool]
 
 
 class Followers:
@@ -210,15 +212,15 @@ class NgramCounts:
         return None
 
     def continuation(self, context: Seq[int], length: int,
-                     keep_first: KeepFirst | None = None) -> Continuation:
-        return walk(self.next_token, self.n_max, context, length, keep_first)
+                     keep: Keep | None = None) -> Continuation:
+        return walk(self.next_token, self.n_max, context, length, keep)
 
 
 def walk(next_token: Callable[[Seq[int]], tuple[int, float, Evidence] | None], n_max: int,
-         context: Seq[int], length: int, keep_first: KeepFirst | None = None) -> Continuation:
+         context: Seq[int], length: int, keep: Keep | None = None) -> Continuation:
     """Up to `length` tokens likely to follow context, by asking next_token
     (of a table of n-grams up to n_max) while the chain's confidence stays
-    above MIN_CHAIN; none where keep_first turns the first token down."""
+    above MIN_CHAIN and keep takes each token found."""
     tail = list(context[max(0, len(context) - n_max) :])
     found_after = Continuation([], [], [])
     chain = 1.0
@@ -227,7 +229,7 @@ def walk(next_token: Callable[[Seq[int]], tuple[int, float, Evidence] | None], n
         if found is None:
             break
         token, p, evidence = found
-        if keep_first is not None and not found_after.tokens and not keep_first(p, evidence):
+        if keep is not None and not keep(p, evidence):
             break
         chain *= p
         if chain < MIN_CHAIN:

@@ -62,6 +62,7 @@ from collections.abc import Sequence as Seq
 from typing import NamedTuple
 
 from specpage.core.model_free import (
+    LEAST_SHARE,
     NO_SPECULATION,
     Candidate,
     Method,
@@ -440,7 +441,7 @@ class SpecPolicy:
                 return Speculation(k)
         return self._model_free(candidate, length)
 
-    def model_free_lookup(self, seq: Sequence, batch: int) -> tuple[int, float]:
+    def model_free_lookup(self, seq: Sequence, batch: int) -> tuple[int, float, float]:
         """How far the proposers need look for seq in a batch of this size:
         the longest model-free proposal that could pay, were every token
         sure to be accepted (none need be looked up beyond it: at a large
@@ -452,23 +453,24 @@ class SpecPolicy:
         over none: the proposer walks no further after such a token (at a
         large batch on a CPU, most of what it finds). The floor is 0 where
         proposals are not priced (a forced k, a fixed policy, a seeded
-        sample)."""
+        sample). Third, seq's own scale of the proposer's chances: its
+        walks end at a later token LEAST_SHARE turns down (`_best_length`)."""
         if seq.request.spec_k is not None or not self.adaptive:
-            return (self.model_free_k if seq.request.spec_k != 0 else 0), 0.0
+            return (self.model_free_k if seq.request.spec_k != 0 else 0), 0.0, 1.0
         params = seq.request.params
         if params.seed is not None and not params.greedy:
-            return self.model_free_k, 0.0  # chosen by confidences alone
+            return self.model_free_k, 0.0, 1.0  # chosen by confidences alone
         if not self.payoff.allows(batch):
-            return 0, 0.0
+            return 0, 0.0, 1.0
         length = int(self._cached_seconds(max(batch, 1), LONGEST_PAYING)[0])
         if not length:
-            return 0, 0.0
+            return 0, 0.0, 1.0
         floor = self._cached_seconds(max(batch, 1), LEAST_CHANCE)[length - 1]
         if floor <= 0:
-            return length, 0.0
+            return length, 0.0, 1.0
         scale = shrunk(seq.model_free_accepted, seq.model_free_expected, 1.0, SEQ_WEIGHT)
         # (a hair below, so that rounding never turns down a token that pays)
-        return length, floor * (1 - 1e-9) / scale if scale > 0 else math.inf
+        return length, floor * (1 - 1e-9) / scale if scale > 0 else math.inf, scale
 
     @staticmethod
     def _model_free(candidate: Candidate, length: int) -> Speculation:
@@ -504,7 +506,10 @@ class SpecPolicy:
                 priced = self._cached_seconds(batch, MODEL_FREE)
                 seconds, least = [], math.inf
                 for length in range(1, len(priced)):
-                    least = min(least, (GAIN_TO_START * priced[length] / priced[0] - 1) / length)
+                    pays = (GAIN_TO_START * priced[length] / priced[0] - 1) / length
+                    if length > 1:  # tokens of one chance c pass LEAST_SHARE up to here
+                        pays = max(pays, LEAST_SHARE / (1 - LEAST_SHARE * (length - 1)))
+                    least = min(least, pays)
                     seconds.append(least)
             elif lag == LONGEST_PAYING:
                 sure = [1.0] * self.model_free_k
@@ -721,9 +726,12 @@ def probe_period(acceptance: float, seconds: list[float], best_k: int, batch: in
 def _best_length(chance: list[float], seconds: list[float]) -> tuple[int, float]:
     """The model-free proposal length with the most expected tokens per
     second (1 + the chances of the tokens proposed), and that rate; 0
-    unless another length clearly beats it, as for k."""
+    unless another length clearly beats it, as for k. No token after the
+    first whose chance is below LEAST_SHARE of the tokens before it."""
     best, best_rate, tokens = 0, 1.0 / seconds[0], 1.0
     for length, p in enumerate(chance[: len(seconds) - 1], start=1):
+        if length > 1 and p < LEAST_SHARE * tokens:
+            break
         tokens += p
         rate = tokens / seconds[length]
         if rate > best_rate * (GAIN_TO_START if best == 0 else 1.01):

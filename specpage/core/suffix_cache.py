@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
 
-from specpage.core.ngram import NO_CONTINUATION, Continuation, KeepFirst, NgramCounts
+from specpage.core.ngram import NO_CONTINUATION, Continuation, Keep, NgramCounts
 
 
 class SuffixCache:
@@ -45,11 +45,11 @@ class SuffixCache:
         self._evict()
 
     def continuation(self, salt: bytes, context: Seq[int], length: int,
-                     keep_first: KeepFirst | None = None) -> Continuation:
+                     keep: Keep | None = None) -> Continuation:
         counts = self.namespaces.get(salt)
         if counts is None or length <= 0:
             return NO_CONTINUATION
-        return counts.continuation(context, length, keep_first)
+        return counts.continuation(context, length, keep)
 
     def _evict(self) -> None:
         while self.num_tokens > self.max_tokens:

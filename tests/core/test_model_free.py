@@ -14,6 +14,7 @@ from specpage.core.block_pool import BlockPool
 from specpage.core.engine_config import EngineConfig
 from specpage.core.engine_core import EngineCore
 from specpage.core.model_free import (
+    LEAST_SHARE,
     NO_SPECULATION,
     Candidate,
     Method,
@@ -270,7 +271,7 @@ def test_below_the_floor_no_model_free_proposal_pays_and_just_above_one_can(
     policy.calibrate(list(zip(sizes, sorted(costs) + [costs[-1]] * 10, strict=False)), [])
     seq = sequence([1, 2, 3])
     seq.model_free_accepted, seq.model_free_expected = 10.0 * scale, 10.0  # scale, shrunk
-    length, floor = policy.model_free_lookup(seq, batch)
+    length, floor, _ = policy.model_free_lookup(seq, batch)
     evidence = [Evidence(2, 1, True)] * 8
     below = [c * min(1.0, floor * 0.999 / found[0]) if found[0] > 0 else 0.0 for c in found]
     if floor > 0 and below[0] < floor:
@@ -280,6 +281,52 @@ def test_below_the_floor_no_model_free_proposal_pays_and_just_above_one_can(
         sure = [floor * 1.001] * length
         candidate = Candidate(Method.NGRAM, list(range(length)), sure, evidence[:length])
         assert policy.speculate(seq, batch, candidate).k > 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(costs=st.lists(st.floats(0.001, 0.05), min_size=3, max_size=6),
+       batch=st.integers(1, 64), found=chances, scale=st.floats(0.25, 2.0))
+def test_no_proposal_takes_a_token_the_share_rule_turns_down(costs, batch, found, scale):
+    """A token after the first whose chance (scaled as the policy scales
+    it) is below LEAST_SHARE of the tokens those before it promise is never
+    proposed, nor any after it: a candidate cut just before it (where a
+    proposer's walk ends, given a floor) gets the same proposal."""
+    policy = SpecPolicy(0, NO_MODEL, model_free_k=8)
+    sizes = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+    policy.calibrate(list(zip(sizes, sorted(costs) + [costs[-1]] * 10, strict=False)), [])
+    seq = sequence([1, 2, 3])
+    seq.model_free_accepted, seq.model_free_expected = 10.0 * scale, 10.0  # scale, shrunk
+    _, _, own = policy.model_free_lookup(seq, batch)
+    evidence = [Evidence(2, 1, True)] * len(found)
+    scaled = [min(1.0, c * own) for c in found]
+    tokens, cut = 1.0 + scaled[0], len(found)
+    for j in range(1, len(found)):
+        if scaled[j] < LEAST_SHARE * tokens:
+            cut = j
+            break
+        tokens += scaled[j]
+    whole = Candidate(Method.NGRAM, list(range(len(found))), found, evidence)
+    proposal = policy.speculate(seq, batch, whole)
+    assert proposal.k <= cut
+    short = Candidate(Method.NGRAM, whole.tokens[:cut], found[:cut], evidence[:cut])
+    assert policy.speculate(seq, batch, short) == proposal
+
+
+def test_a_walk_with_a_floor_ends_where_the_share_rule_turns_a_token_down():
+    """Given a floor, the proposer's walk ends at the first later token whose
+    chance, times the sequence's scale, is below LEAST_SHARE of what the
+    tokens before it promise: with a scale that makes every later chance
+    tiny, after one token; with scale 1, or no floor, the whole
+    continuation."""
+    text = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]
+    proposer = ModelFreeProposer(EngineConfig(spec_methods="ngram", spec_model_free_k=4))
+    seq = sequence(text)
+    whole = proposer.propose(seq, 4)
+    assert whole is not None and len(whole.tokens) == 4
+    assert proposer.propose(seq, 4, floor=1e-9) == whole
+    found = proposer.propose(seq, 4, floor=1e-9, scale=1e-4)
+    assert found is not None and found.tokens == whole.tokens[:1]
+    assert found.chance == whole.chance[:1]
 
 
 def test_the_floor_stops_each_walk_at_its_first_token():
