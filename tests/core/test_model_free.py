@@ -256,6 +256,17 @@ def _chain(steps):
         yield chain
 
 
+def priced(costs: list[float], scale: float) -> tuple[SpecPolicy, Sequence]:
+    """A model-free policy on this cost curve, and a sequence whose own
+    record scales its chances by `scale` (shrunk)."""
+    policy = SpecPolicy(0, NO_MODEL, model_free_k=8)
+    sizes = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+    policy.calibrate(list(zip(sizes, sorted(costs) + [costs[-1]] * 10, strict=False)), [])
+    seq = sequence([1, 2, 3])
+    seq.model_free_accepted, seq.model_free_expected = 10.0 * scale, 10.0
+    return policy, seq
+
+
 @settings(max_examples=200, deadline=None)
 @given(costs=st.lists(st.floats(0.001, 0.05), min_size=3, max_size=6),
        batch=st.integers(1, 64), found=chances, scale=st.floats(0.25, 2.0))
@@ -266,11 +277,7 @@ def test_below_the_floor_no_model_free_proposal_pays_and_just_above_one_can(
     proposals at this batch whatever follows it, so the proposer may stop
     looking there; one just above it, with every later token sure, gets
     some. For any measured cost curve."""
-    policy = SpecPolicy(0, NO_MODEL, model_free_k=8)
-    sizes = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-    policy.calibrate(list(zip(sizes, sorted(costs) + [costs[-1]] * 10, strict=False)), [])
-    seq = sequence([1, 2, 3])
-    seq.model_free_accepted, seq.model_free_expected = 10.0 * scale, 10.0  # scale, shrunk
+    policy, seq = priced(costs, scale)
     length, floor, _ = policy.model_free_lookup(seq, batch)
     evidence = [Evidence(2, 1, True)] * 8
     below = [c * min(1.0, floor * 0.999 / found[0]) if found[0] > 0 else 0.0 for c in found]
@@ -291,11 +298,7 @@ def test_no_proposal_takes_a_token_the_share_rule_turns_down(costs, batch, found
     it) is below LEAST_SHARE of the tokens those before it promise is never
     proposed, nor any after it: a candidate cut just before it (where a
     proposer's walk ends, given a floor) gets the same proposal."""
-    policy = SpecPolicy(0, NO_MODEL, model_free_k=8)
-    sizes = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-    policy.calibrate(list(zip(sizes, sorted(costs) + [costs[-1]] * 10, strict=False)), [])
-    seq = sequence([1, 2, 3])
-    seq.model_free_accepted, seq.model_free_expected = 10.0 * scale, 10.0  # scale, shrunk
+    policy, seq = priced(costs, scale)
     _, _, own = policy.model_free_lookup(seq, batch)
     evidence = [Evidence(2, 1, True)] * len(found)
     scaled = [min(1.0, c * own) for c in found]
