@@ -508,7 +508,8 @@ class SpecPolicy:
                 for length in range(1, len(priced)):
                     pays = (GAIN_TO_START * priced[length] / priced[0] - 1) / length
                     if length > 1:  # tokens of one chance c pass LEAST_SHARE up to here
-                        pays = max(pays, LEAST_SHARE / (1 - LEAST_SHARE * (length - 1)))
+                        room = 1 - LEAST_SHARE * (length - 1)  # (none past 100 tokens)
+                        pays = max(pays, LEAST_SHARE / room if room > 0 else math.inf)
                     least = min(least, pays)
                     seconds.append(least)
             elif lag == LONGEST_PAYING:

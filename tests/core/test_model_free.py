@@ -315,6 +315,15 @@ def test_no_proposal_takes_a_token_the_share_rule_turns_down(costs, batch, found
     assert policy.speculate(seq, batch, short) == proposal
 
 
+def test_a_floor_past_a_hundred_tokens_of_proposals():
+    """Proposals of up to 120 tokens a step: no run of one chance passes the
+    share rule past 100 tokens, and the floor is still found."""
+    policy = SpecPolicy(0, NO_MODEL, model_free_k=120)
+    policy.calibrate([(n, 0.01 + 0.0001 * n) for n in (1, 2, 4, 8, 16, 64, 128, 256)], [])
+    length, floor, _ = policy.model_free_lookup(sequence([1, 2, 3]), 1)
+    assert 0 < length <= 100 and 0 < floor < 1
+
+
 def test_a_walk_with_a_floor_ends_where_the_share_rule_turns_a_token_down():
     """Given a floor, the proposer's walk ends at the first later token whose
     chance, times the sequence's scale, is below LEAST_SHARE of what the
