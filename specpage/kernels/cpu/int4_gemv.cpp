@@ -127,11 +127,9 @@ __attribute__((always_inline)) inline void prefetch_tile(const uint8_t* fetch,
 inline void store_out(c10::BFloat16* y, float* widened, int64_t at, vfloat v) {
   if (widened == nullptr) {
     store(y + at, v);
-    return;
+  } else {
+    store(widened + at, rounded<c10::BFloat16>(v));
   }
-  c10::BFloat16 narrow[kLanes];
-  store(narrow, v);
-  store(widened + at, load(narrow));
 }
 
 // Output block b of y [rows, out] for kRows rows from row0, the rows a
