@@ -33,5 +33,29 @@ def test_the_loader_finds_every_kernel_source_beside_it() -> None:
     would leave every machine on the torch ops without a word but a log line."""
     names = {path.name for path in native.SOURCES}
     assert names == {"bf16_gemv.cpp", "bf16_panels.cpp", "decoder_stack.cpp", "fused_ops.cpp",
-                     "int4_gemv.cpp", "kquant_gemv.cpp", "paged_attention.cpp", "sampling.cpp"}
+                     "int4_gemv.cpp", "kquant_gemv.cpp", "paged_attention.cpp", "read_through.cpp",
+                     "sampling.cpp"}
     assert [path.name for path in native.HEADERS] == ["vec.h"]
+
+
+
+@pytest.mark.skipif(native.native_kernels() is None, reason="no native kernels here")
+@pytest.mark.parametrize("nbytes", [1, 255, 256, 1000, 64 * 1024 * 3 + 77])
+def test_read_through_reads_every_byte(nbytes: int) -> None:
+    """The benches' read rate (bench/common.py read_bandwidth) comes from
+    read_through, the OR of every byte of a tensor: one byte set anywhere,
+    its first, a middle one or its last (past the last whole pass), is
+    seen."""
+    import functools
+    import operator
+
+    import torch
+
+    assert torch.ops.specpage_cpu.read_through(torch.zeros(nbytes, dtype=torch.uint8)) == 0
+    for place, value in ((0, 0x01), (nbytes // 2, 0x40), (nbytes - 1, 0x80)):
+        data = torch.zeros(nbytes, dtype=torch.uint8)
+        data[place] = value
+        assert torch.ops.specpage_cpu.read_through(data) == value
+    mixed = torch.arange(nbytes, dtype=torch.int64).remainder(256).to(torch.uint8)
+    assert torch.ops.specpage_cpu.read_through(mixed) == functools.reduce(
+        operator.or_, range(min(nbytes, 256)))
