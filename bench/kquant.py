@@ -18,9 +18,9 @@ turn, so that each product reads its weights from memory as a decode step
 does, not from the cache the previous call left. Rounds in rotated order
 (bench/common.py); per system and row count the median time of a call,
 min-max over rounds, the GB/s its weight bytes make, and the floor: those
-bytes at the read rate of a large sum, measured in the same rounds. Outputs
-are compared too: each K type's relative error against its weights'
-exact product with x.
+bytes at bench/common.py's read rate (a large buffer read alone),
+measured in the same rounds. Outputs are compared too: each K type's
+relative error against its weights' exact product with x.
 
     python bench/kquant.py [--quick]
 """

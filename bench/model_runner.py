@@ -9,7 +9,7 @@ speed-up whose spreads overlap is "level".
 The floor: a decode step must read every weight once, so it takes at least
 weight bytes / read bandwidth, with the read bandwidth taken as the memory
 traffic of a large copy (bytes read + written per second). Beside it, the
-time to read the weights at the rate a large sum reads memory (reading
+time to read the weights at the rate a large buffer is read (reading
 alone): on some machines the copy's traffic is well above that rate. This
 machine's memory rate moves by up to 2x within minutes, so both rates are
 measured in the same rotated rounds as the step, and the step over its floor

@@ -29,8 +29,9 @@ and 32 streams (output tok/s).
 
 The floor of a single-stream decode step is the bytes it must read, every
 linear weight of the layers and the output projection as the file stores
-them, over the machine's read bandwidth (bench/common.py's read_bandwidth: a
-sum over a buffer far larger than the caches), measured at the start and end
+them, over the machine's read bandwidth (bench/common.py's read_bandwidth: the
+better of torch's sum and the native read_through over a 512 MiB buffer,
+larger than the caches), measured at the start and end
 of every round, the better of the two taken. Each server's ms/token is
 reported as a multiple of the floor, round by round. Also, per model:
 specpage's time to serving (process start to /health answering 200), and
