@@ -38,7 +38,6 @@ def test_the_loader_finds_every_kernel_source_beside_it() -> None:
     assert [path.name for path in native.HEADERS] == ["vec.h"]
 
 
-
 @pytest.mark.skipif(native.native_kernels() is None, reason="no native kernels here")
 @pytest.mark.parametrize("nbytes", [1, 255, 256, 1000, 64 * 1024 * 3 + 77])
 def test_read_through_reads_every_byte(nbytes: int) -> None:

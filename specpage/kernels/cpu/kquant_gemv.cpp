@@ -278,13 +278,9 @@ constexpr int64_t kPrefetchFar = 3 * kPrefetchAhead;
 
 // Always inlined, as every helper of prefetches alone (int4_gemv.cpp's prefetch_tile).
 __attribute__((always_inline)) inline void prefetch_ahead(const uint8_t* p, int64_t bytes, bool first_pass) {
-  if (first_pass) {
-    for (int64_t line = 0; line < bytes; line += 64) {
-      __builtin_prefetch(p + kPrefetchFar + line, 0, 2);
-      __builtin_prefetch(p + kPrefetchAhead + line, 0, 2);
-    }
-  } else {
-    for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(p + kPrefetchAhead + line, 0, 2);
+  for (int64_t line = 0; line < bytes; line += 64) {
+    if (first_pass) __builtin_prefetch(p + kPrefetchFar + line, 0, 2);
+    __builtin_prefetch(p + kPrefetchAhead + line, 0, 2);
   }
 }
 

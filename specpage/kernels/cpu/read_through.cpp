@@ -17,6 +17,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
