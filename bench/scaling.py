@@ -31,9 +31,13 @@ The floor of a single-stream decode step is the bytes it must read, every
 linear weight of the layers and the output projection as the file stores
 them, over the machine's read bandwidth (bench/common.py's read_bandwidth: the
 better of torch's sum and the native read_through over a 512 MiB buffer,
-larger than the caches), measured at the start and end
-of every round, the better of the two taken. Each server's ms/token is
-reported as a multiple of the floor, round by round. Also, per model:
+larger than the caches). The rate is read just before and just after each
+server's single stream, and a server's ms/token is reported as a multiple of
+the floor at the better of those two, round by round (over_floor): the
+machine's rate moves by 10-20% within minutes, and the steps are bounded by
+the rate they had. It is also read at the start and end of every round, the
+better of the two taken, and each ms/token reported over that round's floor
+too (over_round_floor). Also, per model:
 specpage's time to serving (process start to /health answering 200), and
 whether it wrote a dense copy of the file (a converted folder in specpage's
 cache naming the file) and how much the cache grew. Dense copies of the
@@ -98,6 +102,7 @@ OUTPUT_TOKENS = {False: 128, True: 32}
 SINGLE_REQUESTS = {False: 4, True: 2}
 WARMUP_TOKENS = 16  # as bench/serving.py: every step shape runs once
 WARMUP_SINGLE = 2
+SINGLE = "single"  # the single-stream workload, whose steps the floor bounds
 COMPARED_PROMPTS = 2  # greedy answers fetched in the first round, to see both run the model
 SPECPAGE_MEMORY_SHARE = 0.5  # of MemAvailable at the start: specpage's data limit
 GEMMA = "gemma3-270m"
@@ -197,7 +202,14 @@ def one_round(spec: ServerSpec, jobs: list[Workload], warmups: list[Workload],
             except BenchError as error:  # loadgen gives a status; the server says why
                 says = refusal(spec.url, jobs[0].chat)
                 raise BenchError(f"{error}; {spec.name} says: {says}") from error
-            figures: Figures = {job.name: drive(spec.url, job, folder, server) for job in jobs}
+            figures: Figures = {}
+            for job in jobs:
+                # the floor's rate read beside the single stream's steps too,
+                # just before and after them, the server idle
+                before = read_rate_gb_s() if job.name == SINGLE else None
+                figures[job.name] = drive(spec.url, job, folder, server)
+                if before is not None:
+                    figures[job.name]["read_gb_s"] = [before, read_rate_gb_s()]
             figures["outputs"] = greedy_answers(spec.url, compared, jobs[0].chat)
         finally:
             server.stop()
@@ -264,7 +276,9 @@ def run_rounds(specs: dict[str, Callable[[], ServerSpec]], jobs: list[Workload],
                 print(f"round {r}: {name} failed: {error}", file=sys.stderr, flush=True)
                 continue
             figures[name].append(got)
-            print(f"round {r}: {name}: single {got['single']['tpot_p50_s'] * 1e3:.1f} ms/token, "
+            read = got[SINGLE]["read_gb_s"]
+            print(f"round {r}: {name}: single {got[SINGLE]['tpot_p50_s'] * 1e3:.1f} ms/token "
+                  f"(read {read[0]:.1f} GB/s before, {read[1]:.1f} after), "
                   f"32 streams {got['streams32']['tok_s']:.1f} tok/s, "
                   f"start-up {got['startup_s']:.1f} s", file=sys.stderr, flush=True)
         # Others' work on a shared machine can halve the rate for a minute:
@@ -286,11 +300,16 @@ def summary(model: str, rounds: Rounds, nbytes: dict[str, int]) -> dict[str, Any
         figures = rounds.figures.get(f"{model}/{system}")
         if not figures:
             continue
-        tpot = Spread.of([f["single"]["tpot_p50_s"] for f in figures])
+        tpot = Spread.of([f[SINGLE]["tpot_p50_s"] for f in figures])
         got[system] = {"tpot": tpot, "tok_s": Spread.of([f["streams32"]["tok_s"]
                                                           for f in figures])}
         row[f"{system}_ms_per_token"] = tpot.median * 1e3
-        row[f"{system}_over_floor"] = over_floor(tpot, nbytes["step_bytes"], rate)["ratio"]
+        # the floor at the rate read beside this server's own steps (the
+        # better of just before and just after), and at the round's rate
+        beside = Spread.of([max(f[SINGLE]["read_gb_s"]) for f in figures])
+        row[f"{system}_over_floor"] = over_floor(tpot, nbytes["step_bytes"], beside)["ratio"]
+        row[f"{system}_over_round_floor"] = over_floor(tpot, nbytes["step_bytes"], rate)["ratio"]
+        row[f"{system}_read_gb_s"] = beside.as_json()
         row[f"{system}_streams32_tok_s"] = got[system]["tok_s"].median
         # the first start of a file may convert it; the rounds show each start
         row[f"{system}_startup_s"] = Spread.of([f["startup_s"] for f in figures]).as_json()
@@ -374,7 +393,7 @@ def main() -> None:
     prompts = chat_prompts(STREAMS)
     tokens = OUTPUT_TOKENS[args.quick]
     jobs = [Workload("streams32", prompts, tokens, STREAMS),
-            Workload("single", prompts[:SINGLE_REQUESTS[args.quick]], tokens, 1)]
+            Workload(SINGLE, prompts[:SINGLE_REQUESTS[args.quick]], tokens, 1)]
     warmups = [Workload("warmup32", prompts, WARMUP_TOKENS, STREAMS),
                Workload("warmup1", prompts[:WARMUP_SINGLE], WARMUP_TOKENS, 1)]
     limit = memory_limit()
