@@ -30,8 +30,9 @@ and 32 streams (output tok/s).
 The floor of a single-stream decode step is the bytes it must read, every
 linear weight of the layers and the output projection as the file stores
 them, over the machine's read bandwidth (bench/common.py's read_bandwidth: the
-better of torch's sum and the native read_through over a 512 MiB buffer,
-larger than the caches). The rate is read just before and just after each
+better of torch's sum and the native read_through over a buffer of 512 MiB
+or four times the last-level cache, whichever is larger, so that the cache
+keeps none of it between reads). The rate is read just before and just after each
 server's single stream, and a server's ms/token is reported as a multiple of
 the floor at the better of those two, round by round (over_floor): the
 machine's rate moves by 10-20% within minutes, and the steps are bounded by
