@@ -16,6 +16,14 @@ from specpage.kernels.triton.paged_decode import paged_decode, takes_spans
 from specpage.kernels.triton.paged_prefill import paged_prefill
 
 
+def _unit_rows(x: torch.Tensor) -> torch.Tensor:
+    """x, or a contiguous copy where its last stride is not 1: the kernels read
+    each head's row as one vector. On CUDA the projections' outputs are
+    contiguous already; a CPU product's transposed output (the kernels in
+    Triton's interpreter) is not."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
 @dataclass(frozen=True)
 class TritonMetadata(AttentionMetadata):
     """What the kernels read (`specpage.kernels.PagedSpans`), on the cache's
@@ -57,7 +65,7 @@ class TritonAttention:
     def write_kv(
         self, cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
     ) -> None:
-        write_kv(cache, k, v, meta.slot_mapping)
+        write_kv(cache, _unit_rows(k), _unit_rows(v), meta.slot_mapping)
 
     def attend(
         self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float,
@@ -69,7 +77,7 @@ class TritonAttention:
         num_tokens, groups = q.shape[0], q.shape[1] // cache.shape[3]
         short = takes_spans(meta.max_query, groups) and num_tokens >= meta.context_lens.shape[0]
         attend_spans = paged_decode if short else paged_prefill
-        return attend_spans(q, cache, meta, scale).view(num_tokens, -1)
+        return attend_spans(_unit_rows(q), cache, meta, scale).view(num_tokens, -1)
 
     def copy_blocks(self, kv_cache: torch.Tensor, pairs: torch.Tensor) -> None:
         """kv_cache [layers, 2, num_blocks, ...]; pairs [num_pairs, 2] int64 (src, dst)."""

@@ -15,6 +15,10 @@ one for the longest context; partitions past a short sequence's end exit at
 once. The rotary table is grown to max_context before the first capture, so
 no later forward replaces a tensor that a graph reads.
 
+A graph holds the addresses of the tensors it reads, not the tensors: every
+one made outside it (the batch's inputs and metadata) lives in its bucket's
+`_Buffers` for as long as the graph does.
+
 Any failure to capture turns graphs off for the runner (logged once), and
 forwards run eagerly as before.
 """
@@ -22,7 +26,7 @@ forwards run eagerly as before.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,14 +40,24 @@ BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
 
 @dataclass
-class _Captured:
-    graph: torch.cuda.CUDAGraph
+class _Buffers:
+    """Every tensor made outside a graph that the graph reads: a graph holds
+    their addresses, not the tensors, so they live as long as it does. (A
+    buffer freed after its capture, such as the spans' query_start, hands its
+    memory to other tensors, or to the driver when the next capture empties
+    the cache, and the replays read whatever is there.)"""
+
     input_ids: torch.Tensor  # [bucket] int64
     positions: torch.Tensor  # [bucket] int64
-    slot_mapping: torch.Tensor  # [bucket] int64
-    block_tables: torch.Tensor  # [bucket, width] int64
-    context_lens: torch.Tensor  # [bucket] int64
-    logits: torch.Tensor  # [bucket, vocab] fp32, what the graph writes
+    logits_index: torch.Tensor  # [bucket] int64, every row
+    meta: Any  # TritonMetadata: slot_mapping, block_tables, context_lens, query_start
+
+
+@dataclass
+class _Captured:
+    replay: Callable[[], None]
+    buffers: _Buffers
+    logits: torch.Tensor  # [bucket, vocab] fp32, what a replay writes
 
 
 class DecodeGraphs:
@@ -74,12 +88,13 @@ class DecodeGraphs:
         if captured is None:
             return None
         self._fill(captured, spans)
-        captured.graph.replay()
+        captured.replay()
         self.replays += 1
         return captured.logits[: len(spans)].clone()
 
     def _fill(self, captured: _Captured, spans: Sequence[Span]) -> None:
-        n, bucket, bs = len(spans), captured.input_ids.shape[0], self.block_size
+        buffers, meta = captured.buffers, captured.buffers.meta
+        n, bucket, bs = len(spans), buffers.input_ids.shape[0], self.block_size
         pad = bucket - n
         ids = [s.token_ids[0] for s in spans] + [0] * pad
         positions = [s.start for s in spans] + [0] * pad
@@ -91,49 +106,57 @@ class DecodeGraphs:
         tables = torch.tensor([list(s.block_table[:u]) + [0] * (width - u)
                                for s, u in zip(spans, used, strict=True)], dtype=torch.int64)
         vectors = torch.tensor([ids, positions, slots, lens], dtype=torch.int64)
-        captured.input_ids.copy_(vectors[0], non_blocking=True)
-        captured.positions.copy_(vectors[1], non_blocking=True)
-        captured.slot_mapping.copy_(vectors[2], non_blocking=True)
-        captured.context_lens.copy_(vectors[3], non_blocking=True)
-        captured.block_tables[:n, :width].copy_(tables, non_blocking=True)
+        buffers.input_ids.copy_(vectors[0], non_blocking=True)
+        buffers.positions.copy_(vectors[1], non_blocking=True)
+        meta.slot_mapping.copy_(vectors[2], non_blocking=True)
+        meta.context_lens.copy_(vectors[3], non_blocking=True)
+        meta.block_tables[:n, :width].copy_(tables, non_blocking=True)
 
     def _capture(self, bucket: int) -> _Captured | None:
-        from specpage.attention.triton import TritonMetadata
-
-        device = self.model.embed_tokens.weight.device
         try:
-            def zeros(*shape: int) -> torch.Tensor:
-                return torch.zeros(shape, dtype=torch.int64, device=device)
-
-            input_ids, positions = zeros(bucket), zeros(bucket)
-            slot_mapping = torch.full((bucket,), -1, dtype=torch.int64, device=device)
-            block_tables, context_lens = zeros(bucket, self.width), zeros(bucket) + 1
-            meta = TritonMetadata(
-                slot_mapping=slot_mapping, block_tables=block_tables, context_lens=context_lens,
-                query_start=torch.arange(bucket + 1, dtype=torch.int64, device=device),
-                max_query=1, max_context=self.max_context)
-            logits_index = torch.arange(bucket, dtype=torch.int64, device=device)
-            dtype = self.model.embed_tokens.weight.dtype
-            self.model.rope_rows(positions, dtype, need=self.max_context)  # grown once
-
-            def forward() -> torch.Tensor:
-                return self.model(input_ids, positions, self.kv.layers, meta, self.kv.backend,
-                                  logits_index)
-
-            side = torch.cuda.Stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):
-                forward()  # the first launches compile and allocate outside the graph
-            torch.cuda.current_stream(device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                logits = forward()
-            self.pool = graph.pool()
+            buffers = self._buffers(bucket)
+            self.model.rope_rows(buffers.positions, self.model.embed_tokens.weight.dtype,
+                                 need=self.max_context)  # grown once, before any capture
+            replay, logits = self._record(lambda: self._forward(buffers))
         except Exception as error:  # noqa: BLE001 - any failure means eager forwards
             self.off = f"{type(error).__name__}: {error}"
             log.warning("CUDA graphs off for this model, forwards run eagerly: %s", self.off)
             return None
-        captured = _Captured(graph, input_ids, positions, slot_mapping, block_tables,
-                             context_lens, logits)
-        self.captured[bucket] = captured
+        captured = self.captured[bucket] = _Captured(replay, buffers, logits)
         return captured
+
+    def _buffers(self, bucket: int) -> _Buffers:
+        from specpage.attention.triton import TritonMetadata
+
+        device = self.model.embed_tokens.weight.device
+
+        def zeros(*shape: int) -> torch.Tensor:
+            return torch.zeros(shape, dtype=torch.int64, device=device)
+
+        every_row = torch.arange(bucket + 1, dtype=torch.int64, device=device)
+        meta = TritonMetadata(
+            slot_mapping=torch.full((bucket,), -1, dtype=torch.int64, device=device),
+            block_tables=zeros(bucket, self.width), context_lens=zeros(bucket) + 1,
+            query_start=every_row, max_query=1, max_context=self.max_context)
+        return _Buffers(zeros(bucket), zeros(bucket), every_row[:bucket], meta)
+
+    def _forward(self, buffers: _Buffers) -> torch.Tensor:
+        """The forward a graph records: it reads nothing made outside it but
+        `buffers`, the model's tensors and the KV cache."""
+        return self.model(buffers.input_ids, buffers.positions, self.kv.layers, buffers.meta,
+                          self.kv.backend, buffers.logits_index)
+
+    def _record(self, forward: Callable[[], torch.Tensor]
+                ) -> tuple[Callable[[], None], torch.Tensor]:
+        """Captures forward into a CUDA graph: (its replay, the logits it writes)."""
+        device = self.model.embed_tokens.weight.device
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            forward()  # the first launches compile and allocate outside the graph
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = forward()
+        self.pool = graph.pool()
+        return graph.replay, logits

@@ -1,47 +1,103 @@
 """Decode forwards replayed from CUDA graphs (executor/cuda_graphs.py) give
-the tokens that eager forwards give. Needs CUDA; skipped elsewhere. On an
-H200 this failed (engine.cuda_graphs is off by default until it passes)."""
+the tokens that eager forwards give.
+
+On CUDA the graphs themselves are captured and replayed. On CPU, with the
+Triton kernels in the interpreter, each replay runs the recorded forward
+again on its bucket's buffers: the buckets, the padding rows, the fills and
+the split-K launch at the engine's longest context are those of the device.
+"""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+import triton
 
+import specpage.executor.kv_cache as kv_cache
+from specpage.attention.triton import TritonAttention
 from specpage.core.request import SamplingParams
 from specpage.engine import EngineConfig
+from specpage.executor.cuda_graphs import DecodeGraphs
 from specpage.llm import LLM
 from tests.support.checkpoints import tiny_checkpoint
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
-                       reason="needs CUDA and compiled kernels"),
-]
+# 5 and then 3 sequences decoding (the 2nd and 4th stop first): buckets 8 and
+# 4, rows of padding in each
+PROMPTS = [[(7 * i + j) % 211 for j in range(5 + 9 * i)] for i in range(5)]
+PARAMS = [SamplingParams(max_tokens=22 - 10 * (i % 2), temperature=0, ignore_eos=True)
+          for i in range(5)]
+MAX_SEQS = 8
 
 
+def _checkpoints(folder: Path) -> tuple[Path, Path]:
+    tiny_checkpoint(folder / "target")
+    tiny_checkpoint(folder / "draft", seed=1, num_hidden_layers=1)
+    return folder / "target", folder / "draft"
+
+
+def _generate(target: Path, draft: Path | None, device: str, graphs: bool,
+              attach: Callable[[LLM], None] | None = None) -> tuple[LLM, list[list[int]]]:
+    llm = LLM(target, draft=draft, device=device, dtype="fp32",
+              config=EngineConfig(cuda_graphs=graphs, max_num_seqs=MAX_SEQS, spec_k=4,
+                                  adaptive_k=False, spec_methods=""))
+    if attach is not None:
+        attach(llm)
+    done = llm.generate(PROMPTS, PARAMS)
+    llm.engine.pool.check_integrity()
+    return llm, [list(c.samples[0].token_ids) for c in done]
+
+
+class _Rerun(DecodeGraphs):
+    """Replays that run the recorded forward again, on the bucket's buffers."""
+
+    def _record(self, forward: Callable[[], torch.Tensor]
+                ) -> tuple[Callable[[], None], torch.Tensor]:
+        logits = forward()
+
+        def replay() -> None:
+            logits.copy_(forward())
+
+        return replay, logits
+
+
+@pytest.mark.skipif(not triton.knobs.runtime.interpret,
+                    reason="runs the Triton kernels on CPU tensors: TRITON_INTERPRET=1")
+def test_buckets_give_the_eager_tokens_in_the_interpreter(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    target, draft = _checkpoints(tmp_path)
+    monkeypatch.setattr(kv_cache, "select_backend", lambda *_, **__: TritonAttention())
+
+    def attach(llm: LLM) -> None:
+        for runner in llm.engine.executor.runners:
+            runner.graphs = _Rerun(runner.model, runner.kv, runner.block_size, MAX_SEQS,
+                                   runner.model.config.max_position)
+
+    _, reference = _generate(target, None, "cpu", graphs=False)
+    for proposer in (None, draft):
+        llm, tokens = _generate(target, proposer, "cpu", graphs=False, attach=attach)
+        assert tokens == reference
+        graphs = [runner.graphs for runner in llm.engine.executor.runners]
+        assert all(g is not None and g.off is None and g.replays > 0 for g in graphs)
+        assert {4, 8} <= {bucket for g in graphs for bucket in g.captured}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="needs CUDA and compiled kernels")
 def test_graph_replays_give_the_eager_tokens(tmp_path: Path) -> None:
-    tiny_checkpoint(tmp_path / "target")
-    tiny_checkpoint(tmp_path / "draft", seed=1, num_hidden_layers=1)
-    # 5 and then 3 sequences decoding: buckets 8 and 4, rows of padding in each
-    prompts = [[(7 * i + j) % 211 for j in range(5 + 9 * i)] for i in range(5)]
-    params = [SamplingParams(max_tokens=12 + 10 * (i % 2), temperature=0, ignore_eos=True)
-              for i in range(5)]
+    target, draft = _checkpoints(tmp_path)
     outputs = {}
     for graphs in (True, False):
-        for draft in (None, tmp_path / "draft"):
-            llm = LLM(tmp_path / "target", draft=draft, device="cuda", dtype="fp32",
-                      config=EngineConfig(cuda_graphs=graphs, max_num_seqs=8, spec_k=4,
-                                          adaptive_k=False, spec_methods=""))
-            done = llm.generate(prompts, params)
-            outputs[graphs, draft] = [list(c.samples[0].token_ids) for c in done]
+        for proposer in (None, draft):
+            llm, outputs[graphs, proposer] = _generate(target, proposer, "cuda", graphs)
             runners = llm.engine.executor.runners
             if graphs:
                 for runner in runners:
                     assert runner.graphs is not None and runner.graphs.off is None
                 assert sum(r.graphs.replays for r in runners) > 0
-            llm.engine.pool.check_integrity()
     reference = outputs[False, None]
     assert all(tokens == reference for tokens in outputs.values())
