@@ -280,7 +280,7 @@ inline __m512i byte_of(__m512i u) {
 // each read from memory in a step's order, took 1.045 -> 1.027x a plain
 // read of their bytes, a 1B's 1.074 -> 1.015x; 16 rows from memory 8-11%
 // less time, one row in L2 on one thread Q4_K 43 -> 52 GB/s (Xeon).
-constexpr int64_t kPrefetchFar = 3 * kPrefetchAhead;
+// (kPrefetchFar is vec.h's, shared with read_through.cpp.)
 
 // Always inlined, as every helper of prefetches alone (int4_gemv.cpp's prefetch_tile).
 __attribute__((always_inline)) inline void prefetch_ahead(const uint8_t* p, int64_t bytes, bool first_pass) {

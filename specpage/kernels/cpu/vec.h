@@ -25,6 +25,10 @@ constexpr int64_t kLanes = 16;
 // non-temporal, the product alone 2x slower). (bf16_gemv.cpp reads several
 // streams at once, with its own distance.)
 constexpr int64_t kPrefetchAhead = 8192;
+// A stream read from memory is asked for twice, this far ahead and then
+// kPrefetchAhead (the K-quant products' first pass, kquant_gemv.cpp, and the
+// benches' floor, read_through.cpp, which must read as fast as they do).
+constexpr int64_t kPrefetchFar = 3 * kPrefetchAhead;
 typedef float vfloat __attribute__((vector_size(kLanes * 4)));
 typedef int32_t vint __attribute__((vector_size(kLanes * 4)));
 typedef uint32_t vuint __attribute__((vector_size(kLanes * 4)));
