@@ -120,7 +120,14 @@ def copy_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
     """Bytes copied per second by a large tensor copy (each byte read once and
     written once, so memory traffic is twice this). Its buffers are on huge
     pages where the weights are (specpage/kernels/cpu/hugepages.py): on 4 KB pages
-    the same copy is slower, and the floor would flatter the step."""
+    the same copy is slower, and the floor would flatter the step. Under a
+    last-level cache near the buffers' size part of them stays cached: under
+    a 300 MiB L3 (an Intel Xeon) 256 MiB copied a median 1.24x as fast as
+    1 GiB (0.71-1.76, 6 alternations; 1.2 GiB level with 1 and 2 GiB). The
+    floors at this rate (bench/model_runner.py, quantization.py) are then
+    stricter than memory's rate for a step whose weights stream from memory,
+    and close to what a small model whose weights stay in that cache meets;
+    read_bandwidth reads past the cache."""
     src = hugepages.empty((megabytes * 2**20 // 4,), torch.float32).fill_(1.0)
     dst = hugepages.empty(tuple(src.shape), torch.float32)
     seconds = median_seconds(lambda: dst.copy_(src), repeats)
