@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Everything that needs CUDA, in one go, for a GPU at hand for minutes only:
+#   1. the GPU tests: the Triton kernels compiled against their torch twins,
+#      and decode forwards replayed from CUDA graphs against eager ones (a
+#      failure there is run again under compute-sanitizer, to name the access);
+#   2. bench/kernels_gpu.py: paged decode, verification, prefill chunks, KV
+#      writes and block copies at the launcher's default choices;
+#   3. bench/engine_gpu.py: the engine at 1, 32 and 256 streams, eager and
+#      with CUDA graphs, with and without speculation.
+# Each step has its own time limit, so one that hangs leaves the others
+# their time. Logs and JSON results land in the folder given (default
+# bench/results/gpu); the last line printed is a JSON summary.
+#
+#   bash bench/gpu_all.sh [OUT_DIR] [--quick]
+set -uo pipefail
+out=${1:-bench/results/gpu}
+quick=${2:-}
+mkdir -p "$out"
+py=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+unset TRITON_INTERPRET
+cd "$(dirname "$0")/.."
+
+step() {  # step NAME SECONDS COMMAND...: its output in $out/NAME.log, its status in $status
+  local name=$1 limit=$2
+  shift 2
+  local start=$SECONDS
+  timeout "$limit" "$@" >"$out/$name.log" 2>&1
+  local rc=$?
+  echo "$name: exit $rc in $((SECONDS - start)) s"
+  tail -n 3 "$out/$name.log"
+  status="$status\"$name\": $rc, "
+}
+
+status=""
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/device.txt"
+"$py" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
+  | tee -a "$out/device.txt"
+
+step tests 240 "$py" -m pytest -q -p no:cacheprovider -x \
+  tests/kernels/test_triton.py tests/kernels/test_triton_optional.py \
+  tests/engine/test_cuda_graphs.py
+if ! grep -q " passed" "$out/tests.log" || grep -q " failed" "$out/tests.log"; then
+  step sanitizer 240 compute-sanitizer --tool memcheck --print-limit 20 \
+    "$py" -m pytest -q -p no:cacheprovider -x tests/engine/test_cuda_graphs.py
+fi
+step kernels 180 "$py" bench/kernels_gpu.py $quick
+step engine 300 "$py" bench/engine_gpu.py $quick
+for name in kernels_gpu engine_gpu; do  # only what this run wrote
+  [ bench/results/$name.json -nt "$out/device.txt" ] && cp bench/results/$name.json "$out/"
+done
+echo "{\"bench\": \"gpu_all\", \"out\": \"$out\", ${status%, }}"
