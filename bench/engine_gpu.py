@@ -20,8 +20,10 @@ Time split of the steps where every running request decodes: the target's
 forward (synchronized: ModelRunner waits for the device), the draft's
 forwards, the proposers that need no model (their lookups, and indexing
 each step's new tokens), sampling and acceptance, and the rest (scheduling,
-the pool, outputs: Python). Speculation off runs twice: eagerly (the default) and with
-decode forwards replayed from CUDA graphs (engine.cuda_graphs).
+the pool, outputs: Python). Speculation off and the draft beside the model-free
+proposers run twice: eagerly (the default) and with decode forwards (the
+target's plain steps, the draft's proposal steps) replayed from CUDA graphs
+(engine.cuda_graphs).
 
 Writes results/engine_gpu.json; the last line printed is the same JSON
 object. Without CUDA (and without --device cpu, a dry run) it prints a
@@ -74,6 +76,8 @@ MODES = {
     "off_graphs": {"spec_k": 0, "cuda_graphs": True},
     "model_free": {"spec_methods": "ngram,suffix"},
     "draft_and_model_free": {"spec_methods": "ngram,suffix"},
+    # the draft's proposal steps are decode forwards (one token a sequence)
+    "draft_and_model_free_graphs": {"spec_methods": "ngram,suffix", "cuda_graphs": True},
 }
 
 
