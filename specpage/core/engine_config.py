@@ -54,10 +54,13 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # at its position, which a proposal must equal to be accepted
     # (speculation/verifier.py). Its cost: docs/BENCHMARKS.md, "Deterministic mode".
     deterministic: bool = False
-    # On CUDA, decode forwards (one token per sequence, up to max_num_seqs)
+    # On CUDA, forwards of short spans (decoding, a draft's proposal steps,
+    # verification: up to 16 tokens per sequence, up to max_num_seqs)
     # replayed from captured graphs (executor/cuda_graphs.py); no effect on
-    # CPU. Off by default: on an H200 it made single-stream decoding 8.8x
-    # faster, and then faulted (an illegal memory access) at 32 streams.
+    # CPU. Off by default: on an H200 decode graphs made single-stream
+    # decoding 8.8x faster, and then faulted (an illegal memory access) at 32
+    # streams; the likely cause (a buffer freed after its capture) is mended,
+    # not yet checked on a GPU.
     cuda_graphs: bool = False
     # A target with sliding-window layers (Gemma 3's local ones) keeps their
     # KV in block tables of their own that give back the blocks behind the

@@ -60,8 +60,9 @@ class ModelRunner:
                 f"({self.device.type}) is not; run it on the CPU")
         self.groups = c.num_heads // c.num_kv_heads  # query heads per KV head
         self.native_step = self._native_step(loaded)
-        # graphs_for: decode forwards of up to this many sequences replayed
-        # from CUDA graphs (executor/cuda_graphs.py); 0, or off CUDA: none
+        # graphs_for: forwards of short spans (decoding, verification) of up
+        # to this many sequences replayed from CUDA graphs
+        # (executor/cuda_graphs.py); 0, or off CUDA: none
         self.graphs: DecodeGraphs | None = None
         if graphs_for and self.device.type == "cuda" and not deterministic and groups is None:
             self.graphs = DecodeGraphs(self.model, self.kv, block_size, graphs_for,

@@ -1,10 +1,13 @@
 """Decode forwards replayed from CUDA graphs (executor/cuda_graphs.py) give
 the tokens that eager forwards give.
 
-On CUDA the graphs themselves are captured and replayed. On CPU, with the
-Triton kernels in the interpreter, each replay runs the recorded forward
-again on its bucket's buffers: the buckets, the padding rows, the fills and
-the split-K launch at the engine's longest context are those of the device.
+Decoding, a draft's proposal steps and verification (a draft's k + 1
+tokens, the model-free proposals of varying lengths) each go through
+buckets of sequences and span lengths, padded. On CUDA the graphs
+themselves are captured and replayed. On CPU, with the Triton kernels in
+the interpreter, each replay runs the recorded forward again on its
+bucket's buffers: the buckets, the padding, the fills and the split-K launch
+at the engine's longest context are those of the device.
 """
 
 from __future__ import annotations
@@ -40,10 +43,13 @@ def _checkpoints(folder: Path) -> tuple[Path, Path]:
 
 
 def _generate(target: Path, draft: Path | None, device: str, graphs: bool,
-              attach: Callable[[LLM], None] | None = None) -> tuple[LLM, list[list[int]]]:
+              attach: Callable[[LLM], None] | None = None,
+              methods: str = "") -> tuple[LLM, list[list[int]]]:
+    """methods: the proposers that need no model (their proposals' lengths vary
+    from sequence to sequence and step to step)."""
     llm = LLM(target, draft=draft, device=device, dtype="fp32",
               config=EngineConfig(cuda_graphs=graphs, max_num_seqs=MAX_SEQS, spec_k=4,
-                                  adaptive_k=False, spec_methods=""))
+                                  adaptive_k=False, spec_methods=methods))
     if attach is not None:
         attach(llm)
     done = llm.generate(PROMPTS, PARAMS)
@@ -77,12 +83,19 @@ def test_buckets_give_the_eager_tokens_in_the_interpreter(
                                    runner.model.config.max_position)
 
     _, reference = _generate(target, None, "cpu", graphs=False)
-    for proposer in (None, draft):
-        llm, tokens = _generate(target, proposer, "cpu", graphs=False, attach=attach)
+    for proposer, methods in ((None, ""), (draft, ""), (None, "ngram,suffix")):
+        llm, tokens = _generate(target, proposer, "cpu", graphs=False, attach=attach,
+                                methods=methods)
         assert tokens == reference
         graphs = [runner.graphs for runner in llm.engine.executor.runners]
         assert all(g is not None and g.off is None and g.replays > 0 for g in graphs)
-        assert {4, 8} <= {bucket for g in graphs for bucket in g.captured}
+        spans = {q for g in graphs for _, q in g.captured}
+        buckets = {bucket for g in graphs for bucket, _ in g.captured}
+        assert {4, 8} <= buckets  # 5 sequences, then 3: padding sequences in each
+        if proposer is not None:  # verification: k + 1 = 5 tokens, padded to 6
+            assert 6 in spans
+        if methods:  # proposals of several lengths, each padded to its bucket
+            assert len(spans) >= 3
 
 
 @pytest.mark.gpu
@@ -92,12 +105,13 @@ def test_graph_replays_give_the_eager_tokens(tmp_path: Path) -> None:
     target, draft = _checkpoints(tmp_path)
     outputs = {}
     for graphs in (True, False):
-        for proposer in (None, draft):
-            llm, outputs[graphs, proposer] = _generate(target, proposer, "cuda", graphs)
+        for proposer, methods in ((None, ""), (draft, ""), (None, "ngram,suffix")):
+            llm, outputs[graphs, proposer, methods] = _generate(target, proposer, "cuda",
+                                                                graphs, methods=methods)
             runners = llm.engine.executor.runners
             if graphs:
                 for runner in runners:
                     assert runner.graphs is not None and runner.graphs.off is None
                 assert sum(r.graphs.replays for r in runners) > 0
-    reference = outputs[False, None]
+    reference = outputs[False, None, ""]
     assert all(tokens == reference for tokens in outputs.values())
