@@ -231,17 +231,22 @@ def time_part(owner: Any, name: str, part: str, spent: dict[str, float]) -> None
     setattr(owner, name, wrapper)
 
 
-def decoding_steps(engine: Any, batch: int, spent: dict[str, float]) -> Iterator[float]:
+def decoding_steps(engine: Any, batch: int, spent: dict[str, float],
+                   tokens: dict[str, list[int]] | None = None) -> Iterator[float]:
     """Step `engine` until it has nothing left; each step's seconds where all
     `batch` of its sequences decode (no prompt chunk among them), with
-    `spent` holding that step's parts (time_part) as it is yielded."""
+    `spent` holding that step's parts (time_part) as it is yielded. tokens:
+    each request's output tokens gathered there, by request id."""
     while engine.has_unfinished():
         decoding = (len(engine.scheduler.running) == batch
                     and all(s.num_uncomputed <= 1 for s in engine.scheduler.running))
         spent.clear()
         start = time.perf_counter()
-        engine.step()
+        outputs = engine.step()
         seconds = time.perf_counter() - start
+        if tokens is not None:
+            for output in outputs:
+                tokens.setdefault(output.request_id, []).extend(output.token_ids)
         if decoding:
             yield seconds
 

@@ -37,15 +37,18 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 "$py" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
   | tee -a "$out/device.txt"
 
-step tests 240 "$py" -m pytest -q -p no:cacheprovider -x \
+# at most 570 s in all, under a 600 s call
+step tests 150 "$py" -m pytest -q -p no:cacheprovider -x \
   tests/kernels/test_triton.py tests/kernels/test_triton_optional.py \
   tests/engine/test_cuda_graphs.py
+modes="" engine_limit=270
 if ! grep -q " passed" "$out/tests.log" || grep -q " failed" "$out/tests.log"; then
-  step sanitizer 240 compute-sanitizer --tool memcheck --print-limit 20 \
-    "$py" -m pytest -q -p no:cacheprovider -x tests/engine/test_cuda_graphs.py
+  step sanitizer 120 compute-sanitizer --tool memcheck --print-limit 20 \
+    "$py" -m pytest -q -p no:cacheprovider -x tests/engine/test_cuda_graphs.py -k graph_replays
+  modes="--modes off,model_free,draft_and_model_free" engine_limit=150  # no graphs' runs
 fi
-step kernels 180 "$py" bench/kernels_gpu.py $quick
-step engine 300 "$py" bench/engine_gpu.py $quick
+step kernels 150 "$py" bench/kernels_gpu.py $quick
+step engine $engine_limit "$py" bench/engine_gpu.py $quick $modes
 for name in kernels_gpu engine_gpu; do  # only what this run wrote
   [ bench/results/$name.json -nt "$out/device.txt" ] && cp bench/results/$name.json "$out/"
 done
