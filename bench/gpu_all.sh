@@ -12,14 +12,26 @@
 # bench/results/gpu); the last line printed is a JSON summary.
 #
 #   bash bench/gpu_all.sh [OUT_DIR] [--quick]
+#
+# It runs from the checkout as it is (no install). On a machine with no
+# network that lacks some of specpage's packages, WHEELS=DIR installs the
+# wheels in DIR into a folder of their own first (msgspec is the one a
+# GPU image with torch and transformers tends to lack).
 set -uo pipefail
 out=${1:-bench/results/gpu}
 quick=${2:-}
 mkdir -p "$out"
+out=$(cd "$out" && pwd)
 py=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
 cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if [ -n "${WHEELS:-}" ]; then
+  site=$(mktemp -d)
+  "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" \
+    "$WHEELS"/*.whl && export PYTHONPATH="$PYTHONPATH:$site"
+fi
 
 step() {  # step NAME SECONDS COMMAND...: its output in $out/NAME.log, its status in $status
   local name=$1 limit=$2
