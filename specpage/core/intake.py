@@ -73,11 +73,16 @@ class Intake:
         return list(prompt)
 
     def _check_fits(self, prompt_len: int, params: SamplingParams) -> None:
-        positions = prompt_len + params.max_tokens + self.k_max + 1
+        """Refuse a request whose samples the pool could never hold at once.
+        Its output ends at max_tokens or the context's end, whichever comes
+        first (speculation proposes nothing past either), so a max_tokens
+        past the context asks for no more blocks than the context holds."""
+        positions = min(prompt_len + params.max_tokens + self.k_max + 1, self.max_context)
         blocks = cdiv(positions, self.config.block_size) * params.n
         if blocks > self.config.num_blocks:
             raise ValidationError(
                 "max_tokens",
-                f"prompt ({prompt_len}) + max_tokens ({params.max_tokens}) need {blocks} KV "
-                f"blocks; the pool has {self.config.num_blocks}",
+                f"prompt ({prompt_len}) + max_tokens ({params.max_tokens}), up to the context "
+                f"({self.max_context}), need {blocks} KV blocks for {params.n} sample(s); "
+                f"the pool has {self.config.num_blocks}",
             )

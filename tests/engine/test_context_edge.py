@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import random
 
-import msgspec
 import pytest
 import torch
 
@@ -153,9 +152,8 @@ def test_a_sequence_preempted_near_the_edge_is_recomputed_to_it(loaded, dtype, d
     eng = make_engine(loaded, dtype, draft, num_blocks=16, adaptive_k=False)
     prompts = {"a": prompt_for(9)[:24], "b": prompt_for(10)[:24]}
     for request_id, prompt in prompts.items():
-        # max_tokens at the edge too: the pool is checked for prompt + max_tokens
-        params = msgspec.structs.replace(GREEDY, max_tokens=MAX_CONTEXT - len(prompt))
-        request = eng.make_request(request_id, prompt, params)
+        # max_tokens past the edge: the pool is asked for the context's blocks alone
+        request = eng.make_request(request_id, prompt, GREEDY)
         request.spec_k = K
         eng.submit(request)
     results: dict[str, tuple[list[int], str | None]] = {r: ([], None) for r in prompts}

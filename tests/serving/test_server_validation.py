@@ -107,7 +107,8 @@ BAD_FIELDS = [
     ({}, dict(top_p=0.0), "top_p"),
     ({}, dict(top_p=1.5), "top_p"),
     ({}, dict(max_tokens=0), "max_tokens"),
-    ({}, dict(max_tokens=U32), "max_tokens"),  # more KV blocks than the pool has
+    # 8 samples each to the context's end: more KV blocks than the pool has
+    ({}, dict(max_tokens=U32, n=8), "max_tokens"),
     ({}, dict(n=0), "n"),
     ({}, dict(n=65), "n"),
     ({}, dict(n=U32), "n"),
@@ -173,6 +174,16 @@ async def test_extreme_but_valid_values_are_served(daemon, fields, sampling):
     tokens = [t for e in events if e.HasField("chunk") for t in e.chunk.token_ids]
     assert events[-1].final.finish_reason == "length" and len(tokens) == 3
     assert all(0 <= t < VOCAB for t in tokens)
+
+
+async def test_max_tokens_past_the_context_runs_to_its_end(daemon):
+    """As llama.cpp's server does: the output ends where the context does,
+    and the pool is asked only for the blocks the context holds."""
+    async with Client(daemon.address, max_retries=0) as client:
+        completion = await client.complete(PROMPT, max_tokens=U32, temperature=0.0,
+                                           ignore_eos=True)
+    assert completion.finish_reason == "length"
+    assert len(PROMPT) + len(completion.token_ids) == MAX_CONTEXT
 
 
 async def test_top_k_beyond_the_vocabulary_keeps_every_token(daemon):
