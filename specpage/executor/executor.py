@@ -111,7 +111,9 @@ class Executor:
         k = max(c.spec_k if self.draft is not None else 0, c.model_free_k)
         sizes = calibration_sizes(min(c.max_step_tokens, c.max_num_seqs * (k + 1)))
         plan = Plan.make(sizes, c.max_num_seqs, c.num_blocks, max_context)
-        path = cost_cache.cache_path(self._identities, plan, self.target.dtype, c.block_size)
+        graphs = any(getattr(runner, "graphs", None) is not None for runner in self.runners)
+        path = cost_cache.cache_path(self._identities, plan, self.target.dtype, c.block_size,
+                                     graphs)
         costs, source = cost_cache.load(path), "read from " + str(path)
         if costs is None:
             source = "measured"

@@ -140,6 +140,10 @@ def measure(runners: Sequence[tuple[SpanRunner, bool]], plan: Plan,
 
 
 def _timed(runner: SpanRunner, spans: list[Span]) -> float:
+    if getattr(runner, "graphs", None) is not None:
+        # a shape's first forward captures its CUDA graph (executor/cuda_graphs.py):
+        # a cost paid once, not a step's
+        runner.forward(spans)
     start = time.perf_counter()
     runner.forward(spans)
     if runner.device.type == "cuda":

@@ -84,7 +84,9 @@ def code_digest() -> str:
 
 
 def cache_path(identities: tuple[bytes, bytes], plan: Plan, dtype: torch.dtype,
-               block_size: int) -> Path:
+               block_size: int, graphs: bool = False) -> Path:
+    """graphs: whether forwards replay from CUDA graphs (engine.cuda_graphs),
+    which take a GPU's short forwards from bound by launches to a few ms."""
     key = {
         "version": VERSION,
         "models": [identity.hex() for identity in identities],
@@ -93,6 +95,7 @@ def cache_path(identities: tuple[bytes, bytes], plan: Plan, dtype: torch.dtype,
         "dtype": str(dtype),
         "block_size": block_size,
         "plan": asdict(plan),
+        **({"graphs": True} if graphs else {}),  # the keys measured before stay
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
     return cache_dir() / "costs" / f"{digest[:32]}.json"

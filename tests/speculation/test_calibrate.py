@@ -201,7 +201,7 @@ def test_a_second_engine_reads_the_costs_the_first_one_measured(models, monkeypa
         engine(models, draft=True, max_num_seqs=4)
 
 
-def test_the_cache_key_names_both_models_the_machine_and_the_code(monkeypatch):
+def test_the_cache_key_names_both_models_the_machine_the_code_and_graphs(monkeypatch):
     plan = Plan.make([1, 2, 4], 4, 64, 512)
     path = cost_cache.cache_path((b"target", b"draft"), plan, torch.float32, 16)
     assert path.parent == cost_cache.cache_dir() / "costs"
@@ -212,6 +212,7 @@ def test_the_cache_key_names_both_models_the_machine_and_the_code(monkeypatch):
         cost_cache.cache_path((b"target", b"draft"), plan, torch.float32, 32),
         cost_cache.cache_path((b"target", b"draft"), Plan.make([1, 2, 8], 4, 64, 512),
                               torch.float32, 16),
+        cost_cache.cache_path((b"target", b"draft"), plan, torch.float32, 16, graphs=True),
     ]
     monkeypatch.setattr(cost_cache, "code_digest", lambda: "another version of the code")
     others.append(cost_cache.cache_path((b"target", b"draft"), plan, torch.float32, 16))
