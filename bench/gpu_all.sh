@@ -16,7 +16,8 @@
 # It runs from the checkout as it is (no install). On a machine with no
 # network that lacks some of specpage's packages, WHEELS=DIR installs the
 # wheels in DIR into a folder of their own first (msgspec is the one a
-# GPU image with torch and transformers tends to lack).
+# GPU image with torch and transformers tends to lack). BEFORE=FILE times an
+# earlier paged_decode module beside the current one (kernels_gpu --before).
 set -uo pipefail
 out=${1:-bench/results/gpu}
 quick=${2:-}
@@ -59,7 +60,7 @@ if ! grep -q " passed" "$out/tests.log" || grep -q " failed" "$out/tests.log"; t
     "$py" -m pytest -q -p no:cacheprovider -x tests/engine/test_cuda_graphs.py -k graph_replays
   modes="--modes off,model_free,draft_and_model_free" engine_limit=150  # no graphs' runs
 fi
-step kernels 150 "$py" bench/kernels_gpu.py $quick
+step kernels 150 "$py" bench/kernels_gpu.py $quick ${BEFORE:+--before "$BEFORE"}
 step engine $engine_limit "$py" bench/engine_gpu.py $quick $modes
 for name in kernels_gpu engine_gpu; do  # only what this run wrote
   [ bench/results/$name.json -nt "$out/device.txt" ] && cp bench/results/$name.json "$out/"
