@@ -24,9 +24,10 @@ the pool, outputs: Python). Each runs twice: eagerly (the default) and with the
 forwards of short spans (plain decoding, the draft's proposal steps,
 verification) replayed from CUDA graphs (engine.cuda_graphs).
 
-Writes results/engine_gpu.json; the last line printed is the same JSON
-object. Without CUDA (and without --device cpu, a dry run) it prints a
-`skipped` line and exits 0.
+Writes results/engine_gpu.json (a dry run: engine_gpu_cpu_dry_run.json,
+which git ignores); the last line printed is the same JSON object. Without
+CUDA (and without --device cpu, a dry run) it prints a `skipped` line and
+exits 0.
 """
 
 from __future__ import annotations
@@ -222,7 +223,8 @@ def main() -> None:
         for key, value in runs.items() if not key.startswith("off@") and "off" in modes
     }  # off_graphs's: what the graphs give
     shutil.rmtree(work, ignore_errors=True)
-    finish("engine_gpu", result)
+    # a dry run's figures never stand in for the device's
+    finish("engine_gpu" if args.device == "cuda" else f"engine_gpu_{args.device}_dry_run", result)
 
 
 if __name__ == "__main__":
