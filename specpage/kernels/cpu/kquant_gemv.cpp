@@ -280,15 +280,7 @@ inline __m512i byte_of(__m512i u) {
 // each read from memory in a step's order, took 1.045 -> 1.027x a plain
 // read of their bytes, a 1B's 1.074 -> 1.015x; 16 rows from memory 8-11%
 // less time, one row in L2 on one thread Q4_K 43 -> 52 GB/s (Xeon).
-// (kPrefetchFar is vec.h's, shared with read_through.cpp.)
-
-// Always inlined, as every helper of prefetches alone (int4_gemv.cpp's prefetch_tile).
-__attribute__((always_inline)) inline void prefetch_ahead(const uint8_t* p, int64_t bytes, bool first_pass) {
-  for (int64_t line = 0; line < bytes; line += 64) {
-    if (first_pass) __builtin_prefetch(p + kPrefetchFar + line, 0, 2);
-    __builtin_prefetch(p + kPrefetchAhead + line, 0, 2);
-  }
-}
+// (vec.h's prefetch_ahead, which read_through.cpp's floor calls too.)
 
 inline __m512i load_vector(const uint8_t* p) { return _mm512_loadu_si512(p); }
 

@@ -7,9 +7,9 @@
 // four vector accumulators, a cache line each, so nothing but the loads
 // bounds it (one accumulator of eight words, as the compiler vectorized
 // it, read 20% slower). The OR of all bytes is returned, so the
-// reads cannot be left out. Each pass also asks for its lines kPrefetchFar
-// and kPrefetchAhead ahead into L2 (24 and 8 KB, vec.h), as the K-quant
-// products do (kquant_gemv.cpp): with
+// reads cannot be left out. Each pass also asks for its lines 24 and 8 KB
+// ahead into L2 with vec.h's prefetch_ahead, as the K-quant products do
+// (kquant_gemv.cpp): with
 // the hardware's prefetchers alone a thread's loads read 3-5% slower (1.2 GB
 // from memory, Intel Xeon: 37.2 against 38.7 GB/s), and a floor must be
 // the fastest read there is.
@@ -35,17 +35,12 @@ namespace {
 constexpr int64_t kLine = 64;                // bytes
 constexpr int64_t kPass = 4 * kLine;         // bytes a pass reads: four independent ORs
 constexpr int64_t kGrain = 64 * 1024 / kPass;  // passes a share takes at least (64 KB)
-using specpage_cpu::kPrefetchAhead;
-using specpage_cpu::kPrefetchFar;
 
 uint64_t read_passes(const uint8_t* p, int64_t begin, int64_t end) {
 #if defined(__AVX512F__)
   __m512i a = _mm512_setzero_si512(), b = a, c = a, d = a;
   for (int64_t i = begin * kPass; i < end * kPass; i += kPass) {
-    for (int64_t line = 0; line < kPass; line += kLine) {
-      __builtin_prefetch(p + i + kPrefetchFar + line, 0, 2);  // (past the end: a hint, never a fault)
-      __builtin_prefetch(p + i + kPrefetchAhead + line, 0, 2);
-    }
+    specpage_cpu::prefetch_ahead(p + i, kPass, true);  // (past the end: a hint, never a fault)
     a = _mm512_or_si512(a, _mm512_loadu_si512(p + i));
     b = _mm512_or_si512(b, _mm512_loadu_si512(p + i + kLine));
     c = _mm512_or_si512(c, _mm512_loadu_si512(p + i + 2 * kLine));
