@@ -70,7 +70,6 @@ class _Buffers:
 class _Captured:
     replay: Callable[[], None]
     buffers: _Buffers
-    span: int  # q: tokens each sequence's span is padded to
     logits: torch.Tensor  # [bucket * q, vocab] fp32, rows of the shared buffer a replay writes
 
 
@@ -82,9 +81,10 @@ class DecodeGraphs:
         self.model, self.kv, self.block_size = model, kv, block_size
         groups = model.config.num_heads // model.config.num_kv_heads
         self.spans = [q for q in SPAN_BUCKETS if q * groups <= MAX_ROWS]
+        self.max_context = max_context  # the engine's: no span ends past it
         # positions a padded span may reach; the rotary table and block tables cover them
-        self.max_context = max_context + self.spans[-1]
-        self.width = -(-self.max_context // block_size)  # block table entries per row
+        self.reach = max_context + self.spans[-1]
+        self.width = -(-self.reach // block_size)  # block table entries per row
         self.buckets = sorted({b for b in BUCKETS if b < max_seqs} | {max_seqs})
         self.captured: dict[tuple[int, int], _Captured] = {}
         self.pool: Any = None  # the graphs' shared memory pool
@@ -96,7 +96,7 @@ class DecodeGraphs:
         """Whether every span is short and ends inside the engine's context."""
         longest = self.spans[-1]
         return (self.off is None and 0 < len(spans) <= self.buckets[-1]
-                and all(0 < len(s.token_ids) <= longest and s.end + longest <= self.max_context
+                and all(0 < len(s.token_ids) <= longest and s.end <= self.max_context
                         for s in spans))
 
     def __call__(self, spans: Sequence[Span]) -> torch.Tensor | None:
@@ -123,7 +123,8 @@ class DecodeGraphs:
             0, torch.tensor(rows, dtype=torch.int64).to(captured.logits.device))
 
     def _fill(self, captured: _Captured, spans: Sequence[Span]) -> None:
-        buffers, meta, q = captured.buffers, captured.buffers.meta, captured.span
+        buffers = captured.buffers
+        meta, q = buffers.meta, buffers.meta.max_query  # q: the tokens each span is padded to
         n, bs = len(spans), self.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -155,13 +156,13 @@ class DecodeGraphs:
         try:
             buffers = self._buffers(bucket, q)
             self.model.rope_rows(buffers.positions, self.model.embed_tokens.weight.dtype,
-                                 need=self.max_context)  # grown once, before any capture
+                                 need=self.reach)  # grown once, before any capture
             replay, logits = self._record(lambda: self._forward(buffers))
         except Exception as error:  # noqa: BLE001 - any failure means eager forwards
             self.off = f"{type(error).__name__}: {error}"
             log.warning("CUDA graphs off for this model, forwards run eagerly: %s", self.off)
             return None
-        captured = self.captured[bucket, q] = _Captured(replay, buffers, q, logits)
+        captured = self.captured[bucket, q] = _Captured(replay, buffers, logits)
         return captured
 
     def _buffers(self, bucket: int, q: int) -> _Buffers:
@@ -176,7 +177,7 @@ class DecodeGraphs:
         meta = TritonMetadata(
             slot_mapping=torch.full((bucket * q,), -1, dtype=torch.int64, device=device),
             block_tables=zeros(bucket, self.width), context_lens=zeros(bucket) + q,
-            query_start=rows[::q].contiguous(), max_query=q, max_context=self.max_context)
+            query_start=rows[::q].contiguous(), max_query=q, max_context=self.reach)
         return _Buffers(zeros(bucket * q), zeros(bucket * q), rows[:-1], meta)
 
     def _forward(self, buffers: _Buffers) -> torch.Tensor:
@@ -200,10 +201,10 @@ class DecodeGraphs:
         if shared is None or shared.shape[0] < rows or shared.shape[1] != width:
             grown = rows if shared is None else max(rows, 2 * shared.shape[0])
             shared = self.logits_buffer = logits.new_empty(
-                (min(grown, self.max_rows()), width))
+                (min(grown, self._max_rows()), width))
         return shared[:rows]
 
-    def max_rows(self) -> int:
+    def _max_rows(self) -> int:
         """The most logits rows a graph writes (its sequences x span tokens)."""
         return min(self.buckets[-1] * self.spans[-1], MAX_GRAPH_TOKENS)
 
